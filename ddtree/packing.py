@@ -1,0 +1,163 @@
+"""Packing many requests' draft trees into one verify batch.
+
+Request r contributes a segment of 1 + n_r packed tokens: its root (the last committed token, not yet in the KV
+cache) then its tree nodes in pop order. A token sits at position num_cached[r] + depth (root depth 0) and may
+attend to the request's first num_cached[r] cached entries, to its ancestors in the tree and to itself; never to
+other branches or other requests.
+
+Two mask forms: dense boolean masks per request (PyTorch SDPA, the reference), and ancestor bitmasks with a
+mask function over a flat packed key/value layout (FlexAttention).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ddtree.tree import DraftTree
+
+BITS_PER_WORD = 64
+
+
+@dataclass
+class PackedBatch:
+    input_ids: torch.Tensor  # [N] int64: per request, root token then its nodes
+    position_ids: torch.Tensor  # [N] int64: num_cached[r] + depth
+    seq_index: torch.Tensor  # [N] int64: which request (0..R-1) a packed token belongs to
+    node_index: torch.Tensor  # [N] int64: node index within its request's tree, -1 for the root
+    local_parents: torch.Tensor  # [N] int64: parent's offset inside the segment; -1 for the root
+    depths: torch.Tensor  # [N] int64: 0 for the root
+    ancestor_bits: torch.Tensor  # [N, W] int64: bit j set iff segment token j is an ancestor of (or is) this token
+    query_starts: list[int]  # [R + 1]: request r owns packed tokens query_starts[r]:query_starts[r + 1]
+    num_cached: list[int]  # [R]: committed entries already in each request's KV cache
+
+    @property
+    def num_tokens(self) -> int:
+        return self.query_starts[-1]
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.num_cached)
+
+    def segment(self, r: int) -> slice:
+        return slice(self.query_starts[r], self.query_starts[r + 1])
+
+    def segment_len(self, r: int) -> int:
+        return self.query_starts[r + 1] - self.query_starts[r]
+
+    def tree_mask(self, r: int) -> torch.Tensor:
+        """[n_r, n_r] bool: token i of request r may see segment token j (ancestor or itself)."""
+        n = self.segment_len(r)
+        words = self.ancestor_bits[self.segment(r)]  # [n, W]
+        shifts = torch.arange(BITS_PER_WORD, device=words.device)
+        bits = (words.unsqueeze(-1) >> shifts) & 1  # [n, W, 64]
+        return bits.reshape(n, -1)[:, :n].bool()
+
+    def dense_mask(self, r: int) -> torch.Tensor:
+        """[n_r, num_cached[r] + n_r] bool: SDPA mask over (cached entries, then this segment's tokens)."""
+        tree = self.tree_mask(r)
+        cached = torch.ones(tree.shape[0], self.num_cached[r], dtype=torch.bool, device=tree.device)
+        return torch.cat([cached, tree], dim=1)
+
+    def kv_starts(self) -> list[int]:
+        """[R + 1] offsets of the flat key/value layout: request r's cached entries then its segment tokens."""
+        starts = [0]
+        for r in range(self.num_requests):
+            starts.append(starts[-1] + self.num_cached[r] + self.segment_len(r))
+        return starts
+
+    def flex_mask_mod(self):
+        """A FlexAttention mask_mod over queries = packed tokens and keys = the flat layout of `kv_starts()`."""
+        device = self.input_ids.device
+        kv_starts = self.kv_starts()
+        kv_lens = [kv_starts[r + 1] - kv_starts[r] for r in range(self.num_requests)]
+        kv_seq = torch.repeat_interleave(
+            torch.arange(self.num_requests, device=device), torch.tensor(kv_lens, device=device)
+        )  # [total_kv]
+        kv_start = torch.tensor(kv_starts[:-1], device=device)  # [R]
+        num_cached = torch.tensor(self.num_cached, device=device)  # [R]
+        seq_index, bits = self.seq_index, self.ancestor_bits
+        num_words = bits.shape[1]
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            r_q = seq_index[q_idx]
+            r_kv = kv_seq[kv_idx]
+            local = kv_idx - kv_start[r_kv] - num_cached[r_kv]  # segment offset of the key; < 0 for cached entries
+            in_cache = local < 0
+            j = local.clamp(min=0)
+            word = bits[q_idx, (j // BITS_PER_WORD).clamp(max=num_words - 1)]
+            is_ancestor = ((word >> (j % BITS_PER_WORD)) & 1) == 1
+            return (r_q == r_kv) & (in_cache | is_ancestor)
+
+        return mask_mod
+
+
+def pack(
+    trees: list[DraftTree],
+    root_token_ids: list[int],
+    num_cached: list[int],
+    device: torch.device | str | None = None,
+) -> PackedBatch:
+    """Pack one tree per request (an empty tree for an autoregressive step) into a verify batch."""
+    if not (len(trees) == len(root_token_ids) == len(num_cached)):
+        raise ValueError("trees, root_token_ids and num_cached must have one entry per request")
+    if not trees:
+        raise ValueError("cannot pack an empty batch")
+    if device is None:
+        device = trees[0].token_ids.device
+    seg_lens = [1 + t.num_nodes for t in trees]
+    query_starts = [0]
+    for n in seg_lens:
+        query_starts.append(query_starts[-1] + n)
+    num_requests = len(trees)
+    seg_lens_t = torch.tensor(seg_lens, device=device)
+    starts_t = torch.tensor(query_starts[:-1], device=device)
+    seq_index = torch.repeat_interleave(torch.arange(num_requests, device=device), seg_lens_t)  # [N]
+    local = torch.arange(query_starts[-1], device=device) - starts_t[seq_index]  # [N] offset in segment
+
+    minus_one = torch.full((1,), -1, dtype=torch.int64, device=device)
+    zero = torch.zeros(1, dtype=torch.int64, device=device)
+    roots = torch.tensor(root_token_ids, dtype=torch.int64, device=device)
+    input_ids = torch.cat(
+        [x for r, t in enumerate(trees) for x in (roots[r : r + 1], t.token_ids.to(device))]
+    )
+    depths = torch.cat([x for t in trees for x in (zero, t.depths.to(device))])
+    local_parents = torch.cat([x for t in trees for x in (minus_one, t.parents.to(device) + 1)])
+    node_index = local - 1
+    position_ids = torch.tensor(num_cached, dtype=torch.int64, device=device)[seq_index] + depths
+
+    ancestor_bits = _ancestor_bits(local_parents, depths, local, starts_t[seq_index], max(seg_lens))
+    return PackedBatch(
+        input_ids=input_ids,
+        position_ids=position_ids,
+        seq_index=seq_index,
+        node_index=node_index,
+        local_parents=local_parents,
+        depths=depths,
+        ancestor_bits=ancestor_bits,
+        query_starts=query_starts,
+        num_cached=list(num_cached),
+    )
+
+
+def _ancestor_bits(
+    local_parents: torch.Tensor,  # [N]
+    depths: torch.Tensor,  # [N]
+    local: torch.Tensor,  # [N] offset in segment
+    seg_start: torch.Tensor,  # [N] packed index of the token's segment start
+    max_seg_len: int,
+) -> torch.Tensor:
+    """[N, W] int64: own bit, OR-ed with the parent's bits, one depth level at a time (parents come first)."""
+    num_tokens = local.numel()
+    num_words = (max_seg_len + BITS_PER_WORD - 1) // BITS_PER_WORD
+    own_word = local // BITS_PER_WORD
+    own_bit = torch.ones_like(local) << (local % BITS_PER_WORD)
+    bits = torch.zeros(num_tokens, num_words, dtype=torch.int64, device=local.device)
+    bits[torch.arange(num_tokens, device=local.device), own_word] = own_bit
+    parent_packed = seg_start + local_parents  # only meaningful where depth > 0
+    max_depth = int(depths.max()) if num_tokens else 0
+    for d in range(1, max_depth + 1):
+        at_depth = (depths == d).nonzero().squeeze(1)
+        bits[at_depth] |= bits[parent_packed[at_depth]]
+    return bits
