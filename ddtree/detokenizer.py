@@ -1,0 +1,90 @@
+"""Turning accepted tokens into text, with every stop condition applied token by token.
+
+A round can accept several tokens at once; anything accepted past a stop is discarded, and a stop string is never
+emitted (streamed text holds back any tail that could still become the start of a stop string).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ddtree.sampling_params import SamplingParams
+
+REPLACEMENT_CHAR = "\ufffd"  # an incomplete multi-byte character at the end of the decoded text
+
+
+@dataclass
+class OutputState:
+    """Everything about one request's output that is plain data."""
+
+    params: SamplingParams
+    eos_token_ids: frozenset[int]
+    max_new_tokens: int  # min(max_tokens, what the context window still holds)
+    max_new_tokens_reason: str = "length"
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""  # final text (stop string and anything after it removed)
+    num_text_emitted: int = 0  # characters already handed to the user
+    finish_reason: str | None = None
+
+
+class Detokenizer:
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def append(self, state: OutputState, new_token_ids: list[int]) -> list[int]:
+        """Add tokens until one of them finishes the request; returns the tokens actually kept."""
+        if state.finish_reason is not None:
+            return []
+        params = state.params
+        kept: list[int] = []
+        for token in new_token_ids:
+            kept.append(token)
+            state.token_ids.append(token)
+            if (token in state.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+                state.finish_reason = "stop"
+                break
+            if len(state.token_ids) >= state.max_new_tokens:
+                state.finish_reason = state.max_new_tokens_reason
+                break
+        text_tokens = state.token_ids
+        if state.finish_reason == "stop" and text_tokens and text_tokens[-1] in params.stop_token_ids:
+            text_tokens = text_tokens[:-1]  # a stop token is not part of the text (EOS is special anyway)
+        text = self.decode(text_tokens)
+        if params.stop:
+            cut = self._first_stop(text, start=max(0, len(state.text) - max(map(len, params.stop)) + 1), params=params)
+            if cut is not None:
+                text = text[:cut]
+                state.finish_reason = "stop"
+                # Keep only the tokens needed to produce the text up to (and including) the stop string.
+                while len(kept) > 1 and self._first_stop(
+                    self.decode(state.token_ids[:-1]), 0, params
+                ) is not None:
+                    state.token_ids.pop()
+                    kept.pop()
+        state.text = text
+        return kept
+
+    @staticmethod
+    def _first_stop(text: str, start: int, params: SamplingParams) -> int | None:
+        hits = [i for i in (text.find(s, start) for s in params.stop) if i >= 0]
+        return min(hits) if hits else None
+
+    @staticmethod
+    def take_new_text(state: OutputState) -> str:
+        """Text not yet emitted that is safe to emit: held back while it could still grow into a stop string or
+        end in the middle of a multi-byte character."""
+        end = len(state.text)
+        if state.finish_reason is None:
+            while end > state.num_text_emitted and state.text[end - 1] == REPLACEMENT_CHAR:
+                end -= 1
+            for stop in state.params.stop:
+                for k in range(min(len(stop) - 1, end - state.num_text_emitted), 0, -1):
+                    if state.text[end - k : end] == stop[:k]:
+                        end -= k
+                        break
+        new = state.text[state.num_text_emitted : end]
+        state.num_text_emitted = max(state.num_text_emitted, end)
+        return new

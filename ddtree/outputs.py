@@ -1,0 +1,55 @@
+"""What the engine hands back: per-request outputs, final or incremental."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RequestStats:
+    acceptance_lengths: list[int] = field(default_factory=list)  # per speculative round, bonus token included
+    budgets: list[int] = field(default_factory=list)  # nodes verified per speculative round
+    num_autoregressive_rounds: int = 0
+    num_speculative_rounds: int = 0
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        if not self.acceptance_lengths:
+            return None
+        return sum(self.acceptance_lengths) / len(self.acceptance_lengths)
+
+    def to_dict(self) -> dict:
+        return {
+            "acceptance_lengths": list(self.acceptance_lengths),
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "budgets": list(self.budgets),
+            "num_speculative_rounds": self.num_speculative_rounds,
+            "num_autoregressive_rounds": self.num_autoregressive_rounds,
+            "time_to_first_token_s": None
+            if self.first_token_time is None
+            else self.first_token_time - self.arrival_time,
+            "latency_s": None if self.finish_time is None else self.finish_time - self.arrival_time,
+        }
+
+
+@dataclass
+class RequestOutput:
+    """A request's state after a step. `new_text`/`new_token_ids` are what this step added (for streaming);
+    `text`/`token_ids` are everything generated so far."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    new_text: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None  # "stop" (EOS, stop string or stop token), "length", "abort"
+    stats: RequestStats
+
+    @property
+    def acceptance_lengths(self) -> list[int]:
+        return self.stats.acceptance_lengths

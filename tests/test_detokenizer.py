@@ -1,0 +1,67 @@
+import pytest
+
+from ddtree.detokenizer import Detokenizer, OutputState
+from ddtree.sampling_params import SamplingParams
+from tests.tiny_tokenizer import make_char_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return make_char_tokenizer()
+
+
+def state(tok, max_new=100, **kw):
+    return OutputState(SamplingParams(**kw), frozenset({tok.eos_token_id}), max_new_tokens=max_new)
+
+
+def ids(tok, text):
+    return tok.encode(text, add_special_tokens=False)
+
+
+def test_roundtrip(tok):
+    assert tok.decode(ids(tok, "hello, world 42.")) == "hello, world 42."
+
+
+def test_eos_discards_tokens_after_it(tok):
+    d, s = Detokenizer(tok), state(tok)
+    kept = d.append(s, ids(tok, "ab") + [tok.eos_token_id] + ids(tok, "cd"))
+    assert kept == ids(tok, "ab") + [tok.eos_token_id]
+    assert s.text == "ab" and s.finish_reason == "stop"
+    assert d.append(s, ids(tok, "zz")) == []
+
+
+def test_ignore_eos_keeps_going(tok):
+    d, s = Detokenizer(tok), state(tok, ignore_eos=True)
+    d.append(s, ids(tok, "a") + [tok.eos_token_id] + ids(tok, "b"))
+    assert s.finish_reason is None and s.text == "ab"
+
+
+def test_max_tokens_cuts_a_round_short(tok):
+    d, s = Detokenizer(tok), state(tok, max_new=3)
+    assert d.append(s, ids(tok, "abcdef")) == ids(tok, "abc")
+    assert s.finish_reason == "length" and s.text == "abc"
+
+
+def test_stop_token_id_not_in_text(tok):
+    stop_id = ids(tok, "x")[0]
+    d, s = Detokenizer(tok), state(tok, stop_token_ids=[stop_id])
+    d.append(s, ids(tok, "abxcd"))
+    assert s.text == "ab" and s.token_ids == ids(tok, "abx") and s.finish_reason == "stop"
+
+
+def test_stop_string_across_rounds_never_emitted(tok):
+    d, s = Detokenizer(tok), state(tok, stop=["end."])
+    streamed = []
+    for chunk in ["the e", "n", "d. more"]:
+        d.append(s, ids(tok, chunk))
+        streamed.append(d.take_new_text(s))
+    assert s.finish_reason == "stop"
+    assert "".join(streamed) == "the " == s.text
+    assert "e" not in streamed[0][-1:]  # the partial stop string was held back
+    assert s.token_ids == ids(tok, "the end.")  # tokens past the stop string discarded
+
+
+def test_stop_string_inside_one_round(tok):
+    d, s = Detokenizer(tok), state(tok, stop=["!", "??"])
+    kept = d.append(s, ids(tok, "hi?? there!"))
+    assert s.text == "hi" and kept == ids(tok, "hi??")
