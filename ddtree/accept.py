@@ -1,0 +1,202 @@
+"""Acceptance: walk every request's tree along the target's tokens, all requests at once.
+
+The target's token at each packed token is its argmax (temperature 0) or one sample from its own (temperature,
+top-k, top-p filtered) distribution, drawn independently per packed token. A node is accepted iff its token equals
+the target's token at its parent and its parent is accepted (the root always is). The target's token at the deepest
+accepted node is the bonus token.
+
+Sample-and-match is lossless: the target's sample at the root is the first emitted token whatever the tree holds;
+if it matches a child, the walk continues at that child, whose own independent sample is drawn from the target's
+distribution given the path, and so on. Every emitted token is therefore a fresh sample from the target given
+everything emitted before it, exactly as autoregressive sampling; the draft's probabilities are never used.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from ddtree.packing import PackedBatch
+
+
+@dataclass
+class AcceptResult:
+    """Per request: the accepted path (root excluded) and the bonus token. Emitted tokens = accepted + bonus."""
+
+    accepted_nodes: list[list[int]]  # node indices in the request's tree, in depth order
+    accepted_packed: list[list[int]]  # packed indices of the root and the accepted nodes (the KV and features kept)
+    accepted_token_ids: list[list[int]]  # tokens of the accepted nodes
+    bonus_token_ids: list[int]  # the target's token at the last accepted node (the root when none)
+
+    @property
+    def num_accepted(self) -> list[int]:
+        """Accepted draft nodes per request (the emitted token count is one more)."""
+        return [len(nodes) for nodes in self.accepted_nodes]
+
+    def emitted_token_ids(self, r: int) -> list[int]:
+        return self.accepted_token_ids[r] + [self.bonus_token_ids[r]]
+
+
+def target_tokens_greedy(logits: torch.Tensor) -> torch.Tensor:
+    """[N, V] -> [N] int64: the target's argmax at every packed token (first index on ties)."""
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
+    return logits.argmax(dim=-1)
+
+
+def target_tokens_sampled(
+    logits: torch.Tensor,
+    seq_index: torch.Tensor,
+    temperature: torch.Tensor | Sequence[float],
+    top_p: torch.Tensor | Sequence[float],
+    top_k: torch.Tensor | Sequence[int],
+    generators: Sequence[torch.Generator | None],
+) -> torch.Tensor:
+    """[N, V] -> [N] int64: one independent sample per packed token from its request's filtered distribution.
+
+    seq_index [N] gives each token's request; temperature, top_p, top_k and generators have one entry per request.
+    Temperature 0 means greedy (argmax); top_k 0 and top_p 1.0 disable those filters (applied in that order, after
+    the temperature; top-k keeps ties at the k-th logit, top-p keeps the most probable tokens until their mass
+    reaches top_p). A request's noise comes from its own generator (the default one for None), in packed order, so
+    a seeded request draws the same tokens whatever else is in the batch.
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
+    num_tokens, vocab = logits.shape
+    num_requests = len(generators)
+    if seq_index.shape != (num_tokens,):
+        raise ValueError(f"seq_index must be [{num_tokens}], got shape {tuple(seq_index.shape)}")
+    temps = _per_request("temperature", temperature, num_requests, float)
+    top_ps = _per_request("top_p", top_p, num_requests, float)
+    top_ks = _per_request("top_k", top_k, num_requests, int)
+    for r in range(num_requests):
+        if not temps[r] >= 0:
+            raise ValueError(f"temperature must be >= 0, got {temps[r]} for request {r}")
+        if not 0 < top_ps[r] <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_ps[r]} for request {r}")
+        if top_ks[r] < 0:
+            raise ValueError(f"top_k must be >= 0, got {top_ks[r]} for request {r}")
+
+    device = logits.device
+    seq_index = seq_index.to(device)
+    greedy = logits.argmax(dim=-1)  # [N]
+    is_sampled_request = [t > 0 for t in temps]
+    if not any(is_sampled_request):
+        return greedy
+
+    temp_t = torch.tensor([t if t > 0 else 1.0 for t in temps], dtype=torch.float32, device=device)  # [R]
+    scores = logits.float() / temp_t[seq_index, None]  # [N, V]
+    if any(k > 0 for k in top_ks):
+        k_t = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_ks], device=device)[seq_index]  # [N]
+        top_values = scores.topk(min(max(top_ks), vocab), dim=-1).values  # [N, k_max]
+        kth = top_values.gather(1, (k_t.clamp(max=top_values.shape[1]) - 1)[:, None])  # [N, 1]
+        is_kept = (scores >= kth) | (k_t == vocab)[:, None]
+        scores = scores.masked_fill(~is_kept, float("-inf"))
+    if any(p < 1 for p in top_ps):
+        p_t = torch.tensor(top_ps, dtype=torch.float32, device=device)[seq_index]  # [N]
+        sorted_scores, order = scores.sort(dim=-1, descending=True)  # [N, V]
+        sorted_probs = sorted_scores.softmax(dim=-1)
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [N, V]
+        is_dropped_sorted = (mass_before >= p_t[:, None]) & (p_t < 1)[:, None]
+        is_dropped = torch.zeros_like(is_dropped_sorted).scatter_(1, order, is_dropped_sorted)
+        scores = scores.masked_fill(is_dropped, float("-inf"))
+
+    # Exponential race (Gumbel-max): argmax_v p_v / E_v with E_v ~ Exp(1) i.i.d. is a sample from p.
+    noise = _exponential_noise(seq_index, num_requests, vocab, is_sampled_request, generators, device)  # [N, V]
+    sampled = (scores - noise.clamp_(min=torch.finfo(noise.dtype).tiny).log_()).argmax(dim=-1)
+    is_sampled_token = torch.tensor(is_sampled_request, device=device)[seq_index]
+    return torch.where(is_sampled_token, sampled, greedy)
+
+
+def _exponential_noise(
+    seq_index: torch.Tensor,
+    num_requests: int,
+    vocab: int,
+    is_sampled_request: list[bool],
+    generators: Sequence[torch.Generator | None],
+    device: torch.device,
+) -> torch.Tensor:
+    """[N, V] Exp(1) noise; request r's rows drawn from generators[r] in packed order (ones for greedy requests)."""
+    counts = torch.bincount(seq_index, minlength=num_requests).tolist()
+    by_request = torch.argsort(seq_index, stable=True)  # packed rows grouped by request, in packed order
+    blocks = []
+    unseeded_rows = 0
+    for r, count in enumerate(counts):
+        if is_sampled_request[r] and generators[r] is not None:
+            blocks.append(torch.empty(count, vocab, device=device).exponential_(generator=generators[r]))
+        else:
+            blocks.append(None)
+            if is_sampled_request[r]:
+                unseeded_rows += count
+    # Requests without a generator share one draw from the default generator.
+    shared = torch.empty(unseeded_rows, vocab, device=device).exponential_()
+    offset = 0
+    for r, count in enumerate(counts):
+        if blocks[r] is None:
+            if is_sampled_request[r]:
+                blocks[r] = shared[offset : offset + count]
+                offset += count
+            else:
+                blocks[r] = torch.ones(count, vocab, device=device)
+    noise = torch.empty(seq_index.numel(), vocab, device=device)
+    noise[by_request] = torch.cat(blocks) if blocks else noise
+    return noise
+
+
+def accept(packed: PackedBatch, target_tokens: torch.Tensor) -> AcceptResult:
+    """Walk all trees at once; target_tokens [N] holds the target's token at every packed token.
+
+    A node's "on path" flag is the AND of the matches of all its ancestors; pointer jumping computes it in
+    ceil(log2(longest segment)) vectorised steps. One host transfer at the end.
+    """
+    num_tokens = packed.num_tokens
+    if target_tokens.shape != (num_tokens,):
+        raise ValueError(f"target_tokens must be [{num_tokens}], got shape {tuple(target_tokens.shape)}")
+    device = packed.input_ids.device
+    target_tokens = target_tokens.to(device=device, dtype=torch.int64)
+    token_index = torch.arange(num_tokens, device=device)  # [N]
+    seg_start = torch.tensor(packed.query_starts[:-1], device=device)[packed.seq_index]  # [N]
+    is_root = packed.local_parents < 0
+    jump = torch.where(is_root, token_index, seg_start + packed.local_parents)  # [N] parent (root: itself)
+    is_on_path = is_root | (packed.input_ids == target_tokens[jump])  # [N] matches its parent's target token
+    max_seg_len = max(packed.segment_len(r) for r in range(packed.num_requests))
+    for _ in range(math.ceil(math.log2(max_seg_len))):
+        is_on_path = is_on_path & is_on_path[jump]
+        jump = jump[jump]
+
+    host = torch.stack([is_on_path.long(), packed.depths, packed.input_ids, target_tokens]).cpu()  # [4, N]
+    on_path = host[0].nonzero().squeeze(1)  # ancestors precede descendants: depth order within each request
+    on_index = on_path.tolist()
+    on_depth = host[1, on_path].tolist()
+    on_token = host[2, on_path].tolist()
+    on_target = host[3, on_path].tolist()
+
+    result = AcceptResult([], [], [], [])
+    i = 0
+    for r in range(packed.num_requests):
+        start, end = packed.query_starts[r], packed.query_starts[r + 1]
+        j = i
+        while j < len(on_index) and on_index[j] < end:
+            j += 1
+        if on_depth[i:j] != list(range(j - i)):
+            raise ValueError(f"request {r}: siblings in its tree share a token, the accepted path is ambiguous")
+        result.accepted_packed.append(on_index[i:j])
+        result.accepted_nodes.append([p - start - 1 for p in on_index[i + 1 : j]])
+        result.accepted_token_ids.append(on_token[i + 1 : j])
+        result.bonus_token_ids.append(on_target[j - 1])
+        i = j
+    return result
+
+
+def _per_request(name: str, values, num_requests: int, kind: type) -> list:
+    if isinstance(values, torch.Tensor):
+        values = values.tolist()
+    values = list(values)
+    if len(values) != num_requests:
+        raise ValueError(f"{name} needs one entry per request ({num_requests}), got {len(values)}")
+    if kind is int and any(not isinstance(v, int) or isinstance(v, bool) for v in values):
+        raise ValueError(f"{name} must hold integers, got {values!r}")
+    return [kind(v) for v in values]

@@ -1,0 +1,334 @@
+"""Acceptance walk: hand-made cases, a brute-force sequential walk, and sample-and-match against autoregressive
+sampling (chi-square on a tiny vocabulary)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from ddtree.accept import accept, target_tokens_greedy, target_tokens_sampled
+from ddtree.packing import pack
+from ddtree.tree import DraftTree, build_tree
+
+
+def tree_of(tokens: list[int], parents: list[int]) -> DraftTree:
+    depths: list[int] = []
+    for p in parents:
+        depths.append(1 if p < 0 else depths[p] + 1)
+    return DraftTree(
+        torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths), torch.zeros(len(tokens))
+    )
+
+
+# --- chi-square without scipy ---
+
+
+def chi_square_p_value(observed: list[int], expected_probs: list[float]) -> float:
+    """Upper tail of Pearson's statistic with len - 1 degrees of freedom (categories with zero probability must
+    never be observed)."""
+    total = sum(observed)
+    stat, dof = 0.0, -1
+    for o, p in zip(observed, expected_probs):
+        if p == 0:
+            if o:
+                return 0.0
+            continue
+        e = total * p
+        stat += (o - e) ** 2 / e
+        dof += 1
+    return regularized_upper_gamma(dof / 2, stat / 2)
+
+
+def regularized_upper_gamma(a: float, x: float) -> float:
+    """Q(a, x) = Gamma(a, x) / Gamma(a): series below a + 1, Lentz's continued fraction above."""
+    if x <= 0:
+        return 1.0
+    log_prefactor = a * math.log(x) - x - math.lgamma(a)
+    if x < a + 1:
+        term = total = 1.0 / a
+        n = 1
+        while abs(term) > 1e-16 * abs(total):
+            term *= x / (a + n)
+            total += term
+            n += 1
+        return 1.0 - total * math.exp(log_prefactor)
+    tiny = 1e-300
+    b = x + 1 - a
+    c, d = 1 / tiny, 1 / b
+    h = d
+    for i in range(1, 10_000):
+        an = -i * (i - a)
+        b += 2
+        d = an * d + b
+        d = tiny if abs(d) < tiny else d
+        c = b + an / c
+        c = tiny if abs(c) < tiny else c
+        d = 1 / d
+        delta = d * c
+        h *= delta
+        if abs(delta - 1) < 1e-15:
+            break
+    return math.exp(log_prefactor) * h
+
+
+def test_chi_square_helper_against_known_values() -> None:
+    # Q(k/2, x/2) for the chi-square distribution: closed forms for 2 degrees of freedom, tables for 10.
+    assert regularized_upper_gamma(1.0, 3.0) == pytest.approx(math.exp(-3.0), rel=1e-10)
+    assert regularized_upper_gamma(5.0, 18.307 / 2) == pytest.approx(0.05, rel=1e-3)
+    assert regularized_upper_gamma(5.0, 2.558 / 2) == pytest.approx(0.99, rel=1e-3)
+    assert regularized_upper_gamma(31.5, 100.0 / 2) == pytest.approx(0.0020772, rel=1e-4)  # 63 dof, by quadrature
+
+
+# --- hand-made walks ---
+
+
+#   root ─┬─ n0(10) ─┬─ n2(12) ── n4(14)
+#         │          └─ n3(13)
+#         └─ n1(11) ─── n5(15)
+DEPTH3 = tree_of([10, 11, 12, 13, 14, 15], [-1, -1, 0, 0, 2, 1])
+
+
+def test_hand_made_walks() -> None:
+    chain = tree_of([20, 21, 22], [-1, 0, 1])
+    packed = pack([DEPTH3, DraftTree.empty(), chain, DEPTH3], [7, 8, 9, 7], [5, 3, 0, 2])
+    # Packed: r0 = [root, n0..n5] 0-6, r1 = [root] 7, r2 = [root, c0, c1, c2] 8-11, r3 = [root, n0..n5] 12-18.
+    target = torch.tensor(
+        [
+            10, 13, 99, 14, 99, 99, 99,  # r0: root -> n0 (10), n0 -> n3 (13), n3 -> 99: bonus 99
+            42,  # r1: autoregressive: bonus 42
+            20, 21, 22, 5,  # r2: the whole chain, bonus 5
+            11, 99, 15, 99, 99, 99, 3,  # r3: root -> n1, n1 -> n5 (15), n5 -> 3
+        ]
+    )
+    result = accept(packed, target)
+    assert result.accepted_nodes == [[0, 3], [], [0, 1, 2], [1, 5]]
+    assert result.accepted_packed == [[0, 1, 4], [7], [8, 9, 10, 11], [12, 14, 18]]
+    assert result.accepted_token_ids == [[10, 13], [], [20, 21, 22], [11, 15]]
+    assert result.bonus_token_ids == [99, 42, 5, 3]
+    assert result.num_accepted == [2, 0, 3, 2]
+    assert result.emitted_token_ids(0) == [10, 13, 99]
+
+
+def test_root_mismatch_accepts_nothing() -> None:
+    packed = pack([DEPTH3], [7], [4])
+    target = torch.tensor([12, 14, 99, 99, 99, 99, 99])  # 12 is a grandchild's token, not a child's
+    result = accept(packed, target)
+    assert result.accepted_nodes == [[]] and result.accepted_packed == [[0]] and result.bonus_token_ids == [12]
+
+
+def test_a_mismatched_parent_cuts_its_matching_descendants() -> None:
+    packed = pack([DEPTH3], [7], [4])
+    # n2 and n4 match their parents' targets, but n0 does not match the root's.
+    target = torch.tensor([11, 12, 0, 14, 0, 0, 0])
+    result = accept(packed, target)
+    assert result.accepted_nodes == [[1]] and result.bonus_token_ids == [0]
+
+
+def test_ambiguous_trees_and_bad_shapes_are_rejected() -> None:
+    twins = tree_of([5, 5], [-1, -1])
+    packed = pack([twins], [1], [0])
+    with pytest.raises(ValueError):
+        accept(packed, torch.tensor([5, 0, 0]))
+    with pytest.raises(ValueError):
+        accept(packed, torch.tensor([5, 0]))
+
+
+def sequential_walk(tree: DraftTree, target: list[int]) -> tuple[list[int], int]:
+    """Brute force: from the root, repeatedly look for the child carrying the target's token at the current node."""
+    tokens, parents = tree.token_ids.tolist(), tree.parents.tolist()
+    path, current = [], -1  # -1: the root; the target of node i is target[i + 1]
+    while True:
+        wanted = target[current + 1]
+        child = next((i for i in range(len(tokens)) if parents[i] == current and tokens[i] == wanted), None)
+        if child is None:
+            return path, wanted
+        path.append(child)
+        current = child
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_greedy_walk_equals_sequential_walk(seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    vocab, num_positions = 3, 5
+    budgets = [int(b) for b in torch.randint(0, 60, (6,), generator=g)]
+    trees = [build_tree(torch.log_softmax(torch.randn(num_positions, vocab, generator=g), -1), b) for b in budgets]
+    packed = pack(trees, [0] * len(trees), [4] * len(trees))
+    # A target that often agrees with the drafter, so that long paths happen.
+    logits = torch.randn(packed.num_tokens, vocab, generator=g)
+    target = target_tokens_greedy(logits)
+    assert torch.equal(target, logits.argmax(-1))
+    result = accept(packed, target)
+    for r, tree in enumerate(trees):
+        path, bonus = sequential_walk(tree, target[packed.segment(r)].tolist())
+        assert result.accepted_nodes[r] == path
+        assert result.bonus_token_ids[r] == bonus
+        assert result.accepted_packed[r] == [packed.query_starts[r] + 1 + i for i in [-1] + path]
+        assert result.accepted_token_ids[r] == [int(tree.token_ids[i]) for i in path]
+
+
+# --- sampling ---
+
+
+def filtered_probs(logits: list[float], temperature: float, top_k: int, top_p: float) -> list[float]:
+    """Independent plain-Python statement of the filters: temperature, top-k (ties kept), then top-p."""
+    scaled = [x / temperature for x in logits]
+    if top_k > 0:
+        kth = sorted(scaled, reverse=True)[min(top_k, len(scaled)) - 1]
+        scaled = [x if x >= kth else -math.inf for x in scaled]
+    m = max(scaled)
+    weights = [math.exp(x - m) for x in scaled]
+    probs = [w / sum(weights) for w in weights]
+    if top_p < 1:
+        kept, mass = set(), 0.0
+        for i in sorted(range(len(probs)), key=lambda i: -probs[i]):
+            if mass >= top_p:
+                break
+            kept.add(i)
+            mass += probs[i]
+        probs = [p if i in kept else 0.0 for i, p in enumerate(probs)]
+    return [p / sum(probs) for p in probs]
+
+
+def test_sampled_tokens_follow_the_filtered_distribution() -> None:
+    vocab, rows_per_request = 6, 20_000
+    base = [1.2, 0.3, -0.4, 0.9, -1.5, 0.0]
+    params = [  # (temperature, top_k, top_p)
+        (1.0, 0, 1.0),
+        (0.5, 0, 1.0),
+        (1.3, 3, 1.0),
+        (1.0, 0, 0.7),
+        (2.0, 4, 0.8),
+        (0.0, 0, 1.0),  # greedy
+    ]
+    num_requests = len(params)
+    seq_index = torch.arange(num_requests).repeat(rows_per_request)  # requests interleaved in the packed order
+    logits = torch.tensor(base).expand(seq_index.numel(), vocab)
+    tokens = target_tokens_sampled(
+        logits,
+        seq_index,
+        temperature=[t for t, _, _ in params],
+        top_k=[k for _, k, _ in params],
+        top_p=[p for _, _, p in params],
+        generators=[torch.Generator().manual_seed(100 + r) for r in range(num_requests)],
+    )
+    for r, (temperature, top_k, top_p) in enumerate(params):
+        counts = torch.bincount(tokens[seq_index == r], minlength=vocab).tolist()
+        if temperature == 0:
+            assert counts[0] == rows_per_request
+            continue
+        probs = filtered_probs(base, temperature, top_k, top_p)
+        assert chi_square_p_value(counts, probs) > 1e-4, (r, counts, probs)
+
+
+def test_seeded_requests_do_not_depend_on_the_rest_of_the_batch() -> None:
+    vocab = 50
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(12, vocab, generator=g)
+    alone = target_tokens_sampled(
+        logits[:5], torch.zeros(5, dtype=torch.long), [0.9], [1.0], [0], [torch.Generator().manual_seed(7)]
+    )
+    seq_index = torch.tensor([1, 0, 1, 0, 0, 2, 0, 1, 1, 2, 2, 0])  # request 0 at rows 1, 3, 4, 6, 11
+    mixed_logits = torch.randn(12, vocab, generator=g)
+    mixed_logits[seq_index == 0] = logits[:5]
+    mixed = target_tokens_sampled(
+        mixed_logits,
+        seq_index,
+        [0.9, 1.0, 0.7],
+        [1.0, 0.9, 1.0],
+        [0, 0, 5],
+        [torch.Generator().manual_seed(7), None, torch.Generator().manual_seed(3)],
+    )
+    assert torch.equal(mixed[seq_index == 0], alone)
+
+
+def test_sampling_input_validation() -> None:
+    logits, seq = torch.zeros(3, 4), torch.zeros(3, dtype=torch.long)
+    for temperature, top_p, top_k in ((-1.0, 1.0, 0), (1.0, 0.0, 0), (1.0, 1.5, 0), (1.0, 1.0, -2), (1.0, 1.0, 1.5)):
+        with pytest.raises(ValueError):
+            target_tokens_sampled(logits, seq, [temperature], [top_p], [top_k], [None])
+    with pytest.raises(ValueError):
+        target_tokens_sampled(logits, seq, [1.0, 1.0], [1.0], [0], [None])
+    with pytest.raises(ValueError):
+        target_tokens_sampled(logits, seq[:2], [1.0], [1.0], [0], [None])
+
+
+# --- sample-and-match is lossless ---
+
+VOCAB = 4
+# The target: logits for every context of length 0, 1 and 2 (index = the context read as a base-VOCAB number).
+TARGET_LOGITS = torch.randn(1 + VOCAB + VOCAB**2, VOCAB, generator=torch.Generator().manual_seed(1)) * 0.7
+# The drafter disagrees with the target (its own distributions per position), and its tree has branches.
+DRAFT_LOGPROBS = torch.log_softmax(torch.tensor([[2.0, 1.0, 0.5, -1.0], [0.0, 1.5, -0.5, 1.0]]), -1)
+TREE = build_tree(DRAFT_LOGPROBS, 7)
+
+
+def context_row(context: tuple[int, ...]) -> int:
+    offset = sum(VOCAB**i for i in range(len(context)))
+    return offset + sum(t * VOCAB ** (len(context) - 1 - i) for i, t in enumerate(context))
+
+
+def target_probs(context: tuple[int, ...]) -> torch.Tensor:
+    return TARGET_LOGITS[context_row(context)].softmax(-1)
+
+
+def lossless_check(num_samples: int, sample_targets) -> float:
+    """Emit with the tree, complete to 3 tokens from the target, and test against autoregressive sampling."""
+    tree_paths: list[tuple[int, ...]] = []
+    for t, p in zip(TREE.token_ids.tolist(), TREE.parents.tolist()):
+        tree_paths.append((tree_paths[p] if p >= 0 else ()) + (t,))
+    packed = pack([TREE] * num_samples, [0] * num_samples, [3] * num_samples)
+    rows = torch.tensor([context_row(()) ] + [context_row(path) for path in tree_paths])
+    logits = TARGET_LOGITS[rows.repeat(num_samples)]  # [N, V]: the target's logits given each token's path
+    result = accept(packed, sample_targets(packed, logits))
+
+    g = torch.Generator().manual_seed(12345)
+    counts = [0] * VOCAB**3
+    for r in range(num_samples):
+        emitted = tuple(result.emitted_token_ids(r))
+        while len(emitted) < 3:  # the next rounds, autoregressively
+            emitted += (int(torch.multinomial(target_probs(emitted), 1, generator=g)),)
+        counts[sum(t * VOCAB ** (2 - i) for i, t in enumerate(emitted[:3]))] += 1
+    expected = [
+        float(target_probs(())[a] * target_probs((a,))[b] * target_probs((a, b))[c])
+        for a, b, c in itertools.product(range(VOCAB), repeat=3)
+    ]
+    assert min(expected) * num_samples > 5  # the chi-square approximation holds
+    return chi_square_p_value(counts, expected)
+
+
+def test_tree_covers_branches_and_depth_two() -> None:
+    assert TREE.depths.max() == 2 and (TREE.depths == 1).sum() >= 2 and (TREE.depths == 2).sum() >= 2
+
+
+def test_sample_and_match_is_lossless() -> None:
+    def sample(packed, logits):
+        return target_tokens_sampled(
+            logits,
+            packed.seq_index,
+            [1.0] * packed.num_requests,
+            [1.0] * packed.num_requests,
+            [0] * packed.num_requests,
+            [torch.Generator().manual_seed(2024)] + [None] * (packed.num_requests - 1),
+        )
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        assert lossless_check(40_000, sample) > 1e-4
+
+
+def test_lossless_check_rejects_a_sampler_that_follows_the_draft() -> None:
+    """The same check has the power to catch a wrong sampler: here the tokens come from the draft's distribution."""
+
+    def sample_from_draft(packed, logits):
+        g = torch.Generator().manual_seed(5)
+        # The draft's distribution for the position after each packed token (beyond its depth: the target's).
+        depth = packed.depths.clamp(max=DRAFT_LOGPROBS.shape[0] - 1)
+        probs = torch.where(
+            (packed.depths < DRAFT_LOGPROBS.shape[0])[:, None], DRAFT_LOGPROBS.exp()[depth], logits.softmax(-1)
+        )
+        return torch.multinomial(probs, 1, generator=g).squeeze(1)
+
+    assert lossless_check(40_000, sample_from_draft) < 1e-4
