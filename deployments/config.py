@@ -1,0 +1,190 @@
+"""The application's arguments (`build_app(args)`, the `args:` of ray_config.yaml), validated before anything is built.
+
+Placement of one engine replica (Ray placement group bundles; bundle 0 holds the replica itself):
+
+    cpu             [engine CPUs] [target CPUs] [drafter CPUs]        everything on CPUs
+    gpu-per-worker  [engine CPUs] [target CPUs + 1 GPU] [drafter CPUs + 1 GPU]   STRICT_PACK: one node
+    shared-gpu      [engine CPUs] [target+drafter CPUs + 1 GPU]        both actors on one GPU (half each)
+
+With speculation "off" there is no drafter actor and no drafter bundle.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, SecretStr, field_validator, model_validator
+
+PLACEMENTS = ("cpu", "gpu-per-worker", "shared-gpu")
+DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class AppArgs(BaseModel):
+    """Everything `build_app` accepts. Unknown keys are an error (a typo must not be silently ignored)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str | None = Field(
+        None, description="Target model: a local folder (config.json + safetensors), a .gguf file, or a hub id. "
+        "None: the embedded SmolLM2-135M-Instruct.")
+    drafter: str | None = Field(
+        None, description="DFlash drafter checkpoint folder. None: the shipped drafter of the embedded target.")
+    served_model_name: str | None = Field(
+        None, description="The `model` name clients send and /v1/models lists. None: derived from `model`.")
+    device: str | None = Field(
+        None, description="Torch device of the workers: 'cpu' or 'cuda'. None: 'cpu' for placement 'cpu', "
+        "'cuda' otherwise (each actor sees only the GPU Ray gave it).")
+    dtype: str | None = Field(None, description="Weights dtype (float32, bfloat16, float16). None: model default.")
+    speculation: Literal["ddtree", "dflash", "off"] = Field(
+        "ddtree", description="'ddtree': draft trees; 'dflash': the drafter's argmax chain; 'off': autoregressive.")
+    budget: Literal["auto"] | PositiveInt = Field(
+        "auto", description="Draft tree nodes per speculative request: 'auto' (adaptive per round) or a fixed count.")
+    max_budget: PositiveInt = Field(64, description="Cap on nodes per request in 'auto' mode.")
+    max_num_seqs: PositiveInt = Field(16, description="Requests decoded together by one engine replica.")
+    max_waiting: PositiveInt = Field(
+        256, description="Requests queued per engine replica; beyond it the API answers 429.")
+    max_model_len: int | None = Field(None, ge=2, description="Context window cap. None: the model's own.")
+    kv_cache_bytes: PositiveInt | None = Field(
+        None, description="KV cache memory of the target worker. None: the worker's default.")
+    attention: str = Field("auto", description="Attention backend of the workers ('auto', 'sdpa', 'flex').")
+    allow_fallback: bool = Field(
+        True, description="In 'auto' budget mode, requests whose drafts do not pay decode autoregressively.")
+    placement: Literal["cpu", "gpu-per-worker", "shared-gpu"] = Field(
+        "cpu", description="Where an engine replica's target and drafter actors run (see module docstring).")
+    engine_num_cpus: float = Field(0.5, gt=0, description="CPUs reserved for the engine replica (scheduler loop).")
+    worker_num_cpus: float = Field(0.5, gt=0, description="CPUs reserved for each worker actor.")
+    worker_torch_threads: PositiveInt | None = Field(
+        None, description="torch threads in each worker actor. None: every core of its node (target and drafter "
+        "run one after the other, so they do not compete).")
+    num_replicas: PositiveInt | None = Field(
+        None, description="Fixed number of engine replicas. Give this or `autoscaling_config`, not both.")
+    autoscaling_config: dict[str, Any] | None = Field(
+        None, description="Ray Serve autoscaling of the engine replicas on ongoing requests, e.g. "
+        "{min_replicas: 1, max_replicas: 4, target_ongoing_requests: 16}.")
+    num_ingress_replicas: PositiveInt = Field(1, description="Replicas of the HTTP ingress deployment.")
+    api_key: SecretStr | None = Field(
+        None, description="If set, every /v1 request needs `Authorization: Bearer <api_key>`.")
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, device: str | None) -> str | None:
+        if device is not None and device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        return device
+
+    @field_validator("dtype")
+    @classmethod
+    def _check_dtype(cls, dtype: str | None) -> str | None:
+        if dtype is not None and dtype not in ("float32", "bfloat16", "float16", "float64"):
+            raise ValueError(f"dtype must be float32, bfloat16, float16 or float64, got {dtype!r}")
+        return dtype
+
+    @field_validator("autoscaling_config")
+    @classmethod
+    def _check_autoscaling(cls, config: dict | None) -> dict | None:
+        if config is not None:
+            from ray.serve.config import AutoscalingConfig
+
+            AutoscalingConfig(**config)  # Serve's own validation, now rather than at deploy time
+        return config
+
+    @model_validator(mode="after")
+    def _check_consistency(self) -> "AppArgs":
+        if self.num_replicas is not None and self.autoscaling_config is not None:
+            raise ValueError("give num_replicas or autoscaling_config, not both")
+        if self.placement == "cpu" and self.device not in (None, "cpu"):
+            raise ValueError(f"placement 'cpu' runs the workers on CPUs; device {self.device!r} needs a GPU placement")
+        if self.placement != "cpu" and self.device == "cpu":
+            raise ValueError(f"placement {self.placement!r} reserves GPUs; use device 'cuda' (or placement 'cpu')")
+        if self.budget != "auto" and self.budget > self.max_budget:
+            raise ValueError(f"budget {self.budget} is above max_budget {self.max_budget}")
+        return self
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Derived settings
+
+    @property
+    def worker_device(self) -> str:
+        return self.device or ("cpu" if self.placement == "cpu" else "cuda")
+
+    @property
+    def needs_drafter(self) -> bool:
+        return self.speculation != "off"
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model is None:
+            return DEFAULT_SERVED_MODEL_NAME
+        return os.path.basename(self.model.rstrip("/")) or self.model
+
+    @property
+    def engine_max_ongoing_requests(self) -> int:
+        # Serve must hand every request to the engine, whose own queue answers 429 when full (Serve's router would
+        # otherwise hold the excess where no one can report it).
+        return self.max_num_seqs + self.max_waiting + 8
+
+    def worker_layout(self) -> "WorkerLayout":
+        cpu = self.worker_num_cpus
+        engine_bundle = {"CPU": self.engine_num_cpus}
+        if self.placement == "cpu":
+            bundles = [engine_bundle, {"CPU": cpu}] + ([{"CPU": cpu}] if self.needs_drafter else [])
+            return WorkerLayout(bundles, "PACK", target=ActorPlace(1, 0.0, cpu),
+                                drafter=ActorPlace(2, 0.0, cpu) if self.needs_drafter else None)
+        if self.placement == "gpu-per-worker":
+            bundles = [engine_bundle, {"CPU": cpu, "GPU": 1.0}]
+            if self.needs_drafter:
+                bundles.append({"CPU": cpu, "GPU": 1.0})
+            return WorkerLayout(bundles, "STRICT_PACK", target=ActorPlace(1, 1.0, cpu),
+                                drafter=ActorPlace(2, 1.0, cpu) if self.needs_drafter else None)
+        # shared-gpu: one bundle, one GPU, both actors in it with half of it each
+        share = 0.5 if self.needs_drafter else 1.0
+        bundles = [engine_bundle, {"CPU": cpu * (2 if self.needs_drafter else 1), "GPU": 1.0}]
+        return WorkerLayout(bundles, "STRICT_PACK", target=ActorPlace(1, share, cpu),
+                            drafter=ActorPlace(1, share, cpu) if self.needs_drafter else None)
+
+
+@dataclass(frozen=True)
+class ActorPlace:
+    bundle_index: int
+    num_gpus: float
+    num_cpus: float
+
+
+@dataclass(frozen=True)
+class WorkerLayout:
+    bundles: list[dict[str, float]]
+    strategy: str
+    target: ActorPlace
+    drafter: ActorPlace | None
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What each worker actor needs to build its worker (plain data, sent to the actors)."""
+
+    model: str | None
+    drafter: str | None
+    device: str
+    dtype: str | None
+    max_num_seqs: int
+    kv_cache_bytes: int | None
+    attention: str
+    torch_threads: int | None
+
+    @classmethod
+    def from_args(cls, args: AppArgs) -> "WorkerSpec":
+        return cls(args.model, args.drafter, args.worker_device, args.dtype, args.max_num_seqs,
+                   args.kv_cache_bytes, args.attention, args.worker_torch_threads)
+
+
+def parse_args(args: dict | AppArgs | None) -> AppArgs:
+    """`AppArgs` from a dict; pydantic's ValidationError (a ValueError) names every bad field."""
+    if isinstance(args, AppArgs):
+        return args
+    if args is not None and not isinstance(args, dict):
+        raise ValueError(f"build_app args must be a dict, got {type(args).__name__}")
+    return AppArgs.model_validate(args or {})

@@ -1,0 +1,33 @@
+"""What the ingress (or a Python caller) hands an engine replica: one prompt and its sampling parameters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ddtree.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineRequest:
+    """Exactly one of `prompt` (text or token ids, used as is) and `messages` (chat messages, rendered with the
+    model's chat template on the engine replica)."""
+
+    prompt: str | list[int] | None = None
+    messages: list[dict] | None = None
+    params: SamplingParams | None = None
+    request_id: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        if self.params is None:
+            self.params = SamplingParams()
+        if not isinstance(self.params, SamplingParams):
+            raise ValueError(f"params must be a ddtree.SamplingParams, got {type(self.params).__name__}")
+        if self.messages is not None and not isinstance(self.messages, list):
+            raise ValueError("messages must be a list of {'role', 'content'} dicts")
+
+    @property
+    def prompt_param(self) -> str:
+        """The request field an error about the prompt refers to."""
+        return "messages" if self.messages is not None else "prompt"

@@ -1,0 +1,312 @@
+"""The OpenAI wire protocol: request models (validated with pydantic), their SamplingParams, and response bodies.
+
+Only what the engine does is accepted. Fields the engine cannot honour (n > 1, logprobs, penalties, tools, ...) are a
+400 when set to anything but their neutral value, never silently ignored; unknown fields are a 400 too. Metadata
+fields that change nothing about the answer (user, store, metadata, ...) are accepted and ignored.
+
+Extensions (not in OpenAI's API, as in vLLM): `top_k`, `ignore_eos`, `stop_token_ids` in requests, and
+`usage.ddtree` (acceptance statistics of the request) in responses. Speculation settings are per deployment, not per
+request: the engine batches every request in one verify pass under one policy.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from ddtree.sampling_params import SamplingParams
+from deployments.errors import APIError, bad_request
+
+MAX_STOP_SEQUENCES = 16
+# What a client may send that does not change the answer; accepted and ignored.
+_IGNORED_METADATA = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
+
+
+class _GenerationRequest(BaseModel):
+    """Fields shared by /v1/completions and /v1/chat/completions."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)  # OpenAI's default and range
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # Accepted only at their neutral values:
+    n: int = 1
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    logprobs: Any = None
+    # Extensions:
+    top_k: int = Field(0, ge=0, description="Sample among the k most likely tokens only (0: off).")
+    ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
+    stop_token_ids: list[int] | None = Field(None, description="Token ids that end the generation.")
+    # Ignored metadata:
+    user: str | None = None
+    metadata: dict[str, Any] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, stop):
+        stops = [stop] if isinstance(stop, str) else list(stop or [])
+        if len(stops) > MAX_STOP_SEQUENCES:
+            raise ValueError(f"at most {MAX_STOP_SEQUENCES} stop sequences")
+        if any(s == "" for s in stops):
+            raise ValueError("stop sequences must be non-empty")
+        return stops
+
+    @model_validator(mode="after")
+    def _check_unsupported(self):
+        _require_neutral(self.n == 1, "n", "only n=1 is supported")
+        _require_neutral(self.frequency_penalty == 0, "frequency_penalty", "frequency_penalty is not supported")
+        _require_neutral(self.presence_penalty == 0, "presence_penalty", "presence_penalty is not supported")
+        _require_neutral(not self.logit_bias, "logit_bias", "logit_bias is not supported")
+        _require_neutral(self.logprobs in (None, False, 0), "logprobs", "logprobs are not supported")
+        _require_neutral(self.stream or self.stream_options is None, "stream_options",
+                         "stream_options is only allowed with stream=true")
+        return self
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+    def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        max_tokens = self._max_tokens()
+        return SamplingParams(
+            temperature=float(self.temperature),
+            top_p=float(self.top_p),
+            top_k=self.top_k,
+            max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+            stop=list(self.stop or []),
+            stop_token_ids=list(self.stop_token_ids or []),
+            seed=self.seed,
+            ignore_eos=self.ignore_eos,
+        )
+
+    def _max_tokens(self) -> int | None:
+        return self.max_tokens
+
+
+class CompletionRequest(_GenerationRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, prompt):
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise ValueError("one prompt per request (batches of prompts are not supported)")
+            prompt = prompt[0]
+        if len(prompt) == 0:
+            raise ValueError("the prompt is empty")
+        if isinstance(prompt, list) and any(t < 0 for t in prompt):
+            raise ValueError("token ids must be >= 0")
+        return prompt
+
+    @model_validator(mode="after")
+    def _check_completion_unsupported(self):
+        _require_neutral(not self.echo, "echo", "echo is not supported")
+        _require_neutral(self.suffix is None, "suffix", "suffix is not supported")
+        _require_neutral(self.best_of in (None, 1), "best_of", "only best_of=1 is supported")
+        return self
+
+
+class TextContentPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextContentPart]
+    name: str | None = None
+
+    def as_template_message(self) -> dict[str, str]:
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        # Chat templates know "system"; OpenAI's newer "developer" role means the same thing.
+        return {"role": "system" if self.role == "developer" else self.role, "content": content}
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    tools: list[Any] | None = None
+    tool_choice: Any = None
+    response_format: dict[str, Any] | None = None
+    top_logprobs: int | None = None
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _check_chat_unsupported(self):
+        _require_neutral(not self.tools, "tools", "tools are not supported")
+        _require_neutral(self.tool_choice in (None, "none"), "tool_choice", "tool_choice is not supported")
+        _require_neutral(self.response_format in (None, {"type": "text"}), "response_format",
+                         "only response_format {'type': 'text'} is supported")
+        _require_neutral(self.top_logprobs in (None, 0), "top_logprobs", "logprobs are not supported")
+        if self.max_tokens is not None and self.max_completion_tokens is not None \
+                and self.max_tokens != self.max_completion_tokens:
+            raise ValueError("max_tokens and max_completion_tokens disagree; give one")
+        return self
+
+    def _max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def template_messages(self) -> list[dict[str, str]]:
+        return [m.as_template_message() for m in self.messages]
+
+
+class _Unsupported(ValueError):
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _require_neutral(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise _Unsupported(param, message)
+
+
+def parse_request(model: type[BaseModel], body: Any) -> Any:
+    """The validated request, or an APIError 400 naming the first bad parameter."""
+    if not isinstance(body, dict):
+        raise bad_request("The request body must be a JSON object.")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise validation_error(exc) from None
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    first = exc.errors()[0]
+    param = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body",)) or None
+    cause = (first.get("ctx") or {}).get("error")
+    if isinstance(cause, _Unsupported):
+        return bad_request(str(cause), cause.param, "unsupported_parameter")
+    message = first.get("msg", "invalid request")
+    if first.get("type") == "extra_forbidden":
+        return bad_request(f"Unrecognized request argument: {param}", param, "unrecognized_parameter")
+    if first.get("type") == "missing":
+        return bad_request(f"Missing required parameter: {param}", param, "missing_parameter")
+    return bad_request(f"Invalid value for {param}: {message.removeprefix('Value error, ')}", param,
+                       "invalid_value")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Responses
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def openai_finish_reason(reason: str | None) -> str | None:
+    return {"stop": "stop", "length": "length", "abort": "stop"}.get(reason, reason) if reason else None
+
+
+@dataclass
+class UsageInfo:
+    prompt_tokens: int
+    completion_tokens: int
+    ddtree: dict[str, Any]
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "ddtree": self.ddtree,
+        }
+
+
+def usage_of(final_output, speculation: str) -> UsageInfo:
+    """Token counts and acceptance statistics of a finished `RequestOutput`."""
+    return UsageInfo(
+        prompt_tokens=len(final_output.prompt_token_ids),
+        completion_tokens=len(final_output.token_ids),
+        ddtree={"speculation": speculation, **final_output.stats.to_dict()},
+    )
+
+
+def completion_body(request_id: str, model: str, text: str, finish_reason: str | None, usage: UsageInfo) -> dict:
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "text": text, "finish_reason": openai_finish_reason(finish_reason),
+                     "logprobs": None}],
+        "usage": usage.body(),
+    }
+
+
+def chat_body(request_id: str, model: str, text: str, finish_reason: str | None, usage: UsageInfo) -> dict:
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                     "finish_reason": openai_finish_reason(finish_reason), "logprobs": None}],
+        "usage": usage.body(),
+    }
+
+
+def completion_chunk(request_id: str, model: str, created: int, text: str, finish_reason: str | None,
+                     include_usage: bool) -> dict:
+    chunk = {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "text": text, "finish_reason": openai_finish_reason(finish_reason),
+                     "logprobs": None}],
+    }
+    if include_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def chat_chunk(request_id: str, model: str, created: int, delta: dict, finish_reason: str | None,
+               include_usage: bool) -> dict:
+    chunk = {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "delta": delta, "finish_reason": openai_finish_reason(finish_reason),
+                     "logprobs": None}],
+    }
+    if include_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+def usage_chunk(request_id: str, model: str, created: int, object_name: str, usage: UsageInfo) -> dict:
+    return {"id": request_id, "object": object_name, "created": created, "model": model, "choices": [],
+            "usage": usage.body()}
+
+
+def models_body(model: str, created: int) -> dict:
+    return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "ddtree"}]}
