@@ -1,0 +1,152 @@
+"""Offline acceptance length (tau) of a drafter against the target's greedy continuations (T=0).
+
+For a prompt and the target's greedy response, speculative decoding is simulated exactly: a round anchored at
+position p (the last committed token) drafts from the target features of positions < p; the chain accepts the
+leading drafted tokens equal to the target's, a DDTree of budget B accepts the deepest tree path that matches
+the target's continuation, and the round commits 1 + accepted tokens (the target's bonus token included). At T=0
+the target's token after an accepted prefix is the greedy continuation's, so the simulation needs only one target
+forward per sequence (its features) and one drafter forward at every anchor. tau = committed tokens / rounds.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from ddtree.models.dflash import DFlashDraftModel
+from ddtree.training.blocks import build_block_batch
+from ddtree.tree import build_tree_from_topk
+
+DEFAULT_BUDGETS = (8, 16, 32, 64, 128)
+
+
+@dataclass
+class TauResult:
+    category: str
+    num_sequences: int = 0
+    num_tokens: int = 0  # response tokens after the first (the ones speculation can produce)
+    num_rounds_chain: int = 0
+    num_rounds_tree: dict[int, int] = field(default_factory=dict)  # budget -> rounds
+
+    @property
+    def tau_chain(self) -> float:
+        return self.num_tokens / max(1, self.num_rounds_chain)
+
+    def tau_tree(self, budget: int) -> float:
+        return self.num_tokens / max(1, self.num_rounds_tree.get(budget, 0))
+
+    def summary(self) -> dict:
+        return {"category": self.category, "num_sequences": self.num_sequences, "num_tokens": self.num_tokens,
+                "tau_chain": round(self.tau_chain, 3),
+                **{f"tau_tree_B{b}": round(self.tau_tree(b), 3) for b in sorted(self.num_rounds_tree)}}
+
+
+@torch.no_grad()
+def draft_topk_at_every_anchor(
+    drafter: DFlashDraftModel,
+    embed_weight: torch.Tensor,  # [V, H] target input embedding
+    lm_head_weight: torch.Tensor,  # [V, H] target LM head
+    features: torch.Tensor,  # [N - 1, F] target features of positions 0..N-2
+    token_ids: list[int],  # N tokens: prompt + response
+    first_anchor: int,
+    top_k: int,
+    anchors_per_forward: int = 32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k draft log-probs at every anchor a in [first_anchor, N - 2]: values, ids [A, L - 1, k]."""
+    config = drafter.config
+    anchors = list(range(first_anchor, len(token_ids) - 1))
+    values, ids = [], []
+    context = drafter.project_context(features.unsqueeze(0))  # [1, C, H]
+    for start in range(0, len(anchors), anchors_per_forward):
+        chunk = anchors[start : start + anchors_per_forward]
+        batch = build_block_batch([token_ids], [chunk], config.block_size, config.mask_token_id)
+        block_hidden = torch.nn.functional.embedding(batch.block_token_ids, embed_weight)  # [1, S, H]
+        hidden = drafter(block_hidden, context, batch.block_positions, batch.context_positions,
+                         batch.attention_mask)  # [1, S, H]
+        hidden = hidden.view(len(chunk), config.block_size, -1)[:, 1:]  # [A, L - 1, H]
+        logprobs = torch.log_softmax((hidden @ lm_head_weight.T).float(), dim=-1)  # [A, L - 1, V]
+        v, i = logprobs.topk(top_k, dim=-1)
+        values.append(v)
+        ids.append(i)
+    return torch.cat(values), torch.cat(ids)
+
+
+def simulate_rounds(
+    token_ids: list[int], first_anchor: int, topk_ids: torch.Tensor, topk_values: torch.Tensor,
+    budget: int | None,
+) -> int:
+    """Number of speculative rounds to produce tokens first_anchor+1..N-1; budget None = chain (top-1 path)."""
+    n = len(token_ids)
+    p, num_rounds = first_anchor, 0
+    while p < n - 1:
+        row = p - first_anchor
+        target_next = token_ids[p + 1 :]
+        if budget is None:
+            accepted = 0
+            for k, token in enumerate(topk_ids[row, :, 0].tolist()):
+                if k >= len(target_next) or token != target_next[k]:
+                    break
+                accepted += 1
+        else:
+            accepted = _tree_accepted(topk_values[row], topk_ids[row], budget, target_next)
+        num_rounds += 1
+        p += 1 + accepted
+    return num_rounds
+
+
+def _tree_accepted(values: torch.Tensor, ids: torch.Tensor, budget: int, target_next: list[int]) -> int:
+    tree = build_tree_from_topk(values, ids, budget)
+    children: dict[int, dict[int, int]] = {}
+    for node, (parent, token) in enumerate(zip(tree.parents.tolist(), tree.token_ids.tolist())):
+        children.setdefault(parent, {})[token] = node
+    node, depth = -1, 0
+    while depth < len(target_next):
+        node = children.get(node, {}).get(target_next[depth])
+        if node is None:
+            break
+        depth += 1
+    return depth
+
+
+def evaluate_tau(
+    drafter: DFlashDraftModel,
+    embed_weight: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    sequences: list,  # ddtree.training.data.Sequence
+    read_features,  # Sequence -> [N - 1, F]
+    category: str,
+    budgets: tuple[int, ...] = DEFAULT_BUDGETS,
+) -> TauResult:
+    result = TauResult(category, num_rounds_tree={b: 0 for b in budgets})
+    top_k = min(max(budgets, default=1), lm_head_weight.shape[0])
+    for seq in sequences:
+        first_anchor = seq.prompt_length  # the first response token comes from prefill, not from a draft
+        if len(seq.token_ids) - 1 <= first_anchor:
+            continue
+        values, ids = draft_topk_at_every_anchor(drafter, embed_weight, lm_head_weight, read_features(seq),
+                                                 seq.token_ids, first_anchor, top_k)
+        result.num_sequences += 1
+        result.num_tokens += len(seq.token_ids) - 1 - first_anchor
+        result.num_rounds_chain += simulate_rounds(seq.token_ids, first_anchor, ids, values, None)
+        for b in budgets:
+            result.num_rounds_tree[b] += simulate_rounds(seq.token_ids, first_anchor, ids, values, b)
+    return result
+
+
+def format_table(results: list[TauResult], budgets: tuple[int, ...] = DEFAULT_BUDGETS) -> str:
+    header = "| category | seqs | tokens | tau chain | " + " | ".join(f"tau B={b}" for b in budgets) + " |"
+    lines = [header, "|" + "---|" * (4 + len(budgets))]
+    for r in results:
+        lines.append(f"| {r.category} | {r.num_sequences} | {r.num_tokens} | {r.tau_chain:.2f} | "
+                     + " | ".join(f"{r.tau_tree(b):.2f}" for b in budgets) + " |")
+    return "\n".join(lines)
+
+
+def write_results(path: Path, results: list[TauResult], extra: dict) -> None:
+    path.write_text(json.dumps({**extra, "results": [r.summary() for r in results]}, indent=1))
+
+
+__all__ = ["TauResult", "evaluate_tau", "format_table", "write_results", "asdict"]

@@ -1,0 +1,185 @@
+"""The `ddtree train-drafter` steps: prompts -> generate -> eval-data -> train -> eval, each resumable.
+
+  prompts    make the training prompts (disjoint from the evaluation sets) and the data manifest
+  generate   the target's greedy responses + hidden states, appended to <data-dir> (resumes where it stopped)
+  eval-data  the same for the held-out evaluation prompts, under <eval-dir>/<category>/ (resumes too)
+  train      train the drafter from <out-dir>/checkpoint.pt if present; exports <out-dir>/drafter/
+  eval       offline tau (chain and DDTree budgets) of <out-dir>/drafter on <eval-dir>, table + tau.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+STEPS = ("prompts", "generate", "eval-data", "train", "eval")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("steps", nargs="+", choices=STEPS, help="which steps to run, in order")
+    parser.add_argument("--target", default="smollm2-135m-instruct",
+                        help="'smollm2-135m-instruct', a .gguf file or a Hugging Face model directory")
+    parser.add_argument("--data-dir", type=Path, default=Path("work/drafter_data"))
+    parser.add_argument("--eval-dir", type=Path, default=Path("work/drafter_eval"))
+    parser.add_argument("--out-dir", type=Path, default=Path("work/drafter_train"))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-threads", type=int, default=1, help="torch threads (leave cores for others)")
+    # prompts
+    parser.add_argument("--num-prompts-per-category", type=int, default=4000)
+    # generate / eval-data
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--max-prompts", type=int, default=None, help="stop after this many new responses")
+    parser.add_argument("--max-seconds", type=float, default=None, help="stop generating/training after this long")
+    parser.add_argument("--num-eval-prompts", type=int, default=40, help="per category")
+    # train
+    parser.add_argument("--num-draft-layers", type=int, default=2)
+    parser.add_argument("--block-size", type=int, default=8)
+    parser.add_argument("--target-layer-ids", type=int, nargs="+", default=[1, 14, 27])
+    parser.add_argument("--mask-token-id", type=int, default=16)
+    parser.add_argument("--max-anchors", type=int, default=32)
+    parser.add_argument("--train-batch-size", type=int, default=4, help="sequences per optimiser step")
+    parser.add_argument("--lr", type=float, default=6e-4)
+    parser.add_argument("--max-steps", type=int, default=4000)
+    parser.add_argument("--checkpoint-every", type=int, default=100)
+    parser.add_argument("--full-softmax", action="store_true", help="train with the softmax over the whole vocab")
+    # eval
+    parser.add_argument("--drafter", type=Path, default=None, help="drafter folder to evaluate (default out/drafter)")
+    parser.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 64, 128])
+
+
+def run(args: argparse.Namespace) -> int:
+    for step in args.steps:
+        if step == "prompts":
+            _prompts(args, args.data_dir)
+        elif step == "generate":
+            _generate(args, args.data_dir)
+        elif step == "eval-data":
+            _eval_data(args)
+        elif step == "train":
+            _train(args)
+        elif step == "eval":
+            _eval(args)
+    return 0
+
+
+def _generate(args: argparse.Namespace, data_dir: Path) -> None:
+    from ddtree.training.generate import DEFAULT_STORED_LAYER_IDS, generate_responses
+
+    _update_manifest(data_dir, {"stored_layer_ids": list(DEFAULT_STORED_LAYER_IDS),
+                                "generation": {"batch_size": args.batch_size, "greedy": True,
+                                               "max_new_tokens": args.max_new_tokens}})
+    generate_responses(data_dir, args.target, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                       max_prompts=args.max_prompts, num_threads=args.num_threads, max_seconds=args.max_seconds)
+    _update_manifest(data_dir, {"generate_command": " ".join(sys.argv)})
+
+
+def _prompts(args: argparse.Namespace, data_dir: Path) -> None:
+    from ddtree.training.generate import write_prompts
+    from ddtree.training.prompts import drop_overlapping, make_training_prompts
+
+    if (data_dir / "prompts.jsonl").exists():
+        raise ValueError(f"{data_dir}/prompts.jsonl exists; generation resumes from it (delete it to remake)")
+    prompts = make_training_prompts(args.num_prompts_per_category, seed=args.seed)
+    kept, dropped = drop_overlapping(prompts)
+    write_prompts(data_dir, kept)
+    counts: dict[str, dict[str, int]] = {}
+    for p in kept:
+        counts.setdefault(p.category, {}).setdefault(p.source, 0)
+        counts[p.category][p.source] += 1
+    _update_manifest(data_dir, {
+        "prompts_command": " ".join(sys.argv), "prompt_seed": args.seed,
+        "num_prompts": len(kept), "prompt_counts_by_category_and_source": counts,
+        "dropped_for_eval_overlap": {"ngram": 8, "prompt_ids": dropped},
+        "sources": {
+            "math": "templated word problems, ddtree/training/prompts.py:_math_train",
+            "chat": "templated questions over topic lists, ddtree/training/prompts.py:_chat_train",
+            "code": "signatures/docstrings of installed stdlib + site-packages functions, prompts.py:_code_prompts",
+        },
+        "target": args.target, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    })
+    print(f"[prompts] {len(kept)} prompts ({len(dropped)} dropped for eval overlap) -> {data_dir}/prompts.jsonl")
+
+
+def eval_subset(records: list, num_prompts: int) -> list:
+    """Evenly spaced prompts of an evaluation set (HumanEval has 164; the tau evaluation uses a subset)."""
+    if num_prompts >= len(records):
+        return records
+    return [records[round(i * (len(records) - 1) / (num_prompts - 1))] for i in range(num_prompts)]
+
+
+def _eval_data(args: argparse.Namespace) -> None:
+    from ddtree.training.generate import write_prompts
+    from ddtree.training.prompts import CATEGORIES, load_eval_prompt_records
+
+    for category in CATEGORIES:
+        category_dir = args.eval_dir / category
+        if not (category_dir / "prompts.jsonl").exists():
+            write_prompts(category_dir, eval_subset(load_eval_prompt_records(category), args.num_eval_prompts))
+        _generate(args, category_dir)
+
+
+def _train_config(args: argparse.Namespace):
+    from ddtree.training.train import TrainConfig
+
+    return TrainConfig(
+        out_dir=str(args.out_dir), num_draft_layers=args.num_draft_layers, block_size=args.block_size,
+        target_layer_ids=list(args.target_layer_ids), mask_token_id=args.mask_token_id,
+        max_anchors=args.max_anchors, batch_size=args.train_batch_size, lr=args.lr, max_steps=args.max_steps,
+        checkpoint_every=args.checkpoint_every, seed=args.seed, is_softmax_restricted=not args.full_softmax)
+
+
+def _train(args: argparse.Namespace) -> None:
+    from ddtree.training.train import train
+
+    config = _train_config(args)
+    path = train(args.data_dir, args.target, config, num_threads=args.num_threads, max_seconds=args.max_seconds)
+    _update_manifest(args.out_dir, {"train_command": " ".join(sys.argv), "train_config": asdict(config)})
+    print(f"[train] drafter -> {path}")
+
+
+def _eval(args: argparse.Namespace) -> None:
+    import torch
+
+    from ddtree.models.dflash import load_dflash
+    from ddtree.training.data import FeatureReader, read_sequences, stored_layer_ids
+    from ddtree.training.evaluate import evaluate_tau, format_table, write_results
+    from ddtree.training.prompts import CATEGORIES
+    from ddtree.training.target import load_target
+
+    torch.set_num_threads(args.num_threads)
+    drafter_dir = args.drafter or args.out_dir / "drafter"
+    _, drafter = load_dflash(drafter_dir)
+    target_model, _ = load_target(args.target)
+    embed = target_model.get_input_embeddings().weight.detach()
+    lm_head = target_model.get_output_embeddings().weight.detach()
+    del target_model
+    budgets = tuple(args.budgets)
+    results = []
+    start = time.time()
+    for category in CATEGORIES:
+        data_dir = args.eval_dir / category
+        sequences = read_sequences(data_dir)
+        if not sequences:
+            raise ValueError(f"no evaluation data in {data_dir}: run the eval-data step first")
+        reader = FeatureReader(data_dir, stored_layer_ids(data_dir), drafter.config.target_layer_ids)
+        results.append(evaluate_tau(drafter, embed, lm_head, sequences, reader, category, budgets))
+        print(f"[eval] {results[-1].summary()}", flush=True)
+    table = format_table(results, budgets)
+    print(table)
+    command = " ".join(sys.argv)
+    write_results(drafter_dir / "tau.json", results,
+                  {"command": command, "eval_dir": str(args.eval_dir), "seconds": round(time.time() - start)})
+    (drafter_dir / "tau.md").write_text(f"`{command}`\n\n{table}\n")
+
+
+def _update_manifest(data_dir: Path, fields: dict) -> None:
+    data_dir.mkdir(parents=True, exist_ok=True)
+    path = data_dir / "manifest.json"
+    manifest = json.loads(path.read_text()) if path.exists() else {}
+    manifest.update(fields)
+    path.write_text(json.dumps(manifest, indent=1))

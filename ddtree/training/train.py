@@ -1,0 +1,250 @@
+"""DFlash drafter training on the target's own responses (the SpecForge recipe), resumable.
+
+Per step: a few sequences, many random anchors each (all blocks of a sequence in one forward, see blocks.py),
+cross-entropy of the frozen target lm_head's logits against the token at each block position k >= 1, weighted
+exp(-(k - 1) / gamma) and normalised. AdamW, linear warmup then cosine decay, gradient clipping.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ddtree.models.dflash import DFlashConfig, DFlashDraftModel, save_dflash
+from ddtree.training.blocks import IGNORE_INDEX, BlockBatch, build_block_batch, default_gamma, sample_anchors
+from ddtree.training.data import FeatureReader, Sequence, is_validation, pad_features, read_sequences, stored_layer_ids
+
+
+@dataclass
+class TrainConfig:
+    out_dir: str
+    num_draft_layers: int = 2
+    block_size: int = 8
+    target_layer_ids: list[int] = field(default_factory=lambda: [1, 14, 27])
+    mask_token_id: int = 16  # SmolLM2 `<empty_output>`: a Jupyter marker never produced in chat (docs/drafter.md)
+    max_anchors: int = 24  # per sequence and step
+    batch_size: int = 4  # sequences per step
+    lr: float = 6e-4
+    weight_decay: float = 0.01
+    warmup_fraction: float = 0.04
+    max_steps: int = 4000
+    grad_clip: float = 1.0
+    gamma: float | None = None  # None: default_gamma(block_size)
+    validation_fraction: float = 0.03
+    checkpoint_every: int = 100
+    is_softmax_restricted: bool = True  # softmax over the tokens present in the data (see FrozenTargetHead)
+    seed: int = 0
+
+
+def drafter_config_for(target_config, train_config: TrainConfig) -> DFlashConfig:
+    """A drafter of the target's width: same heads, head_dim, MLP size and rope as the target."""
+    hidden = target_config.hidden_size
+    heads = target_config.num_attention_heads
+    return DFlashConfig(
+        hidden_size=hidden,
+        intermediate_size=target_config.intermediate_size,
+        num_hidden_layers=train_config.num_draft_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(target_config, "num_key_value_heads", heads) or heads,
+        head_dim=getattr(target_config, "head_dim", None) or hidden // heads,
+        rms_norm_eps=target_config.rms_norm_eps,
+        rope_theta=float(_rope_theta(target_config)),
+        vocab_size=target_config.vocab_size,
+        max_position_embeddings=target_config.max_position_embeddings,
+        block_size=train_config.block_size,
+        num_target_layers=target_config.num_hidden_layers,
+        mask_token_id=train_config.mask_token_id,
+        target_layer_ids=list(train_config.target_layer_ids),
+    )
+
+
+def _rope_theta(target_config) -> float:
+    theta = getattr(target_config, "rope_theta", None)
+    if theta is None:
+        theta = (getattr(target_config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+    return theta
+
+
+class FrozenTargetHead:
+    """The target's input embedding and LM head (frozen), the only target parts the drafter uses.
+
+    `restrict_softmax(token_ids)` makes the training softmax run over those tokens only (the tokens present in
+    the training data): the LM head is most of a step's cost on a CPU, and a token the target never produced in
+    the data is never a label. Evaluation and inference always use the full head.
+    """
+
+    def __init__(self, target_model):
+        self.embed_weight = target_model.get_input_embeddings().weight.detach()  # [V, H]
+        self.lm_head_weight = target_model.get_output_embeddings().weight.detach()  # [V, H]
+        self.vocab_size = self.lm_head_weight.shape[0]
+        self.softmax_weight = self.lm_head_weight  # [V', H]
+        self.label_to_row: torch.Tensor | None = None  # [V] row of each token in softmax_weight, -1 if absent
+
+    def restrict_softmax(self, token_ids: torch.Tensor | None) -> None:
+        if token_ids is None:
+            self.softmax_weight, self.label_to_row = self.lm_head_weight, None
+            return
+        token_ids = torch.unique(token_ids)  # sorted
+        self.softmax_weight = self.lm_head_weight[token_ids].contiguous()
+        self.label_to_row = torch.full((self.vocab_size,), -1, dtype=torch.long)
+        self.label_to_row[token_ids] = torch.arange(token_ids.numel())
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(token_ids, self.embed_weight)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits [..., V]."""
+        return hidden @ self.lm_head_weight.T
+
+    def training_logits(self, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits over the training softmax vocabulary [M, V'] and the labels as rows of it [M]."""
+        if self.label_to_row is None:
+            return hidden @ self.lm_head_weight.T, labels
+        rows = self.label_to_row[labels]
+        if bool((rows < 0).any()):
+            raise ValueError("a label is outside the restricted softmax vocabulary")
+        return hidden @ self.softmax_weight.T, rows
+
+
+def block_loss(
+    drafter: DFlashDraftModel, head: FrozenTargetHead, features: torch.Tensor, batch: BlockBatch
+) -> tuple[torch.Tensor, dict]:
+    """Weighted cross-entropy over the labelled block positions, and accuracy statistics."""
+    context = drafter.project_context(features)  # [B, C, H]
+    hidden = drafter(head.embed(batch.block_token_ids), context, batch.block_positions, batch.context_positions,
+                     batch.attention_mask)  # [B, S, H]
+    is_labelled = batch.labels != IGNORE_INDEX  # [B, S]
+    # only where there is a label: the LM head dominates the cost
+    logits, labels = head.training_logits(hidden[is_labelled], batch.labels[is_labelled])  # [M, V'], [M]
+    weights = batch.loss_weights[is_labelled]
+    ce = F.cross_entropy(logits, labels, reduction="none")  # [M]
+    loss = (ce * weights).sum() / weights.sum()
+    with torch.no_grad():
+        is_correct = logits.argmax(-1) == labels
+        offsets = batch.block_offsets[is_labelled]
+        stats = {
+            "loss": float(loss),
+            "acc": float(is_correct.float().mean()),
+            "acc_k1": float(is_correct[offsets == 1].float().mean()) if bool((offsets == 1).any()) else 0.0,
+            "num_labels": int(labels.numel()),
+        }
+    return loss, stats
+
+
+def make_batch(sequences: list[Sequence], reader: FeatureReader, config: DFlashConfig, max_anchors: int,
+               rng: random.Random, gamma: float | None) -> tuple[torch.Tensor, BlockBatch]:
+    anchors = [sample_anchors(s.prompt_length, len(s.token_ids), max_anchors, rng) for s in sequences]
+    features = pad_features([reader(s) for s in sequences])  # [B, C, F]
+    batch = build_block_batch([s.token_ids for s in sequences], anchors, config.block_size, config.mask_token_id,
+                              gamma)
+    return features, batch
+
+
+def lr_factor(step: int, max_steps: int, warmup_fraction: float) -> float:
+    warmup = max(1, int(round(warmup_fraction * max_steps)))
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def train(
+    data_dir: Path,
+    target: str,
+    train_config: TrainConfig,
+    num_threads: int = 1,
+    max_seconds: float | None = None,
+) -> Path:
+    """Train (or resume) a drafter; writes out_dir/checkpoint.pt, out_dir/log.jsonl and out_dir/drafter/."""
+    from tqdm import tqdm
+
+    from ddtree.training.target import load_target
+
+    torch.set_num_threads(num_threads)
+    out_dir = Path(train_config.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    target_model, _ = load_target(target)
+    head = FrozenTargetHead(target_model)
+    config = drafter_config_for(target_model.config, train_config)
+    del target_model
+    gamma = train_config.gamma if train_config.gamma is not None else default_gamma(train_config.block_size)
+
+    torch.manual_seed(train_config.seed)
+    drafter = DFlashDraftModel(config)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=train_config.lr, betas=(0.9, 0.95),
+                                  weight_decay=train_config.weight_decay)
+    step, seconds_trained, epoch = 0, 0.0, 0
+    checkpoint_path = out_dir / "checkpoint.pt"
+    if checkpoint_path.exists():
+        state = torch.load(checkpoint_path, weights_only=False)
+        if state["train_config"] != asdict(train_config) | {"max_steps": state["train_config"]["max_steps"]}:
+            raise ValueError(f"{checkpoint_path} was trained with another configuration: {state['train_config']}")
+        drafter.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        step, seconds_trained, epoch = state["step"], state["seconds_trained"], state["epoch"]
+        print(f"[train] resumed at step {step} ({seconds_trained / 3600:.2f} h trained)", flush=True)
+
+    reader = FeatureReader(data_dir, stored_layer_ids(data_dir), config.target_layer_ids)
+    drafter.train()
+    start = time.time()
+    progress = tqdm(total=train_config.max_steps, initial=step, desc="train", dynamic_ncols=True)
+    log_file = open(out_dir / "log.jsonl", "a")
+    running: dict[str, float] = {}
+
+    def save_checkpoint() -> None:
+        tmp = checkpoint_path.with_suffix(".tmp")
+        torch.save({"model": drafter.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                    "epoch": epoch, "seconds_trained": seconds_trained + time.time() - start,
+                    "train_config": asdict(train_config), "drafter_config": config.to_dict()}, tmp)
+        tmp.replace(checkpoint_path)
+        save_dflash(drafter, config, out_dir / "drafter")
+
+    while step < train_config.max_steps:
+        # The data set is read again every epoch: generation may still be appending to it.
+        sequences = [s for s in read_sequences(data_dir) if not is_validation(s.prompt_id,
+                                                                              train_config.validation_fraction)]
+        if not sequences:
+            raise ValueError(f"no training sequences in {data_dir}")
+        if train_config.is_softmax_restricted:
+            head.restrict_softmax(torch.tensor(sorted({t for s in sequences for t in s.token_ids})))
+        rng = random.Random(train_config.seed * 1_000_003 + epoch)
+        rng.shuffle(sequences)
+        for first in range(0, len(sequences) - train_config.batch_size + 1, train_config.batch_size):
+            if step >= train_config.max_steps or (max_seconds is not None and time.time() - start > max_seconds):
+                break
+            for group in optimizer.param_groups:
+                group["lr"] = train_config.lr * lr_factor(step, train_config.max_steps, train_config.warmup_fraction)
+            features, batch = make_batch(sequences[first : first + train_config.batch_size], reader, config,
+                                         train_config.max_anchors, rng, gamma)
+            loss, stats = block_loss(drafter, head, features, batch)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), train_config.grad_clip)
+            optimizer.step()
+            step += 1
+            for key in ("loss", "acc", "acc_k1"):
+                running[key] = stats[key] if key not in running else 0.98 * running[key] + 0.02 * stats[key]
+            progress.update(1)
+            progress.set_postfix(loss=f"{running['loss']:.3f}", acc=f"{running['acc']:.3f}",
+                                 acc1=f"{running['acc_k1']:.3f}", ep=epoch, n=len(sequences))
+            log_file.write(json.dumps({"step": step, "epoch": epoch, "num_sequences": len(sequences),
+                                       "lr": optimizer.param_groups[0]["lr"], "grad_norm": float(grad_norm),
+                                       "hours": (seconds_trained + time.time() - start) / 3600, **stats}) + "\n")
+            log_file.flush()
+            if step % train_config.checkpoint_every == 0:
+                save_checkpoint()
+        else:
+            epoch += 1
+            continue
+        break
+    save_checkpoint()
+    progress.close()
+    log_file.close()
+    return out_dir / "drafter"
