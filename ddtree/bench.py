@@ -1,0 +1,204 @@
+"""`ddtree bench`: speed and acceptance of off / dflash / ddtree (fixed B and auto) / Hugging Face generate().
+
+Every mode runs the same prompts in the same process on the same loaded weights, one request at a time (or
+`--concurrency` at once), so the table compares like with like; ratios are against `off` and against HF generate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ddtree.engine import Engine, EngineConfig
+from ddtree.llm import LLM
+from ddtree.sampling_params import SamplingParams
+
+
+@dataclass
+class ModeResult:
+    name: str
+    num_tokens: int = 0
+    seconds: float = 0.0
+    acceptance_lengths: list[int] = field(default_factory=list)
+    timings: dict = field(default_factory=dict)
+    outputs: list[list[int]] = field(default_factory=list)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.num_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def tau(self) -> float | None:
+        a = self.acceptance_lengths
+        return sum(a) / len(a) if a else None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="target (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--drafter", default=None, help="DFlash drafter (default: the shipped one)")
+    parser.add_argument("--prompts", default=None, help="a .jsonl file of {prompt} or {messages} (default: built-in sets)")
+    parser.add_argument("--categories", default="code,math,chat", help="built-in sets to use")
+    parser.add_argument("--num-prompts", type=int, default=4, help="prompts per category")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--budgets", default="8,16,32,64,128", help="fixed DDTree budgets to run")
+    parser.add_argument("--modes", default="hf,off,dflash,ddtree,auto", help="which modes to run")
+    parser.add_argument("--concurrency", type=int, default=1, help="requests in flight at once")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--out", default="work/bench", help="folder for results.json and the plot")
+
+
+def load_prompts(args) -> list[tuple[str, list[dict]]]:
+    """(category, messages) pairs."""
+    if args.prompts:
+        items = []
+        for line in Path(args.prompts).read_text().splitlines():
+            if line.strip():
+                d = json.loads(line)
+                messages = d.get("messages") or [{"role": "user", "content": d["prompt"]}]
+                items.append((d.get("category", "file"), messages))
+        return items[: args.num_prompts] if args.num_prompts else items
+    from ddtree.training.prompts import load_eval_prompts
+
+    items = []
+    for category in args.categories.split(","):
+        prompts = load_eval_prompts(category)[: args.num_prompts]
+        items.extend((category, [{"role": "user", "content": p}]) for p in prompts)
+    return items
+
+
+def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams, concurrency: int, name: str):
+    result = ModeResult(name)
+    llm = LLM.from_engine(engine)
+    engine.timings.__init__()
+    t0 = time.perf_counter()
+    for start in range(0, len(prompts), concurrency):
+        for out in llm.generate(prompts[start : start + concurrency], params):
+            result.num_tokens += len(out.token_ids)
+            result.acceptance_lengths.extend(out.acceptance_lengths)
+            result.outputs.append(out.token_ids)
+    result.seconds = time.perf_counter() - t0
+    result.timings = engine.timings.as_dict()
+    return result
+
+
+def run_hf(model_dir: str, prompts: list[list[int]], max_tokens: int, eos_token_id: int) -> ModeResult:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    result = ModeResult("hf generate")
+    t0 = time.perf_counter()
+    for ids in prompts:
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False, eos_token_id=eos_token_id
+            )
+        result.num_tokens += out.shape[1] - len(ids)
+        result.outputs.append(out[0, len(ids) :].tolist())
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def run(args) -> int:
+    from ddtree.workers import build_workers
+
+    modes = args.modes.split(",")
+    budgets = [int(b) for b in args.budgets.split(",") if b]
+    target, drafter, tokenizer = build_workers(
+        args.model, args.drafter, device=args.device, dtype=args.dtype, need_drafter=True,
+        max_num_seqs=max(args.concurrency, 1),
+    )
+    messages = load_prompts(args)
+    prompts = [
+        list(tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False))
+        for _, m in messages
+    ]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    base = Engine(EngineConfig(speculation="off", max_num_seqs=args.concurrency), target, None, tokenizer)
+    cost = base.budget.cost
+    print(f"{len(prompts)} prompts, max_tokens={args.max_tokens}, concurrency={args.concurrency}", flush=True)
+
+    configs: list[tuple[str, EngineConfig]] = []
+    if "off" in modes:
+        configs.append(("off", EngineConfig(speculation="off")))
+    if "dflash" in modes:
+        configs.append(("dflash", EngineConfig(speculation="dflash")))
+    if "ddtree" in modes:
+        configs += [(f"ddtree B={b}", EngineConfig(speculation="ddtree", budget=b)) for b in budgets]
+    if "auto" in modes:
+        configs.append(("ddtree auto", EngineConfig(speculation="ddtree", budget="auto")))
+    results = []
+    if "hf" in modes:
+        results.append(run_hf(target.model_dir, prompts, args.max_tokens, tokenizer.eos_token_id))
+        print(f"  done: {results[-1].name}", flush=True)
+    for name, config in configs:
+        config.max_num_seqs = args.concurrency
+        engine = Engine(config, target, drafter if config.speculation != "off" else None, tokenizer,
+                        cost=copy.deepcopy(cost) if config.speculation == "off" else None)
+        results.append(run_engine(engine, prompts, params, args.concurrency, name))
+        print(f"  done: {name}", flush=True)
+    print_table(results)
+    save(results, args)
+    return 0
+
+
+def print_table(results: list[ModeResult]) -> None:
+    by_name = {r.name: r for r in results}
+    off = by_name.get("off")
+    hf = by_name.get("hf generate")
+    header = "| mode | tokens/s | x off | x HF | tau | draft ms/round | tree ms/round | verify ms/round | accept ms/round |"
+    print(header)
+    print("|---" * (header.count("|") - 1) + "|")
+    for r in results:
+        rounds = max(r.timings.get("num_rounds", 0), 1)
+        ms = lambda k: f"{1000 * r.timings[k] / rounds:.1f}" if k in r.timings else "-"
+        x_off = f"{r.tokens_per_second / off.tokens_per_second:.2f}" if off else "-"
+        x_hf = f"{r.tokens_per_second / hf.tokens_per_second:.2f}" if hf else "-"
+        tau = f"{r.tau:.2f}" if r.tau is not None else "-"
+        print(f"| {r.name} | {r.tokens_per_second:.1f} | {x_off} | {x_hf} | {tau} | {ms('draft')} | {ms('tree')} | "
+              f"{ms('verify')} | {ms('accept')} |")
+    if off:
+        same = [r.name for r in results if r.outputs and r.name != "off" and r.outputs != off.outputs]
+        print(f"\nT=0 outputs identical to `off`: {'all modes' if not same else 'NOT for ' + ', '.join(same)}")
+
+
+def save(results: list[ModeResult], args) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [
+        {"mode": r.name, "tokens_per_second": r.tokens_per_second, "tau": r.tau, "num_tokens": r.num_tokens,
+         "seconds": r.seconds, "timings": r.timings}
+        for r in results
+    ]
+    (out / "results.json").write_text(json.dumps(rows, indent=2))
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fixed = [r for r in results if r.name.startswith("ddtree B=")]
+    if not fixed:
+        return
+    budgets = [int(r.name.split("=")[1]) for r in fixed]
+    fig, ax1 = plt.subplots(figsize=(6, 4))
+    ax1.plot(budgets, [r.tau or 0 for r in fixed], "o-", label="tau (ddtree)")
+    ax1.set_xscale("log", base=2)
+    ax1.set_xlabel("node budget B")
+    ax1.set_ylabel("mean acceptance length tau")
+    ax2 = ax1.twinx()
+    ax2.plot(budgets, [r.tokens_per_second for r in fixed], "s--", color="tab:red", label="tokens/s (ddtree)")
+    ax2.set_ylabel("tokens/s")
+    for r, style in ((r, ":") for r in results if r.name in ("off", "dflash", "hf generate", "ddtree auto")):
+        ax2.axhline(r.tokens_per_second, linestyle=style, color="gray")
+        ax2.annotate(r.name, (budgets[0], r.tokens_per_second), fontsize=8)
+    fig.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(out / "bench.png", dpi=120)
+    print(f"plot: {out / 'bench.png'}")

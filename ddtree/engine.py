@@ -1,0 +1,372 @@
+"""The decoding engine: continuous batching of DDTree rounds over a target worker and a drafter worker.
+
+One round (`Engine.step`), as in DESIGN.md:
+
+    admit + prefill     waiting requests that fit in KV memory join; their first token comes from the prefill
+    plan                which running requests draft this round (speculative) and which decode one token
+    draft               ONE drafter forward for all speculative requests: top-K log-probs for positions 1..L
+    build trees         the top-B prefixes of each request, all requests at once, then the global node allocation
+    verify              ONE target forward over every request's packed tree (a root-only tree when autoregressive),
+                        target tokens, acceptance walk, KV compaction: all inside the target worker
+    observe + emit      budgets learn from the accepted lengths; stops are applied; finished requests leave
+
+The engine holds plain data (ids, lists, ints) and talks to its two workers through a handful of methods, so that the
+Ray deployment can place the same workers on separate actors (deployments/) without changing this file.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from ddtree.budget import BudgetConfig, BudgetPolicy, CostModel, RoundPlan
+from ddtree.detokenizer import Detokenizer, OutputState
+from ddtree.outputs import RequestOutput, RequestStats
+from ddtree.sampling_params import SamplingParams
+from ddtree.scheduler import EngineFullError, Scheduler
+from ddtree.tree import DraftTree, build_trees_from_topk
+from ddtree.workers import DrafterWorker, TargetWorker, VerifyResult
+
+SPECULATION_MODES = ("ddtree", "dflash", "off")
+
+__all__ = ["Engine", "EngineConfig", "EngineFullError", "PromptTooLongError", "RoundTimings"]
+
+
+class PromptTooLongError(ValueError):
+    """The prompt leaves no room to generate within the model's context window (HTTP 400/413)."""
+
+
+@dataclass
+class EngineConfig:
+    speculation: str = "ddtree"  # "ddtree" (draft trees), "dflash" (the drafter's argmax chain), "off"
+    budget: int | str = "auto"  # "auto": adaptive per round; an int: fixed nodes per speculative request
+    max_budget: int = 64  # cap per request in "auto" mode (and the drafter's top-K)
+    max_num_seqs: int = 16  # requests decoded together
+    max_waiting: int = 1024  # queued requests before add_request answers EngineFullError
+    max_model_len: int | None = None  # None: the model's own context window
+    allow_fallback: bool = True  # auto mode: requests whose drafts do not pay decode autoregressively
+
+    def __post_init__(self) -> None:
+        if self.speculation not in SPECULATION_MODES:
+            raise ValueError(f"speculation must be one of {SPECULATION_MODES}, got {self.speculation!r}")
+        if self.budget != "auto" and not (isinstance(self.budget, int) and not isinstance(self.budget, bool)):
+            raise ValueError(f"budget must be 'auto' or a positive integer, got {self.budget!r}")
+        if isinstance(self.budget, int) and self.budget < 1:
+            raise ValueError(f"budget must be 'auto' or a positive integer, got {self.budget!r}")
+        for name in ("max_budget", "max_num_seqs", "max_waiting"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
+            raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+
+    @property
+    def fixed_budget(self) -> int | None:
+        return None if self.budget == "auto" else int(self.budget)
+
+
+@dataclass
+class RoundTimings:
+    """Seconds spent in each stage, summed over the engine's life (see `Engine.timings`)."""
+
+    prefill: float = 0.0
+    draft: float = 0.0
+    tree: float = 0.0
+    verify: float = 0.0  # target forward
+    accept: float = 0.0  # target tokens, walk and KV compaction
+    emit: float = 0.0
+    num_rounds: int = 0
+    num_speculative_request_rounds: int = 0
+    num_autoregressive_request_rounds: int = 0
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    output: OutputState
+    stats: RequestStats
+    root_token_id: int | None = None  # last committed token, not yet in the KV cache
+    num_text_tokens_emitted: int = 0
+
+
+@dataclass
+class _DraftedTrees:
+    trees: list[DraftTree] = field(default_factory=list)
+    predicted: list[float] = field(default_factory=list)  # S(b) of the kept nodes, uncalibrated
+
+
+class Engine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        target: TargetWorker,
+        drafter: DrafterWorker | None,
+        tokenizer,
+        cost: CostModel | None = None,
+    ) -> None:
+        if config.speculation != "off" and drafter is None:
+            raise ValueError(f"speculation={config.speculation!r} needs a drafter")
+        self.config = config
+        self.target = target
+        self.drafter = drafter if config.speculation != "off" else None
+        self.tokenizer = tokenizer
+        self.detokenizer = Detokenizer(tokenizer)
+        self.max_model_len = min(config.max_model_len or target.max_model_len, target.max_model_len)
+        self.eos_token_ids = frozenset(target.eos_token_ids)
+        self.block_len = drafter.block_len if self.drafter is not None else 0
+        fixed_budget = config.fixed_budget
+        if config.speculation == "dflash":  # the DFlash baseline verifies its whole argmax chain
+            fixed_budget = min(fixed_budget or self.block_len, self.block_len)
+        self.max_budget = (fixed_budget or config.max_budget) if self.drafter is not None else 0
+        if cost is None:
+            cost = self.measure_cost_model()
+        self.budget = BudgetPolicy(
+            BudgetConfig(
+                fixed_budget=fixed_budget,
+                max_budget=max(1, self.max_budget),
+                allow_fallback=config.allow_fallback,
+            ),
+            cost,
+        )
+        self.scheduler = Scheduler(config.max_num_seqs, config.max_waiting)
+        self.requests: dict[str, _Request] = {}
+        self.timings = RoundTimings()
+        self._ids = itertools.count()
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Requests in and out
+
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> str:
+        """Queue a request; raises ValueError (bad input), PromptTooLongError or EngineFullError, having recorded
+        nothing."""
+        prompt_token_ids, params = self.validate(prompt, params)
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        max_new = min(params.max_tokens, self.max_model_len - len(prompt_token_ids))
+        output = OutputState(params, self.eos_token_ids, max_new_tokens=max_new)
+        self.scheduler.add(request_id)
+        self.requests[request_id] = _Request(
+            request_id, prompt_token_ids, output, RequestStats(arrival_time=time.perf_counter())
+        )
+        return request_id
+
+    def validate(self, prompt: str | list[int], params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
+        """The prompt's token ids and the params, or a clear error."""
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            prompt_token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        else:
+            prompt_token_ids = list(prompt)
+            vocab = self.target.vocab_size
+            if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_token_ids):
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if not prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        room = self.max_model_len - len(prompt_token_ids)
+        if room < 1:
+            raise PromptTooLongError(
+                f"the prompt has {len(prompt_token_ids)} tokens; the context window is {self.max_model_len}"
+            )
+        return prompt_token_ids, params
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        req.output.finish_reason = "abort"
+        return self._finish(req, new_text="", new_token_ids=[])
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ----------------------------------------------------------------------------------------------------------
+    # The round
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self._admit_and_prefill()
+        running = [rid for rid in self.scheduler.running if self.requests[rid].root_token_id is not None]
+        if not running:
+            return outputs
+        plan = self._plan(running)
+        drafted = self._draft_trees(plan)
+        result = self._verify(plan, drafted)
+        self._observe(plan, drafted, result)
+        return outputs + self._emit(plan, result)
+
+    def _admit_and_prefill(self) -> list[RequestOutput]:
+        def try_allocate(rid: str) -> bool:
+            req = self.requests[rid]
+            # Room for the prompt, every new token, and one verify pass's scratch entries.
+            capacity = len(req.prompt_token_ids) + req.output.max_new_tokens + 1 + self.max_budget
+            return self.target.allocate(rid, capacity, req.output.params)
+
+        admitted = self.scheduler.admit(try_allocate)
+        if not admitted:
+            return []
+        t0 = time.perf_counter()
+        first_tokens = self.target.prefill(admitted, [self.requests[r].prompt_token_ids for r in admitted])
+        self.timings.prefill += time.perf_counter() - t0
+        outputs = []
+        for rid, token in zip(admitted, first_tokens):
+            self.budget.add(rid)
+            req = self.requests[rid]
+            req.stats.first_token_time = time.perf_counter()
+            outputs.append(self._append_tokens(req, [token]))
+        return [o for o in outputs if o is not None]
+
+    def _plan(self, running: list[str]) -> RoundPlan:
+        if self.drafter is None:
+            return RoundPlan([], list(running), [])
+        return self.budget.plan(running)
+
+    def _draft_trees(self, plan: RoundPlan) -> _DraftedTrees:
+        drafted = _DraftedTrees()
+        if not plan.speculative_ids:
+            return drafted
+        t0 = time.perf_counter()
+        roots = [self.requests[r].root_token_id for r in plan.speculative_ids]
+        # Target features of tokens committed since each request last drafted (several rounds after a fallback):
+        # they go from the target worker to the drafter worker; the drafter extends its context cache with them.
+        features = self.target.take_features(plan.speculative_ids)
+        topk_logprobs, topk_token_ids = self.drafter.draft(plan.speculative_ids, roots, features, self.max_budget)
+        t1 = time.perf_counter()
+        if self.config.speculation == "dflash":
+            trees = chain_trees_from_topk(topk_logprobs, topk_token_ids, plan.max_budgets)
+        else:
+            trees = build_trees_from_topk(topk_logprobs, topk_token_ids, plan.max_budgets)
+        # One host sync per round: node probabilities become plain floats for the budget policy.
+        path_probs = [t.path_logprobs.exp().tolist() for t in trees]
+        counts = self.budget.allocate(plan.speculative_ids, path_probs, len(plan.autoregressive_ids))
+        drafted.trees = [_truncate(t, n) for t, n in zip(trees, counts)]
+        drafted.predicted = [sum(p[:n]) for p, n in zip(path_probs, counts)]
+        t2 = time.perf_counter()
+        self.timings.draft += t1 - t0
+        self.timings.tree += t2 - t1
+        self.budget.cost.observe_draft(len(plan.speculative_ids), t1 - t0)
+        return drafted
+
+    def _verify(self, plan: RoundPlan, drafted: _DraftedTrees) -> VerifyResult:
+        request_ids = plan.speculative_ids + plan.autoregressive_ids
+        trees = drafted.trees + [None] * len(plan.autoregressive_ids)
+        roots = [self.requests[r].root_token_id for r in request_ids]
+        result = self.target.verify(request_ids, trees, roots)
+        self.timings.verify += result.forward_seconds
+        self.timings.accept += result.accept_seconds
+        self.timings.num_rounds += 1
+        self.timings.num_speculative_request_rounds += len(plan.speculative_ids)
+        self.timings.num_autoregressive_request_rounds += len(plan.autoregressive_ids)
+        self.budget.cost.observe_verify(result.num_tokens, result.forward_seconds + result.accept_seconds)
+        return result
+
+    def _observe(self, plan: RoundPlan, drafted: _DraftedTrees, result: VerifyResult) -> None:
+        for i, rid in enumerate(plan.speculative_ids):
+            num_accepted = len(result.accepted_token_ids[i])
+            self.budget.observe(rid, drafted.predicted[i], num_accepted)
+            stats = self.requests[rid].stats
+            stats.acceptance_lengths.append(num_accepted + 1)
+            stats.budgets.append(drafted.trees[i].num_nodes)
+            stats.num_speculative_rounds += 1
+        for rid in plan.autoregressive_ids:
+            self.requests[rid].stats.num_autoregressive_rounds += 1
+
+    def _emit(self, plan: RoundPlan, result: VerifyResult) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        outputs = []
+        for i, rid in enumerate(plan.speculative_ids + plan.autoregressive_ids):
+            tokens = result.accepted_token_ids[i] + [result.bonus_token_ids[i]]
+            out = self._append_tokens(self.requests[rid], tokens)
+            if out is not None:
+                outputs.append(out)
+        self.timings.emit += time.perf_counter() - t0
+        return outputs
+
+    def _append_tokens(self, req: _Request, tokens: list[int]) -> RequestOutput | None:
+        kept = self.detokenizer.append(req.output, tokens)
+        req.root_token_id = kept[-1] if kept else req.root_token_id
+        new_text = self.detokenizer.take_new_text(req.output)
+        if req.output.finish_reason is not None:
+            return self._finish(req, new_text, kept)
+        if not kept:
+            return None
+        return self._output(req, new_text, kept, finished=False)
+
+    def _finish(self, req: _Request, new_text: str, new_token_ids: list[int]) -> RequestOutput:
+        rid = req.request_id
+        self.scheduler.remove(rid)
+        self.budget.remove(rid)
+        self.target.free(rid)
+        if self.drafter is not None:
+            self.drafter.free(rid)
+        req.stats.finish_time = time.perf_counter()
+        del self.requests[rid]
+        return self._output(req, new_text, new_token_ids, finished=True)
+
+    @staticmethod
+    def _output(req: _Request, new_text: str, new_token_ids: list[int], finished: bool) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id,
+            prompt_token_ids=req.prompt_token_ids,
+            text=req.output.text if finished else req.output.text[: req.output.num_text_emitted],
+            token_ids=list(req.output.token_ids),
+            new_text=new_text,
+            new_token_ids=list(new_token_ids),
+            finished=finished,
+            finish_reason=req.output.finish_reason,
+            stats=req.stats,
+        )
+
+    # ----------------------------------------------------------------------------------------------------------
+    # Cost model
+
+    def measure_cost_model(self, token_counts: Iterable[int] | None = None) -> CostModel:
+        """Time the verify pass over packed token counts and the drafter over batch sizes (start-up profile)."""
+        cap = max(1, self.max_budget)
+        counts = sorted(set(token_counts or [1, 2, 4, 8, 16, 32, 64, 128, 256]) | {1})
+        counts = [n for n in counts if n <= max(self.config.max_num_seqs * (1 + cap), 1)] or [1]
+        verify_points = self.target.measure_verify_cost(counts)
+        draft_points = (
+            self.drafter.measure_draft_cost([1, 4, 16], cap) if self.drafter is not None else [(1, 1e-3)]
+        )
+        return CostModel(verify_points, draft_points)
+
+
+def chain_trees_from_topk(values: torch.Tensor, token_ids: torch.Tensor, lengths: list[int]) -> list[DraftTree]:
+    """Single-path DFlash: the drafter's argmax at each position, `lengths[i]` deep (at most L)."""
+    trees = []
+    for i, n in enumerate(lengths):
+        n = min(n, values.shape[1])
+        depths = torch.arange(1, n + 1, device=values.device)
+        trees.append(DraftTree(token_ids[i, :n, 0], depths - 2, depths, values[i, :n, 0].cumsum(0)))
+    return trees
+
+
+def _truncate(tree: DraftTree, num_nodes: int) -> DraftTree:
+    """The first `num_nodes` nodes in pop order: still a tree (parents precede children)."""
+    if num_nodes >= tree.num_nodes:
+        return tree
+    return DraftTree(
+        tree.token_ids[:num_nodes],
+        tree.parents[:num_nodes],
+        tree.depths[:num_nodes],
+        tree.path_logprobs[:num_nodes],
+    )

@@ -1,0 +1,140 @@
+"""The offline API: `LLM(...).generate(prompts, params)`, `.chat(conversations, params)`, `.stream(prompt, params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from ddtree.engine import Engine, EngineConfig
+from ddtree.outputs import RequestOutput
+from ddtree.sampling_params import SamplingParams
+from ddtree.scheduler import EngineFullError
+
+
+class LLM:
+    """Runs the whole engine in this process.
+
+    `LLM()` loads the embedded default pair (SmolLM2-135M-Instruct and the shipped DFlash drafter) on CPU.
+    `model`/`drafter`: a local folder (Hugging Face config.json + safetensors, or a DFlash checkpoint), a .gguf file,
+    or a hub id where a network allows; None means the embedded default. `speculation`: "ddtree" (draft trees),
+    "dflash" (the drafter's argmax chain, the single-path baseline) or "off" (plain autoregressive decoding).
+    `budget`: "auto" (adaptive per request and per round) or a fixed node count per speculative request.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        drafter: str | None = None,
+        *,
+        device: str = "cpu",
+        dtype: str | None = None,
+        speculation: str = "ddtree",
+        budget: int | str = "auto",
+        max_budget: int = 64,
+        max_num_seqs: int = 16,
+        max_model_len: int | None = None,
+        kv_cache_bytes: int | None = None,
+        attention: str = "auto",
+        allow_fallback: bool = True,
+    ) -> None:
+        from ddtree.workers import build_workers
+
+        config = EngineConfig(
+            speculation=speculation,
+            budget=budget,
+            max_budget=max_budget,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            allow_fallback=allow_fallback,
+        )
+        target, drafter_worker, tokenizer = build_workers(
+            model,
+            drafter,
+            device=device,
+            dtype=dtype,
+            need_drafter=speculation != "off",
+            max_num_seqs=max_num_seqs,
+            kv_cache_bytes=kv_cache_bytes,
+            attention=attention,
+        )
+        self.engine = Engine(config, target, drafter_worker, tokenizer)
+        self.tokenizer = tokenizer
+
+    @classmethod
+    def from_engine(cls, engine: Engine) -> "LLM":
+        llm = cls.__new__(cls)
+        llm.engine, llm.tokenizer = engine, engine.tokenizer
+        return llm
+
+    def generate(
+        self,
+        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """One final output per prompt, in order. Prompts are strings or lists of token ids."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params_list = _per_prompt(params, len(prompts))
+        return self._run(list(zip(prompts, params_list)))
+
+    def chat(
+        self,
+        conversations: Sequence[dict] | Sequence[Sequence[dict]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Conversations are lists of {"role", "content"} messages; the model's chat template is applied."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        prompts = [self.apply_chat_template(c) for c in conversations]
+        return self.generate(prompts, params)
+
+    def apply_chat_template(self, messages: Sequence[dict]) -> list[int]:
+        for m in messages:
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError("each chat message must be a dict with string 'role' and 'content'")
+        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict):  # newer transformers return a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Incremental outputs for one prompt: each has the `new_text`/`new_token_ids` of one engine step."""
+        request_id = self.engine.add_request(prompt if isinstance(prompt, str) else list(prompt), params)
+        try:
+            while True:
+                for out in self.engine.step():
+                    if out.request_id == request_id:
+                        yield out
+                        if out.finished:
+                            return
+        finally:
+            if request_id in self.engine.requests:
+                self.engine.abort_request(request_id)
+
+    def _run(self, items: list[tuple]) -> list[RequestOutput]:
+        # Validate everything before queueing anything: a bad prompt fails the call and leaves no work behind.
+        items = [self.engine.validate(prompt if isinstance(prompt, str) else list(prompt), p) for prompt, p in items]
+        finals: dict[str, RequestOutput] = {}
+        order: list[str] = []
+        pending = list(items)
+        while pending or self.engine.has_unfinished_requests():
+            while pending:
+                prompt, params = pending[0]
+                try:
+                    rid = self.engine.add_request(prompt, params)
+                except EngineFullError:
+                    break
+                order.append(rid)
+                pending.pop(0)
+            for out in self.engine.step():
+                if out.finished:
+                    finals[out.request_id] = out
+        return [finals[rid] for rid in order]
+
+
+def _per_prompt(params, n: int) -> list[SamplingParams]:
+    if params is None or isinstance(params, SamplingParams):
+        return [params or SamplingParams()] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+    return params

@@ -1,0 +1,51 @@
+"""Admission and membership: which requests wait, which run (request ids and counts only)."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+
+class EngineFullError(RuntimeError):
+    """The waiting queue is full: retry later (HTTP 429/503)."""
+
+
+@dataclass
+class Scheduler:
+    max_num_seqs: int
+    max_waiting: int
+    waiting: deque[str] = field(default_factory=deque)
+    running: list[str] = field(default_factory=list)
+
+    def add(self, request_id: str) -> None:
+        if len(self.waiting) >= self.max_waiting:
+            raise EngineFullError(
+                f"the engine's queue is full ({self.max_waiting} requests waiting); retry later"
+            )
+        self.waiting.append(request_id)
+
+    def admit(self, try_allocate: Callable[[str], bool]) -> list[str]:
+        """Move waiting requests to running, first come first served, while seats and KV memory last.
+
+        `try_allocate` reserves a request's KV cache and answers False when it does not fit; the queue then waits
+        (no request overtakes the head of the queue, so a long prompt cannot starve)."""
+        admitted = []
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            request_id = self.waiting[0]
+            if not try_allocate(request_id):
+                break
+            self.waiting.popleft()
+            self.running.append(request_id)
+            admitted.append(request_id)
+        return admitted
+
+    def remove(self, request_id: str) -> None:
+        if request_id in self.running:
+            self.running.remove(request_id)
+        elif request_id in self.waiting:
+            self.waiting.remove(request_id)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)

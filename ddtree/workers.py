@@ -1,0 +1,232 @@
+"""The two stage objects the engine drives: the target worker and the drafter worker.
+
+They own every tensor (weights, KV caches, logits, hidden features); the engine sends them request ids, token ids
+and draft trees, and gets back plain lists. In one process the engine calls them directly; the Ray deployment puts
+each on its own actor (deployments/) and the same calls become actor calls. What crosses between them per round is
+small: top-K draft log-probs [R, L, K] from the drafter, the trees to the target, accepted token ids back, and the
+accepted tokens' hidden features from the target to the drafter.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ddtree.accept import accept, target_tokens_greedy, target_tokens_sampled
+from ddtree.models.dflash import DFlashConfig
+from ddtree.packing import pack
+from ddtree.sampling_params import SamplingParams
+from ddtree.tree import DraftTree
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+DEFAULT_KV_CACHE_BYTES = 1 << 30
+DEFAULT_DRAFTER_DIR = Path(__file__).parent / "assets" / "drafter" / "smollm2-135m-dflash"
+
+
+@dataclass
+class VerifyResult:
+    accepted_token_ids: list[list[int]]  # per request: tokens of the accepted tree nodes (bonus excluded)
+    bonus_token_ids: list[int]  # per request: the target's own token after the accepted path
+    num_tokens: int  # packed tokens verified
+    forward_seconds: float
+    accept_seconds: float  # target tokens, the walk and the KV compaction
+
+
+class TargetWorker:
+    """The target model, its KV cache, per-request sampling state, and features waiting for the drafter."""
+
+    def __init__(self, model, keep_features: bool) -> None:
+        self.model = model
+        self.keep_features = keep_features and model.feature_dim > 0
+        self.max_model_len = int(model.config.max_position_embeddings)
+        self.eos_token_ids = list(model.config.eos_token_ids)
+        self.vocab_size = int(model.config.vocab_size)
+        self.model_dir = str(model.source_path) if model.source_path is not None else None
+        self._seq_ids: dict[str, int] = {}
+        self._next_seq_id = 0
+        self._params: dict[str, SamplingParams] = {}
+        self._generators: dict[str, torch.Generator | None] = {}
+        self._pending_features: dict[str, list[torch.Tensor]] = {}
+
+    @property
+    def num_kv_bytes_used(self) -> int:
+        return self.model.kv.num_bytes_used
+
+    def allocate(self, request_id: str, max_tokens: int, params: SamplingParams) -> bool:
+        """Reserve the request's KV region; False when it does not fit now (the request keeps waiting)."""
+        seq_id = self._next_seq_id
+        if self.model.kv.allocate(seq_id, max_tokens) is None:
+            return False
+        self._next_seq_id += 1
+        self._seq_ids[request_id] = seq_id
+        self._params[request_id] = params
+        gen = None
+        if params.seed is not None and not params.is_greedy:
+            gen = torch.Generator(device=self.model.device).manual_seed(params.seed)
+        self._generators[request_id] = gen
+        self._pending_features[request_id] = []
+        return True
+
+    def prefill(self, request_ids: list[str], prompts: list[list[int]]) -> list[int]:
+        """Prompts into the KV cache; returns each request's first generated token."""
+        seq_ids = [self._seq_ids[r] for r in request_ids]
+        last_logits, features = self.model.prefill(seq_ids, prompts)  # [R, V], list of [n_i, F]
+        if self.keep_features:
+            for rid, f in zip(request_ids, features):
+                self._pending_features[rid].append(f)
+        seq_index = torch.arange(len(request_ids), device=last_logits.device)
+        return self._target_tokens(request_ids, last_logits, seq_index).tolist()
+
+    def verify(self, request_ids: list[str], trees: list[DraftTree | None], root_token_ids: list[int]) -> VerifyResult:
+        """One forward over every request's packed tree (None: root only, an autoregressive step), then the
+        acceptance walk and the KV compaction."""
+        t0 = time.perf_counter()
+        seq_ids = [self._seq_ids[r] for r in request_ids]
+        device = self.model.device
+        trees = [t if t is not None else DraftTree.empty(device) for t in trees]
+        num_cached = [self.model.kv.num_committed(s) for s in seq_ids]
+        packed = pack(trees, root_token_ids, num_cached, device=device)
+        logits, features = self.model.verify(seq_ids, packed)  # [N, V], [N, F]
+        t1 = time.perf_counter()
+        tokens = self._target_tokens(request_ids, logits, packed.seq_index)
+        result = accept(packed, tokens)  # the round's one host sync
+        for r, (rid, seq_id) in enumerate(zip(request_ids, seq_ids)):
+            start = packed.query_starts[r]
+            kept = result.accepted_packed[r]
+            self.model.commit(seq_id, [p - start for p in kept])
+            if self.keep_features:
+                self._pending_features[rid].append(features[kept])
+        t2 = time.perf_counter()
+        return VerifyResult(
+            result.accepted_token_ids, result.bonus_token_ids, packed.num_tokens, t1 - t0, t2 - t1
+        )
+
+    def take_features(self, request_ids: list[str]) -> list[torch.Tensor]:
+        """Features [n_i, F] of every token committed since the request's last draft (the drafter's new context)."""
+        out = []
+        for rid in request_ids:
+            pending = self._pending_features[rid]
+            out.append(pending[0] if len(pending) == 1 else torch.cat(pending))
+            self._pending_features[rid] = []
+        return out
+
+    def free(self, request_id: str) -> None:
+        seq_id = self._seq_ids.pop(request_id, None)
+        if seq_id is not None:
+            self.model.free(seq_id)
+        for d in (self._params, self._generators, self._pending_features):
+            d.pop(request_id, None)
+
+    def measure_verify_cost(self, token_counts: list[int]) -> list[tuple[int, float]]:
+        from ddtree.models.target import measure_verify_cost_curve
+
+        return measure_verify_cost_curve(self.model, token_counts)
+
+    def _target_tokens(self, request_ids: list[str], logits: torch.Tensor, seq_index: torch.Tensor) -> torch.Tensor:
+        params = [self._params[r] for r in request_ids]
+        if all(p.is_greedy for p in params):
+            return target_tokens_greedy(logits)
+        return target_tokens_sampled(
+            logits,
+            seq_index,
+            [p.temperature for p in params],
+            [p.top_p for p in params],
+            [p.top_k for p in params],
+            [self._generators[r] for r in request_ids],
+        )
+
+
+class DrafterWorker:
+    """The DFlash drafter and its per-request context caches."""
+
+    def __init__(self, drafter) -> None:
+        self.drafter = drafter
+        self.block_len = int(drafter.block_len)
+        self._known: set[str] = set()
+
+    def draft(
+        self,
+        request_ids: list[str],
+        root_token_ids: list[int],
+        new_features: list[torch.Tensor],
+        max_k: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Extend each request's context with `new_features`, then ONE forward for all of them:
+        (top-K log-probs [R, L, K], token ids [R, L, K]) for block positions 1..L."""
+        for rid, feats in zip(request_ids, new_features):
+            if rid not in self._known:
+                self.drafter.add_request(rid)
+                self._known.add(rid)
+            if feats.shape[0]:
+                self.drafter.add_context(rid, feats)
+        return self.drafter.draft(request_ids, root_token_ids, max_k)
+
+    def free(self, request_id: str) -> None:
+        if request_id in self._known:
+            self._known.discard(request_id)
+            self.drafter.free(request_id)
+
+    def measure_draft_cost(self, batch_sizes: list[int], max_k: int) -> list[tuple[int, float]]:
+        return self.drafter.measure_draft_cost(batch_sizes, max_k)
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
+    if dtype is None:
+        return torch.float32 if str(device).startswith("cpu") else torch.bfloat16
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def build_workers(
+    model: str | None = None,
+    drafter: str | None = None,
+    *,
+    device: str = "cpu",
+    dtype: str | torch.dtype | None = None,
+    need_drafter: bool = True,
+    max_num_seqs: int = 16,
+    kv_cache_bytes: int | None = None,
+    attention: str = "auto",
+) -> tuple[TargetWorker, DrafterWorker | None, object]:
+    """Load the target (and the drafter unless speculation is off) and wrap them in workers.
+
+    model None: the embedded default SmolLM2-135M-Instruct; drafter None: the drafter shipped for it."""
+    from ddtree.models.target import TargetModel
+
+    torch_dtype = resolve_dtype(dtype, device)
+    if attention == "auto":
+        attention = "flex" if str(device).startswith("cuda") else "sdpa"
+    drafter_path = None
+    feature_layer_ids: list[int] = []
+    if need_drafter:
+        if drafter is None:
+            if model is not None:
+                raise ValueError("a custom target model needs its own drafter (drafter=...), or speculation='off'")
+            drafter_path = DEFAULT_DRAFTER_DIR
+        else:
+            drafter_path = Path(drafter)
+        if not (drafter_path / "config.json").is_file():
+            raise ValueError(f"drafter {str(drafter_path)!r} is not a DFlash checkpoint folder (no config.json)")
+        feature_layer_ids = DFlashConfig.from_dict(json.loads((drafter_path / "config.json").read_text())).target_layer_ids
+    target_model = TargetModel.load(
+        model if model is not None else "default",
+        device=device,
+        dtype=torch_dtype,
+        feature_layer_ids=feature_layer_ids,
+        max_kv_bytes=kv_cache_bytes or DEFAULT_KV_CACHE_BYTES,
+        attention=attention,
+    )
+    target = TargetWorker(target_model, keep_features=need_drafter)
+    drafter_worker = None
+    if need_drafter:
+        from ddtree.drafter import DFlashDrafter
+
+        drafter_worker = DrafterWorker(DFlashDrafter.load(drafter_path, target_model, device=device, dtype=torch_dtype))
+    return target, drafter_worker, target_model.tokenizer

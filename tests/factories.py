@@ -1,0 +1,87 @@
+"""Tiny random checkpoints on disk, in the formats real ones use: a Hugging Face Llama/Qwen3 folder (with a real
+character-level tokenizer) and a DFlash drafter folder. Deterministic for a given seed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tests.tiny_tokenizer import make_char_tokenizer
+
+
+def make_tiny_target(
+    path: Path,
+    model_type: str = "llama",
+    seed: int = 0,
+    num_layers: int = 4,
+    hidden_size: int = 64,
+    logit_scale: float = 1.0,
+    max_position_embeddings: int = 512,
+) -> Path:
+    """A random tiny causal LM saved with save_pretrained + the char tokenizer. `logit_scale` sharpens the output
+    distribution (a larger value makes greedy decoding more repetitive and easier to draft)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    tokenizer = make_char_tokenizer()
+    kwargs = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=hidden_size // 4,
+        max_position_embeddings=max_position_embeddings,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    config = AutoConfig.for_model(model_type, **kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(logit_scale)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def make_tiny_drafter(
+    path: Path,
+    target_dir: Path,
+    seed: int = 1,
+    block_size: int = 8,
+    num_layers: int = 1,
+    target_layer_ids: list[int] | None = None,
+) -> Path:
+    """A random DFlash drafter for the tiny target at `target_dir`, in the published checkpoint layout."""
+    import json
+
+    from ddtree.models.dflash import DFlashConfig, DFlashDraftModel, save_dflash
+
+    t = json.loads((target_dir / "config.json").read_text())
+    hidden = t["hidden_size"]
+    config = DFlashConfig(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=num_layers,
+        num_attention_heads=t["num_attention_heads"],
+        num_key_value_heads=t["num_key_value_heads"],
+        head_dim=t.get("head_dim") or hidden // t["num_attention_heads"],
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        vocab_size=t["vocab_size"],
+        max_position_embeddings=t["max_position_embeddings"],
+        block_size=block_size,
+        num_target_layers=t["num_hidden_layers"],
+        mask_token_id=0,  # <unk>: never produced by the char tokenizer
+        target_layer_ids=target_layer_ids or [0, t["num_hidden_layers"] - 1],
+    )
+    torch.manual_seed(seed)
+    model = DFlashDraftModel(config)
+    save_dflash(model, config, path, dtype=torch.float32)
+    return path
