@@ -41,7 +41,7 @@ def make_tiny_target(
     )
     config = AutoConfig.for_model(model_type, **kwargs)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         model.lm_head.weight.mul_(logit_scale)
     path.mkdir(parents=True, exist_ok=True)

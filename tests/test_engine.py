@@ -1,0 +1,265 @@
+"""The engine on tiny random float64 models: lossless at T=0 against `off` and Hugging Face, continuous batching,
+stops, budgets, fallback, sampling statistics, input validation."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from ddtree.budget import CostModel
+from ddtree.engine import Engine, EngineConfig, PromptTooLongError
+from ddtree.llm import LLM
+from ddtree.sampling_params import SamplingParams
+from ddtree.scheduler import EngineFullError
+from ddtree.workers import build_workers
+from tests.factories import make_tiny_drafter, make_tiny_target
+
+PROMPTS = ["hello world", "the cat sat on", "a", "12 + 7 =", "why is the sky blue?"]
+# A fixed cost model keeps the tests deterministic (the engine measures one at start-up otherwise).
+FLAT_COST = CostModel([(1, 0.010), (64, 0.012), (1024, 0.05)], [(1, 0.002), (16, 0.003)])
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny")
+    target = make_tiny_target(root / "target", logit_scale=8.0)
+    drafter = make_tiny_drafter(root / "drafter", target)
+    return target, drafter
+
+
+@pytest.fixture(scope="module")
+def workers(checkpoints):
+    target, drafter = checkpoints
+    return build_workers(str(target), str(drafter), dtype="float64", max_num_seqs=8)
+
+
+def make_llm(workers, **config) -> LLM:
+    target, drafter, tokenizer = workers
+    config = EngineConfig(**config)
+    engine = Engine(config, target, drafter if config.speculation != "off" else None, tokenizer, cost=FLAT_COST)
+    return LLM.from_engine(engine)
+
+
+def greedy(max_tokens=24, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def test_off_matches_hugging_face_greedy(checkpoints, workers):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(checkpoints[0], dtype=torch.float64).eval()
+    llm = make_llm(workers, speculation="off")
+    tok = workers[2]
+    for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, greedy(16))):
+        ids = tok.encode(prompt, add_special_tokens=False)
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)
+        assert out.token_ids == ref[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(speculation="ddtree", budget=1),
+        dict(speculation="ddtree", budget=4),
+        dict(speculation="ddtree", budget=16),
+        dict(speculation="ddtree", budget=64),
+        dict(speculation="ddtree", budget="auto"),
+        dict(speculation="dflash"),
+    ],
+    ids=lambda c: f"{c['speculation']}-{c.get('budget', '')}",
+)
+def test_speculative_t0_equals_off_batched(workers, config):
+    reference = make_llm(workers, speculation="off").generate(PROMPTS, greedy())
+    outputs = make_llm(workers, max_num_seqs=3, **config).generate(PROMPTS, greedy())
+    assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
+    assert [o.text for o in outputs] == [r.text for r in reference]
+    rounds = [a for o in outputs for a in o.acceptance_lengths]
+    assert rounds and all(a >= 1 for a in rounds)
+    if config.get("budget") == 64:
+        assert max(rounds) > 1  # with 64 nodes over a 46-token vocabulary some drafts must be accepted
+
+
+def test_requests_join_and_leave_mid_flight(workers):
+    reference = {p: o.token_ids for p, o in zip(PROMPTS, make_llm(workers, speculation="off").generate(
+        PROMPTS, [greedy(8 + 4 * i) for i in range(len(PROMPTS))]))}
+    engine = make_llm(workers, speculation="ddtree", budget=8, max_num_seqs=2).engine
+    ids, finals, pending = {}, {}, list(enumerate(PROMPTS))
+    steps = 0
+    while pending or engine.has_unfinished_requests():
+        if pending and steps % 3 == 0:  # a new request every third round
+            i, p = pending.pop(0)
+            ids[engine.add_request(p, greedy(8 + 4 * i))] = p
+        for out in engine.step():
+            if out.finished:
+                finals[ids[out.request_id]] = out.token_ids
+        steps += 1
+    assert finals == reference
+
+
+def test_streaming_concatenates_to_the_final_text(workers):
+    llm = make_llm(workers, speculation="ddtree", budget=16)
+    final = llm.generate("the cat sat on", greedy(30))[0]
+    chunks = list(llm.stream("the cat sat on", greedy(30)))
+    assert "".join(c.new_text for c in chunks) == final.text
+    assert sum(len(c.new_token_ids) for c in chunks) == len(final.token_ids)
+    assert chunks[-1].finished and not any(c.finished for c in chunks[:-1])
+
+
+def test_stops_apply_to_tokens_accepted_in_one_round(workers):
+    off = make_llm(workers, speculation="off")
+    spec = make_llm(workers, speculation="ddtree", budget=64)
+    free_text = off.generate(PROMPTS[1], greedy(40))[0]
+    stop = free_text.text[10:13]
+    assert stop and stop not in free_text.text[:10]
+    for llm in (off, spec):
+        out = llm.generate(PROMPTS[1], greedy(40, stop=[stop]))[0]
+        assert out.finish_reason == "stop" and out.text == free_text.text[: free_text.text.index(stop)]
+    stop_id = free_text.token_ids[6]
+    for llm in (off, spec):
+        out = llm.generate(PROMPTS[1], greedy(40, stop_token_ids=[stop_id]))[0]
+        assert out.finish_reason == "stop" and out.token_ids == free_text.token_ids[: 7]
+        out = llm.generate(PROMPTS[1], greedy(5))[0]
+        assert out.finish_reason == "length" and out.token_ids == free_text.token_ids[:5]
+
+
+def test_eos_and_context_length(workers, checkpoints):
+    target, drafter, tok = workers
+    llm = make_llm(workers, speculation="ddtree", budget=16)
+    free = make_llm(workers, speculation="off").generate(PROMPTS[0], greedy(40))[0]
+    eos_target = free.token_ids[3]
+    target.eos_token_ids.append(eos_target)  # pretend that token is EOS for a moment
+    try:
+        engine = Engine(EngineConfig(speculation="ddtree", budget=16), target, drafter, tok, cost=FLAT_COST)
+        out = LLM.from_engine(engine).generate(PROMPTS[0], SamplingParams(max_tokens=40))[0]
+        assert out.finish_reason == "stop" and out.token_ids == free.token_ids[: 4]
+    finally:
+        target.eos_token_ids.remove(eos_target)
+    short = Engine(EngineConfig(speculation="ddtree", budget=16, max_model_len=20), target, drafter, tok,
+                   cost=FLAT_COST)
+    out = LLM.from_engine(short).generate(PROMPTS[0], greedy(100))[0]
+    prompt_len = len(tok.encode(PROMPTS[0], add_special_tokens=False))
+    assert out.finish_reason == "length" and len(out.token_ids) == 20 - prompt_len
+    assert out.token_ids == free.token_ids[: 20 - prompt_len]
+    with pytest.raises(PromptTooLongError):
+        short.add_request("x" * 20, greedy())
+
+
+def test_invalid_requests_leave_nothing_behind(workers):
+    llm = make_llm(workers, speculation="ddtree", budget=4, max_waiting=2)
+    engine = llm.engine
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("", greedy())
+    with pytest.raises(ValueError, match="token ids"):
+        engine.add_request([1, 10_000], greedy())
+    with pytest.raises(ValueError, match="SamplingParams"):
+        engine.add_request("hi", {"temperature": 0})
+    with pytest.raises(ValueError, match="prompt"):
+        llm.generate(["fine", ""], greedy())
+    assert not engine.has_unfinished_requests()
+    engine.add_request("a", greedy(2))
+    engine.add_request("b", greedy(2))
+    with pytest.raises(EngineFullError):
+        engine.add_request("c", greedy(2))
+    while engine.has_unfinished_requests():
+        engine.step()
+    with pytest.raises(ValueError, match="speculation"):
+        EngineConfig(speculation="medusa")
+    with pytest.raises(ValueError, match="budget"):
+        EngineConfig(budget=0)
+
+
+def test_abort_frees_the_request(workers):
+    engine = make_llm(workers, speculation="ddtree", budget=8).engine
+    kv_before = engine.target.num_kv_bytes_used
+    rid = engine.add_request("hello world", greedy(50))
+    engine.step()
+    engine.step()
+    out = engine.abort_request(rid)
+    assert out.finished and out.finish_reason == "abort"
+    assert engine.target.num_kv_bytes_used == kv_before and not engine.has_unfinished_requests()
+
+
+def test_fallback_skips_the_drafter_and_recovers(workers):
+    # A verify pass that costs much more per token than the drafter returns: everything falls back.
+    expensive = CostModel([(1, 0.010), (2, 0.030), (64, 1.0)], [(1, 0.050), (16, 0.060)])
+    target, drafter, tok = workers
+    engine = Engine(EngineConfig(speculation="ddtree", budget="auto"), target, drafter, tok, cost=expensive)
+    reference = make_llm(workers, speculation="off").generate(PROMPTS[:2], greedy(40))
+    outputs = LLM.from_engine(engine).generate(PROMPTS[:2], greedy(40))
+    assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
+    stats = [o.stats for o in outputs]
+    assert all(s.num_autoregressive_rounds > s.num_speculative_rounds for s in stats)
+    assert all(s.num_speculative_rounds >= 2 for s in stats)  # probed again after falling back
+    # Cheap verify tokens: requests come back from fallback once probes pay.
+    engine.budget.cost = CostModel([(1, 0.010), (1024, 0.011)], [(1, 0.0001)])
+    for s in engine.budget.states.values():
+        s.gain = 5.0
+    outputs = LLM.from_engine(engine).generate(PROMPTS[:2], greedy(40))
+    assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
+
+
+def _chi_square_p_value(observed: Counter, expected_probs: dict, n: int) -> float:
+    """Pearson chi-square with categories of expected count < 5 pooled; Wilson-Hilferty approximation."""
+    stat, pooled_obs, pooled_exp, dof = 0.0, 0, 0.0, -1
+    for key, p in expected_probs.items():
+        e = p * n
+        if e < 5:
+            pooled_obs += observed.get(key, 0)
+            pooled_exp += e
+            continue
+        stat += (observed.get(key, 0) - e) ** 2 / e
+        dof += 1
+    unexpected = sum(c for k, c in observed.items() if k not in expected_probs)
+    pooled_obs += unexpected
+    if pooled_exp > 0:
+        stat += (pooled_obs - pooled_exp) ** 2 / max(pooled_exp, 1e-9)
+        dof += 1
+    elif unexpected:
+        return 0.0
+    z = ((stat / dof) ** (1 / 3) - (1 - 2 / (9 * dof))) / math.sqrt(2 / (9 * dof))
+    return 0.5 * math.erfc(z / math.sqrt(2))
+
+
+def test_sampling_matches_the_target_distribution(checkpoints, workers):
+    """Three sampled tokens after a fixed prompt (two of them through a verify round with a 16-node tree) are
+    distributed as the target's own top-k=3, T=1 distribution, computed exactly with Hugging Face."""
+    from transformers import AutoModelForCausalLM
+
+    tok = workers[2]
+    prompt = tok.encode("the cat", add_special_tokens=False)
+    hf = AutoModelForCausalLM.from_pretrained(checkpoints[0], dtype=torch.float64).eval()
+
+    def dist(ids):
+        logits = hf(torch.tensor([ids])).logits[0, -1]
+        top = logits.topk(3)
+        probs = top.values.softmax(-1)
+        return dict(zip(top.indices.tolist(), probs.tolist()))
+
+    expected = {}
+    for a, pa in dist(prompt).items():
+        for b, pb in dist(prompt + [a]).items():
+            for c, pc in dist(prompt + [a, b]).items():
+                expected[(a, b, c)] = pa * pb * pc
+    params = SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
+    llm = make_llm(workers, speculation="ddtree", budget=16, max_num_seqs=8)
+    n = 1500
+    torch.manual_seed(1234)
+    outs = llm.generate([prompt] * n, params)
+    observed = Counter(tuple(o.token_ids) for o in outs)
+    assert sum(a for o in outs for a in o.acceptance_lengths if a > 1) > 0  # drafts were accepted sometimes
+    assert _chi_square_p_value(observed, expected, n) > 1e-4
+    # The same test rejects a wrong distribution (the draft-free argmax chain is far from it).
+    wrong = Counter({max(expected, key=expected.get): n})
+    assert _chi_square_p_value(wrong, expected, n) < 1e-6
+
+
+def test_seeded_sampling_is_reproducible(workers):
+    llm = make_llm(workers, speculation="ddtree", budget=8)
+    p = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, seed=7, ignore_eos=True)
+    a = llm.generate(PROMPTS[:2], p)
+    b = llm.generate(PROMPTS[:2], p)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
