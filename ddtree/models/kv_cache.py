@@ -1,0 +1,173 @@
+"""The target's KV cache, owned by the engine: per-request regions of one preallocated pool.
+
+Layout: one tensor `pool` [num_layers, 2 (k, v), num_kv_heads, num_slots, head_dim]. A request owns a contiguous
+slot range [start, start + max_tokens) for its whole life, so its keys of layer l are the view
+`pool[l, 0, :, start:start + n]` ([kv_heads, n, head_dim], what attention reads, no copy), and the writes of a whole
+packed batch go into the pool in one indexed copy per layer.
+
+A request's region holds `num_committed` entries (the accepted context), then scratch slots: a verify pass writes
+its segment (root + tree nodes) right after the committed entries, and `commit(seq_id, keep_local_indices)` moves
+the kept entries (root + accepted path) to be contiguous after the committed ones and drops the rest.
+
+`allocate` returns None when the request does not fit (admission control: the scheduler queues it); every
+request's full `max_tokens` is reserved up front, so an admitted request can always run to completion.
+On CPU the pool is allocated with torch.empty, so untouched slots cost address space, not memory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class KVHandle:
+    """One request's reservation in the pool."""
+
+    seq_id: int
+    slot_start: int  # first slot of the region
+    max_tokens: int  # region length: committed entries plus scratch for one verify segment
+    num_bytes: int
+    num_committed: int = 0  # accepted entries, slots [slot_start, slot_start + num_committed)
+    num_scratch: int = 0  # entries written by the last forward after the committed ones, not yet committed
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_bytes: int,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        max_tokens_per_request: int | None = None,
+    ):
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.max_tokens_per_request = max_tokens_per_request  # e.g. a sliding window served exactly
+        self.bytes_per_token = num_layers * 2 * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+        self.num_slots = int(max_bytes) // self.bytes_per_token
+        if self.num_slots < 1:
+            raise ValueError(f"max_bytes={max_bytes} holds no token (one token takes {self.bytes_per_token} bytes)")
+        self.pool = torch.empty(
+            num_layers, 2, num_kv_heads, self.num_slots, head_dim, device=self.device, dtype=dtype
+        )  # [L, 2, kv_heads, slots, head_dim]
+        self._handles: dict[int, KVHandle] = {}
+        self._free: list[tuple[int, int]] = [(0, self.num_slots)]  # sorted (start, length) ranges
+
+    # ---- accounting -------------------------------------------------------------------------------------------
+    @property
+    def max_bytes(self) -> int:
+        return self.num_slots * self.bytes_per_token
+
+    @property
+    def num_bytes_used(self) -> int:
+        return sum(h.num_bytes for h in self._handles.values())
+
+    @property
+    def num_bytes_free(self) -> int:
+        return self.max_bytes - self.num_bytes_used
+
+    def bytes_for(self, max_tokens: int) -> int:
+        return max_tokens * self.bytes_per_token
+
+    def __contains__(self, seq_id: int) -> bool:
+        return seq_id in self._handles
+
+    def handle(self, seq_id: int) -> KVHandle:
+        h = self._handles.get(seq_id)
+        if h is None:
+            raise ValueError(f"request {seq_id} has no KV allocation")
+        return h
+
+    def num_committed(self, seq_id: int) -> int:
+        return self.handle(seq_id).num_committed
+
+    # ---- allocation -------------------------------------------------------------------------------------------
+    def allocate(self, seq_id: int, max_tokens: int) -> KVHandle | None:
+        """Reserve `max_tokens` slots (committed tokens + one verify segment); None if it does not fit now."""
+        if seq_id in self._handles:
+            raise ValueError(f"request {seq_id} already has a KV allocation")
+        if max_tokens <= 0:
+            raise ValueError(f"max_tokens must be positive, got {max_tokens}")
+        if self.max_tokens_per_request is not None and max_tokens > self.max_tokens_per_request:
+            raise ValueError(
+                f"max_tokens={max_tokens} exceeds what this model serves exactly ({self.max_tokens_per_request})"
+            )
+        for i, (start, length) in enumerate(self._free):
+            if length >= max_tokens:
+                if length == max_tokens:
+                    del self._free[i]
+                else:
+                    self._free[i] = (start + max_tokens, length - max_tokens)
+                h = KVHandle(seq_id, start, max_tokens, self.bytes_for(max_tokens))
+                self._handles[seq_id] = h
+                return h
+        return None
+
+    def free(self, seq_id: int) -> bool:
+        """Release a request's region (finish or abort); False if it held none."""
+        h = self._handles.pop(seq_id, None)
+        if h is None:
+            return False
+        self._free.append((h.slot_start, h.max_tokens))
+        self._free.sort()
+        merged: list[tuple[int, int]] = []
+        for start, length in self._free:
+            if merged and merged[-1][0] + merged[-1][1] == start:
+                merged[-1] = (merged[-1][0], merged[-1][1] + length)
+            else:
+                merged.append((start, length))
+        self._free = merged
+        return True
+
+    # ---- views and writes used by the runner ------------------------------------------------------------------
+    def reserve_scratch(self, seq_id: int, num_tokens: int) -> int:
+        """Claim `num_tokens` scratch slots after the committed entries; returns the first slot (pool index)."""
+        h = self.handle(seq_id)
+        if h.num_committed + num_tokens > h.max_tokens:
+            raise ValueError(
+                f"request {seq_id}: {h.num_committed} committed + {num_tokens} new tokens exceed its "
+                f"allocation of {h.max_tokens}"
+            )
+        h.num_scratch = num_tokens
+        return h.slot_start + h.num_committed
+
+    def keys_values(self, seq_id: int, layer: int, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Views [kv_heads, num_tokens, head_dim] of the first num_tokens entries of a request's region."""
+        start = self.handle(seq_id).slot_start
+        kv = self.pool[layer, :, :, start : start + num_tokens]  # [2, kv_heads, n, head_dim]
+        return kv[0], kv[1]
+
+    def commit(self, seq_id: int, keep_local_indices) -> None:
+        """Keep the scratch entries at `keep_local_indices` (increasing, relative to the scratch start), moved to
+        be contiguous after the committed entries; drop the other scratch entries."""
+        h = self.handle(seq_id)
+        keep = torch.as_tensor(keep_local_indices, dtype=torch.int64).flatten()
+        num_keep = keep.numel()
+        if num_keep:
+            keep_list = keep.tolist()
+            if keep_list[0] < 0 or keep_list[-1] >= h.num_scratch or any(
+                b <= a for a, b in zip(keep_list, keep_list[1:])
+            ):
+                raise ValueError(
+                    f"keep_local_indices must be increasing in [0, {h.num_scratch}), got {keep_list}"
+                )
+            base = h.slot_start + h.num_committed
+            if keep_list != list(range(num_keep)):
+                src = (keep + base).to(self.device)
+                # Advanced indexing on the right copies first, so overlapping source and target are safe.
+                self.pool[:, :, :, base : base + num_keep] = self.pool[:, :, :, src]
+        h.num_committed += num_keep
+        h.num_scratch = 0
+
+    def commit_all(self, seq_id: int) -> None:
+        """Keep every scratch entry (prefill and plain decode)."""
+        h = self.handle(seq_id)
+        h.num_committed += h.num_scratch
+        h.num_scratch = 0

@@ -1,0 +1,178 @@
+"""Reading Llama-family checkpoints into Hugging Face-named tensors: safetensors folders, hub ids, GGUF files.
+
+All readers return (TargetConfig, {hf_name: tensor [out, in] as in transformers}); the runner converts that into
+its own layout. GGUF tensors are dequantised to float32; llama.cpp stores the q/k projections of `llama`
+architectures permuted for its rotary kernel, which is undone here.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ddtree.models.config import TargetConfig
+
+GGUF_TO_HF = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+GGUF_ARCH_TO_MODEL_TYPE = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+
+
+def resolve_source(source: str | Path) -> Path:
+    """A local folder or .gguf file as is; otherwise a Hugging Face hub id, downloaded (needs a network)."""
+    path = Path(source).expanduser()
+    if path.exists():
+        return path
+    if str(source).count("/") == 1 and not str(source).startswith((".", "/", "~")):
+        try:
+            from huggingface_hub import snapshot_download
+        except ImportError as e:  # pragma: no cover - huggingface_hub ships with transformers
+            raise ValueError(f"{source!r} is not a local path and huggingface_hub is not installed") from e
+        try:
+            return Path(snapshot_download(str(source), allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+        except Exception as e:
+            raise ValueError(f"{source!r} is not a local path and could not be fetched from the hub: {e}") from e
+    raise ValueError(f"model source {source!r} does not exist (expected a folder, a .gguf file or a hub id)")
+
+
+def read_checkpoint(path: Path) -> tuple[TargetConfig, dict[str, torch.Tensor]]:
+    """Read a Hugging Face safetensors folder or a GGUF file."""
+    if path.is_file() and path.suffix == ".gguf":
+        return read_gguf(path)
+    if path.is_dir():
+        ggufs = sorted(path.glob("*.gguf"))
+        if not (path / "config.json").is_file() and len(ggufs) == 1:
+            return read_gguf(ggufs[0])
+        return read_safetensors_folder(path)
+    raise ValueError(f"{path} is neither a checkpoint folder nor a .gguf file")
+
+
+def read_safetensors_folder(path: Path) -> tuple[TargetConfig, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ValueError(f"{path} has no config.json")
+    config = TargetConfig.from_hf_dict(json.loads(config_file.read_text()))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{path} holds no .safetensors weights")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update(load_file(str(f)))
+    return config, tensors
+
+
+def _gguf_field(reader, key: str, default=None):
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def read_gguf_config(reader) -> TargetConfig:
+    arch = _gguf_field(reader, "general.architecture")
+    if arch not in GGUF_ARCH_TO_MODEL_TYPE:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {sorted(GGUF_ARCH_TO_MODEL_TYPE)}")
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise ValueError("GGUF files with precomputed rope_freqs (Llama 3.1 rope scaling) are not supported")
+
+    def a(key, default=None):
+        return _gguf_field(reader, f"{arch}.{key}", default)
+
+    hidden = int(a("embedding_length"))
+    num_heads = int(a("attention.head_count"))
+    num_tokens = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else None
+    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    tied = not any(t.name == "output.weight" for t in reader.tensors)
+    return TargetConfig(
+        model_type=GGUF_ARCH_TO_MODEL_TYPE[arch],
+        vocab_size=int(a("vocab_size", num_tokens)),
+        hidden_size=hidden,
+        intermediate_size=int(a("feed_forward_length")),
+        num_hidden_layers=int(a("block_count")),
+        num_attention_heads=num_heads,
+        num_key_value_heads=int(a("attention.head_count_kv", num_heads)),
+        head_dim=int(a("attention.key_length", hidden // num_heads)),
+        rms_norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(a("rope.freq_base", 10000.0)),
+        tie_word_embeddings=tied,
+        max_position_embeddings=int(a("context_length", 4096)),
+        sliding_window=None,
+        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=[] if eos is None else [int(eos)],
+    )
+
+
+def _unpermute_rope(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (pairs interleaved per head) back to the rotate-half layout."""
+    out_dim = w.shape[0]
+    head_dim = out_dim // num_heads
+    rest = w.shape[1:]
+    return w.reshape(num_heads, head_dim // 2, 2, *rest).transpose(1, 2).reshape(out_dim, *rest)
+
+
+def read_gguf(path: Path, progress: bool = False) -> tuple[TargetConfig, dict[str, torch.Tensor]]:
+    """Dequantise a GGUF file to float32 tensors with Hugging Face names."""
+    import gguf
+    from gguf.quants import dequantize
+
+    reader = gguf.GGUFReader(str(path))
+    config = read_gguf_config(reader)
+    permuted = _gguf_field(reader, "general.architecture") in ("llama", "mistral")
+    items = reader.tensors
+    if progress:
+        from tqdm import tqdm
+
+        items = tqdm(items, desc=f"dequantising {Path(path).name}", unit="tensor")
+    tensors: dict[str, torch.Tensor] = {}
+    for t in items:
+        parts = t.name.split(".")
+        if parts[0] == "blk":
+            layer, base, kind = int(parts[1]), parts[2], parts[3]
+            if base not in GGUF_TO_HF:
+                raise ValueError(f"unexpected GGUF tensor {t.name}")
+            name = f"model.layers.{layer}.{GGUF_TO_HF[base]}.{kind}"
+        else:
+            base, kind = parts[0], parts[1]
+            if base not in GGUF_TO_HF:
+                raise ValueError(f"unexpected GGUF tensor {t.name}")
+            name = f"{GGUF_TO_HF[base]}.{kind}"
+        shape = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims innermost first
+        array = dequantize(t.data, t.tensor_type).reshape(shape)
+        tensor = torch.from_numpy(array.astype("float32", copy=False).copy())
+        if permuted and base == "attn_q":
+            tensor = _unpermute_rope(tensor, config.num_attention_heads)
+        elif permuted and base == "attn_k":
+            tensor = _unpermute_rope(tensor, config.num_key_value_heads)
+        tensors[name] = tensor
+    return config, tensors
+
+
+def load_tokenizer(path: Path):
+    """The tokenizer (with its chat template) from a checkpoint folder or a GGUF file (slow: ~20 s for GGUF)."""
+    from transformers import AutoTokenizer
+
+    if path.is_file() and path.suffix == ".gguf":
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else []
+    if path.is_dir() and not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+        if len(ggufs) == 1:
+            return AutoTokenizer.from_pretrained(str(path), gguf_file=ggufs[0].name)
+        raise ValueError(f"{path} holds no tokenizer files")
+    return AutoTokenizer.from_pretrained(str(path))

@@ -1,0 +1,466 @@
+"""The target runner: a lean Llama-family forward over packed batches of many requests.
+
+Every call is one forward over the packed tokens of several requests: linear layers run on all packed tokens at
+once (weights stored [in, out], fused q/k/v and gate/up, `x @ W`), attention runs per request against its region
+of the KV cache (PyTorch SDPA with a dense mask) or for the whole batch at once (FlexAttention with a block mask
+from the ancestor bitmasks). Logits are computed only for the rows asked for; hidden features of
+`feature_layer_ids` (Hugging Face's hidden_states[i + 1], concatenated along the feature dim) for every row.
+
+Public API (engine side):
+    TargetModel.load(source="default", device="cpu", dtype=torch.float32, feature_layer_ids=(),
+                     max_kv_bytes=2**30, attention="sdpa", cache_dir=None) -> TargetModel
+        source: a Hugging Face folder (config.json + safetensors), a .gguf file, a hub id, or "default" (the
+        embedded SmolLM2-135M-Instruct, converted once, see ddtree.models.default).
+    runner.kv.allocate(seq_id, max_tokens) -> KVHandle | None       None = does not fit now (queue the request)
+    runner.prefill(seq_ids, token_id_lists) -> (last_logits [R, V], features: list of [n_i, F])    commits
+    runner.decode(seq_ids, token_ids) -> (logits [R, V], features [R, F])                          commits
+    runner.verify(seq_ids, packed, logits_rows=None) -> (logits [M, V], features [N, F])   KV in scratch slots
+    runner.commit(seq_id, keep_local_indices)        keep root + accepted path (local indices in the segment)
+    runner.free(seq_id) -> bool
+    runner.embed(token_ids [n]) -> [n, H];  runner.project_logits(hidden [n, H]) -> [n, V]  (for the drafter)
+    runner.tokenizer                                 from the same source (loaded on first use)
+    measure_verify_cost_curve(runner, token_counts) -> list[(num_tokens, seconds)]
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ddtree.models.config import TargetConfig
+from ddtree.models.kv_cache import KVCache
+from ddtree.models.layers import Rotary, apply_rope, rms_norm
+from ddtree.packing import PackedBatch
+
+ATTENTION_BACKENDS = ("sdpa", "flex")
+DEFAULT_MAX_PREFILL_TOKENS = 512
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor  # [H]
+    w_qkv: torch.Tensor  # [H, q_size + 2 * kv_size]
+    b_qkv: torch.Tensor | None  # [q_size + 2 * kv_size] (Qwen2)
+    q_norm: torch.Tensor | None  # [head_dim] (Qwen3)
+    k_norm: torch.Tensor | None  # [head_dim]
+    w_o: torch.Tensor  # [q_size, H]
+    b_o: torch.Tensor | None  # [H]
+    mlp_norm: torch.Tensor  # [H]
+    w_gate_up: torch.Tensor  # [H, 2 * intermediate]
+    w_down: torch.Tensor  # [intermediate, H]
+
+
+@dataclass
+class _Batch:
+    """Where each request's packed queries are and what they may see; built once per forward."""
+
+    seq_ids: list[int]
+    query_starts: list[int]  # [R + 1]
+    num_cached: list[int]  # [R]
+    masks: list[torch.Tensor | None]  # per request [n_r, num_cached + n_r] bool; None = causal
+    slots: torch.Tensor  # [N] pool slot of every packed token's new KV entry
+    packed: PackedBatch | None = None  # for the flex backend
+
+
+class TargetModel:
+    def __init__(
+        self,
+        config: TargetConfig,
+        tensors: dict[str, torch.Tensor],
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        feature_layer_ids=(),
+        max_kv_bytes: int = 2**30,
+        attention: str = "sdpa",
+        source_path: Path | None = None,
+    ):
+        """Build from Hugging Face-named tensors ([out, in] as in transformers)."""
+        if attention not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {attention!r}")
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.attention = attention
+        self.source_path = source_path
+        self.feature_layer_ids = [int(i) for i in feature_layer_ids]
+        for i in self.feature_layer_ids:
+            if not 0 <= i < config.num_hidden_layers:
+                raise ValueError(f"feature layer id {i} out of range for {config.num_hidden_layers} layers")
+        self.feature_dim = len(self.feature_layer_ids) * config.hidden_size
+        self._load_weights(tensors)
+        self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.kv = KVCache(
+            config.num_hidden_layers, config.num_key_value_heads, config.head_dim, max_kv_bytes, self.device,
+            dtype, max_tokens_per_request=config.sliding_window,
+        )
+        self._tokenizer = None
+        self._flex = None
+
+    # ---- construction -----------------------------------------------------------------------------------------
+    @classmethod
+    def load(
+        cls,
+        source: str | Path = "default",
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        feature_layer_ids=(),
+        max_kv_bytes: int = 2**30,
+        attention: str = "sdpa",
+        cache_dir: str | Path | None = None,
+    ) -> "TargetModel":
+        """`cache_dir`: where the default model's converted copy lives (see ddtree.models.default)."""
+        from ddtree.models.loader import read_checkpoint, resolve_source
+
+        if str(source) == "default":
+            from ddtree.models.default import default_target_dir
+
+            path = default_target_dir(cache_dir)
+        else:
+            path = resolve_source(source)
+        config, tensors = read_checkpoint(path)
+        return cls(config, tensors, device, dtype, feature_layer_ids, max_kv_bytes, attention, source_path=path)
+
+    def _load_weights(self, t: dict[str, torch.Tensor]) -> None:
+        cfg = self.config
+
+        def get(name: str) -> torch.Tensor:
+            if name not in t:
+                raise ValueError(f"checkpoint lacks tensor {name}")
+            return t[name].to(device=self.device, dtype=self.dtype)
+
+        def opt(name: str) -> torch.Tensor | None:
+            return get(name) if name in t else None
+
+        self.layers: list[LayerWeights] = []
+        for i in range(cfg.num_hidden_layers):
+            p = f"model.layers.{i}."
+            q, k, v = (get(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v"))
+            biases = [opt(p + f"self_attn.{n}_proj.bias") for n in ("q", "k", "v")]
+            if any(b is not None for b in biases) and not all(b is not None for b in biases):
+                raise ValueError(f"layer {i}: q/k/v biases must be all present or all absent")
+            self.layers.append(
+                LayerWeights(
+                    attn_norm=get(p + "input_layernorm.weight"),
+                    # [in, out] and fused: one GEMM for q, k and v
+                    w_qkv=torch.cat([q.t(), k.t(), v.t()], dim=1).contiguous(),
+                    b_qkv=torch.cat(biases) if biases[0] is not None else None,
+                    q_norm=opt(p + "self_attn.q_norm.weight") if cfg.has_qk_norm else None,
+                    k_norm=opt(p + "self_attn.k_norm.weight") if cfg.has_qk_norm else None,
+                    w_o=get(p + "self_attn.o_proj.weight").t().contiguous(),
+                    b_o=opt(p + "self_attn.o_proj.bias"),
+                    mlp_norm=get(p + "post_attention_layernorm.weight"),
+                    w_gate_up=torch.cat(
+                        [get(p + "mlp.gate_proj.weight").t(), get(p + "mlp.up_proj.weight").t()], dim=1
+                    ).contiguous(),
+                    w_down=get(p + "mlp.down_proj.weight").t().contiguous(),
+                )
+            )
+            if cfg.has_qk_norm and (self.layers[-1].q_norm is None or self.layers[-1].k_norm is None):
+                raise ValueError(f"layer {i}: a qwen3 checkpoint needs q_norm and k_norm weights")
+        self.final_norm = get("model.norm.weight")
+        if cfg.tie_word_embeddings or "lm_head.weight" not in t:
+            self.lm_head = get("model.embed_tokens.weight").t().contiguous()  # [H, V]
+            self.embed_tokens = self.lm_head.t()  # [V, H] view: one copy of the shared matrix
+        else:
+            self.lm_head = get("lm_head.weight").t().contiguous()  # [H, V]
+            self.embed_tokens = get("model.embed_tokens.weight")  # [V, H]
+
+    @property
+    def num_weight_bytes(self) -> int:
+        """Bytes a forward must read at least once (every weight matrix and norm)."""
+        tensors = [self.final_norm, self.lm_head]
+        if self.embed_tokens.data_ptr() != self.lm_head.data_ptr():
+            tensors.append(self.embed_tokens)
+        for lw in self.layers:
+            tensors += [x for x in vars(lw).values() if x is not None]
+        return sum(x.numel() * x.element_size() for x in tensors)
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            if self.source_path is None:
+                raise ValueError("this model was built from tensors; it has no tokenizer")
+            from ddtree.models.loader import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.source_path)
+        return self._tokenizer
+
+    # ---- shared embedding and head (the drafter uses them) ----------------------------------------------------
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """[...] int64 -> [..., H]."""
+        return F.embedding(token_ids, self.embed_tokens)
+
+    def project_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., H] already-normed hidden states -> [..., V] logits (the LM head only)."""
+        return hidden @ self.lm_head
+
+    # ---- public operations ------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def prefill(
+        self, seq_ids: list[int], token_id_lists: list[list[int]], max_chunk_tokens: int = DEFAULT_MAX_PREFILL_TOKENS
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Append prompts to the requests' caches (committed) in chunks of at most `max_chunk_tokens` packed
+        tokens; returns the logits of each prompt's last token [R, V] and its features [n_i, F]."""
+        if len(seq_ids) != len(token_id_lists) or not seq_ids:
+            raise ValueError("prefill needs one non-empty token list per request")
+        if any(len(ids) == 0 for ids in token_id_lists):
+            raise ValueError("prefill got an empty prompt")
+        if max_chunk_tokens < 1:
+            raise ValueError("max_chunk_tokens must be positive")
+        for s in seq_ids:
+            h = self.kv.handle(s)
+            if h.num_scratch:
+                raise ValueError(f"request {s} has uncommitted verify entries; commit first")
+        last_logits: list[torch.Tensor | None] = [None] * len(seq_ids)
+        features: list[list[torch.Tensor]] = [[] for _ in seq_ids]
+        # Greedy packing of prompt pieces into forwards of <= max_chunk_tokens tokens.
+        pending = [(r, 0) for r in range(len(seq_ids))]
+        while pending:
+            pieces, budget = [], max_chunk_tokens
+            while pending and budget > 0:
+                r, start = pending.pop(0)
+                end = min(len(token_id_lists[r]), start + budget)
+                pieces.append((r, start, end))
+                budget -= end - start
+                if end < len(token_id_lists[r]):
+                    pending.insert(0, (r, end))
+            ids = [t for r, s, e in pieces for t in token_id_lists[r][s:e]]
+            lens = [e - s for _, s, e in pieces]
+            rows = torch.tensor([sum(lens[: i + 1]) - 1 for i in range(len(pieces))], device=self.device)
+            logits, feats = self._run_causal([seq_ids[r] for r, _, _ in pieces], ids, lens, rows)
+            offset = 0
+            for i, (r, s, e) in enumerate(pieces):
+                features[r].append(feats[offset : offset + e - s])
+                offset += e - s
+                if e == len(token_id_lists[r]):
+                    last_logits[r] = logits[i]
+        return torch.stack(last_logits), [torch.cat(f) for f in features]
+
+    @torch.inference_mode()
+    def decode(self, seq_ids: list[int], token_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per request, appended and committed; logits [R, V] and features [R, F]."""
+        if len(seq_ids) != len(token_ids) or not seq_ids:
+            raise ValueError("decode needs one token per request")
+        rows = torch.arange(len(seq_ids), device=self.device)
+        return self._run_causal(seq_ids, list(token_ids), [1] * len(seq_ids), rows)
+
+    @torch.inference_mode()
+    def verify(
+        self, seq_ids: list[int], packed: PackedBatch, logits_rows: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward over a packed batch of trees. KV entries go to scratch slots after each request's committed
+        entries (call `commit` next). Returns logits [M, V] for `logits_rows` (all N rows if None) and features
+        [N, F] for every packed token."""
+        if len(seq_ids) != packed.num_requests:
+            raise ValueError(f"{len(seq_ids)} seq_ids for a batch of {packed.num_requests} requests")
+        for r, s in enumerate(seq_ids):
+            h = self.kv.handle(s)
+            if packed.num_cached[r] != h.num_committed:
+                raise ValueError(
+                    f"request {s}: batch packed with {packed.num_cached[r]} cached tokens, cache holds "
+                    f"{h.num_committed}"
+                )
+        slots = self._reserve(seq_ids, [packed.segment_len(r) for r in range(packed.num_requests)])
+        is_chain_free = all(packed.segment_len(r) == 1 for r in range(packed.num_requests))
+        if is_chain_free or self.attention == "flex":
+            masks = [None] * packed.num_requests  # root-only segments see everything; flex uses `packed`
+        else:
+            masks = [packed.dense_mask(r).to(self.device) for r in range(packed.num_requests)]
+        batch = _Batch(list(seq_ids), list(packed.query_starts), list(packed.num_cached), masks, slots,
+                       packed if (self.attention == "flex" and not is_chain_free) else None)
+        if logits_rows is None:
+            logits_rows = torch.arange(packed.num_tokens, device=self.device)
+        return self._forward(packed.input_ids.to(self.device), packed.position_ids.to(self.device), batch,
+                             logits_rows.to(self.device))
+
+    def commit(self, seq_id: int, keep_local_indices) -> None:
+        """After verify: keep the given segment entries (root + accepted path), contiguous; drop the rest."""
+        self.kv.commit(seq_id, keep_local_indices)
+
+    def free(self, seq_id: int) -> bool:
+        return self.kv.free(seq_id)
+
+    # ---- internals --------------------------------------------------------------------------------------------
+    def _reserve(self, seq_ids: list[int], lens: list[int]) -> torch.Tensor:
+        """[N] pool slots for the new tokens of each request, right after its committed entries."""
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError("a request appears twice in one batch")
+        starts = [self.kv.reserve_scratch(s, n) for s, n in zip(seq_ids, lens)]
+        return torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)]).to(self.device)
+
+    def _run_causal(self, seq_ids, token_ids: list[int], lens: list[int], logits_rows: torch.Tensor):
+        """Causal segments appended to each request's committed entries, then committed."""
+        num_cached = [self.kv.num_committed(s) for s in seq_ids]
+        slots = self._reserve(seq_ids, lens)
+        query_starts = [0]
+        for n in lens:
+            query_starts.append(query_starts[-1] + n)
+        positions = torch.cat([torch.arange(c, c + n) for c, n in zip(num_cached, lens)]).to(self.device)
+        batch = _Batch(list(seq_ids), query_starts, num_cached, [None] * len(seq_ids), slots)
+        ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
+        try:
+            out = self._forward(ids, positions, batch, logits_rows)
+        finally:
+            for s in seq_ids:
+                self.kv.commit_all(s)
+        return out
+
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: _Batch, logits_rows: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.config
+        num_tokens = input_ids.numel()
+        nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        q_size, kv_size = cfg.q_size, cfg.kv_size
+        eps = cfg.rms_norm_eps
+        h = self.embed(input_ids)  # [N, H]
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)  # [N, head_dim]
+        attend = self._flex_attention_fn(batch) if batch.packed is not None else self._sdpa_attention
+        features: list[torch.Tensor] = []
+        last_layer = cfg.num_hidden_layers - 1
+        for layer, lw in enumerate(self.layers):
+            x = rms_norm(h, lw.attn_norm, eps)
+            qkv = x @ lw.w_qkv  # [N, q_size + 2 * kv_size]
+            if lw.b_qkv is not None:
+                qkv = qkv + lw.b_qkv
+            q = qkv[:, :q_size].view(num_tokens, nh, hd)
+            k = qkv[:, q_size : q_size + kv_size].view(num_tokens, nkv, hd)
+            v = qkv[:, q_size + kv_size :].view(num_tokens, nkv, hd)
+            if lw.q_norm is not None:
+                q = rms_norm(q, lw.q_norm, eps)
+                k = rms_norm(k, lw.k_norm, eps)
+            q = apply_rope(q, cos, sin)
+            k = apply_rope(k, cos, sin)
+            pool = self.kv.pool[layer]  # [2, kv_heads, slots, head_dim]
+            pool[0][:, batch.slots] = k.transpose(0, 1)
+            pool[1][:, batch.slots] = v.transpose(0, 1)
+            attn = attend(layer, q, batch)  # [N, heads * head_dim]
+            o = attn @ lw.w_o
+            h = h + (o if lw.b_o is None else o + lw.b_o)
+            x = rms_norm(h, lw.mlp_norm, eps)
+            gate_up = x @ lw.w_gate_up  # [N, 2 * intermediate]
+            gate, up = gate_up.chunk(2, dim=-1)
+            h = h + (F.silu(gate) * up) @ lw.w_down
+            if layer in self.feature_layer_ids:
+                # Hugging Face's last hidden state is after the final norm.
+                features.append(rms_norm(h, self.final_norm, eps) if layer == last_layer else h)
+        feats = self._order_features(features, num_tokens)
+        logits = self.project_logits(rms_norm(h.index_select(0, logits_rows), self.final_norm, eps))
+        return logits, feats
+
+    def _order_features(self, collected: list[torch.Tensor], num_tokens: int) -> torch.Tensor:
+        """Collected in layer order -> concatenated in feature_layer_ids order [N, F]."""
+        if not self.feature_layer_ids:
+            return torch.empty(num_tokens, 0, device=self.device, dtype=self.dtype)
+        in_layer_order = sorted(set(self.feature_layer_ids))
+        by_layer = dict(zip(in_layer_order, collected))
+        return torch.cat([by_layer[i] for i in self.feature_layer_ids], dim=-1)
+
+    def _sdpa_attention(self, layer: int, q: torch.Tensor, batch: _Batch) -> torch.Tensor:
+        """Per request: its queries against its cached + new entries, dense mask (None = causal)."""
+        num_tokens, nh, hd = q.shape
+        gqa = nh != self.config.num_key_value_heads
+        out = torch.empty(num_tokens, nh, hd, device=q.device, dtype=q.dtype)
+        for r, seq_id in enumerate(batch.seq_ids):
+            q0, q1 = batch.query_starts[r], batch.query_starts[r + 1]
+            n, num_cached = q1 - q0, batch.num_cached[r]
+            k, v = self.kv.keys_values(seq_id, layer, num_cached + n)  # [kv_heads, T, head_dim]
+            qr = q[q0:q1].transpose(0, 1)  # [heads, n, head_dim]
+            mask = batch.masks[r]
+            if mask is None and n > 1:
+                if num_cached == 0:
+                    o = F.scaled_dot_product_attention(qr, k, v, is_causal=True, enable_gqa=gqa)
+                else:
+                    mask = _causal_mask(n, num_cached, q.device)
+                    o = F.scaled_dot_product_attention(qr, k, v, attn_mask=mask, enable_gqa=gqa)
+            else:
+                o = F.scaled_dot_product_attention(qr, k, v, attn_mask=mask, enable_gqa=gqa)
+            out[q0:q1] = o.transpose(0, 1)
+        return out.view(num_tokens, nh * hd)
+
+    def _flex_attention_fn(self, batch: _Batch):
+        """FlexAttention over the flat layout of `packed.kv_starts()`, with a block mask built once per forward."""
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        packed = batch.packed
+        kv_starts = packed.kv_starts()
+        block_mask = create_block_mask(
+            packed.flex_mask_mod(), None, None, packed.num_tokens, kv_starts[-1], device=str(self.device)
+        )
+        if self._flex is None:
+            # Compiled on GPU (fused kernel); eager elsewhere (materialises the scores: for tests only).
+            self._flex = torch.compile(flex_attention, dynamic=True) if self.device.type == "cuda" else flex_attention
+        flex = self._flex
+        gqa = self.config.num_attention_heads != self.config.num_key_value_heads
+
+        def attend(layer: int, q: torch.Tensor, b: _Batch) -> torch.Tensor:
+            num_tokens, nh, hd = q.shape
+            keys, values = [], []
+            for r, seq_id in enumerate(b.seq_ids):
+                k, v = self.kv.keys_values(seq_id, layer, b.num_cached[r] + packed.segment_len(r))
+                keys.append(k)
+                values.append(v)
+            k_flat = torch.cat(keys, dim=1).unsqueeze(0)  # [1, kv_heads, total_kv, head_dim]
+            v_flat = torch.cat(values, dim=1).unsqueeze(0)
+            o = flex(q.transpose(0, 1).unsqueeze(0), k_flat, v_flat, block_mask=block_mask, enable_gqa=gqa)
+            return o[0].transpose(0, 1).reshape(num_tokens, nh * hd)
+
+        return attend
+
+
+def _causal_mask(n: int, num_cached: int, device) -> torch.Tensor:
+    """[n, num_cached + n] bool: query i sees every cached entry and new tokens 0..i."""
+    cols = torch.arange(num_cached + n, device=device)
+    rows = torch.arange(n, device=device).unsqueeze(1) + num_cached
+    return cols.unsqueeze(0) <= rows
+
+
+def measure_verify_cost_curve(
+    runner: TargetModel,
+    token_counts: list[int],
+    num_context_tokens: int = 128,
+    num_repeats: int = 3,
+    seq_id: int = -1,
+) -> list[tuple[int, float]]:
+    """Seconds of one verify forward for each packed token count (a chain tree of that many tokens after
+    `num_context_tokens` cached ones), the minimum over `num_repeats` runs. Uses and frees KV slots of `seq_id`."""
+    from ddtree.packing import pack
+    from ddtree.tree import DraftTree
+
+    if not token_counts or min(token_counts) < 1:
+        raise ValueError("token_counts must be positive")
+    max_count = max(token_counts)
+    if runner.kv.allocate(seq_id, num_context_tokens + max_count) is None:
+        raise ValueError("not enough free KV cache to measure the verify cost curve")
+    try:
+        gen = torch.Generator().manual_seed(0)
+        vocab = runner.config.vocab_size
+        context = torch.randint(0, vocab, (num_context_tokens,), generator=gen).tolist()
+        if num_context_tokens:
+            runner.prefill([seq_id], [context])
+        curve = []
+        for n in token_counts:
+            num_nodes = n - 1
+            tree = DraftTree(
+                token_ids=torch.randint(0, vocab, (num_nodes,), generator=gen),
+                parents=torch.arange(num_nodes) - 1,
+                depths=torch.arange(1, num_nodes + 1),
+                path_logprobs=torch.zeros(num_nodes),
+            )
+            packed = pack([tree], [1], [runner.kv.num_committed(seq_id)], device="cpu")
+            best = float("inf")
+            for _ in range(num_repeats):
+                start = time.perf_counter()
+                runner.verify([seq_id], packed)
+                if runner.device.type == "cuda":
+                    torch.cuda.synchronize()
+                best = min(best, time.perf_counter() - start)
+                runner.commit(seq_id, [])
+            curve.append((n, best))
+        return curve
+    finally:
+        runner.free(seq_id)

@@ -1,0 +1,203 @@
+"""The target runner against Hugging Face transformers (oracle) and against its own sequential decoding (float64)."""
+
+import pytest
+import torch
+
+from ddtree.models.target import TargetModel, measure_verify_cost_curve
+from ddtree.models.testing import random_draft_tree, write_random_target
+from ddtree.packing import pack
+
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral"]
+FEATURE_LAYERS = [2, 0]  # unsorted on purpose, and the last layer (Hugging Face normalises that one)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("targets")
+    return {f: write_random_target(root / f, model_type=f, seed=i) for i, f in enumerate(FAMILIES)}
+
+
+def hf_model(path, dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype).eval()
+
+
+def hf_logits_and_features(model, ids):
+    with torch.no_grad():
+        out = model(torch.tensor([ids]), output_hidden_states=True)
+    feats = torch.cat([out.hidden_states[i + 1][0] for i in FEATURE_LAYERS], dim=-1)
+    return out.logits[0], feats
+
+
+def random_ids(n, gen, vocab=97):
+    return torch.randint(0, vocab, (n,), generator=gen).tolist()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_prefill_and_decode_match_hf(checkpoints, family):
+    hf = hf_model(checkpoints[family])
+    runner = TargetModel.load(checkpoints[family], feature_layer_ids=FEATURE_LAYERS, max_kv_bytes=2**22)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [random_ids(n, gen) for n in (5, 17, 9)]
+    continuations = [random_ids(4, gen) for _ in prompts]
+    for s in range(3):
+        assert runner.kv.allocate(s, 64) is not None
+    last, feats = runner.prefill([0, 1, 2], prompts, max_chunk_tokens=8)  # several chunks, pieces split
+    for r, prompt in enumerate(prompts):
+        ref_logits, ref_feats = hf_logits_and_features(hf, prompt)
+        torch.testing.assert_close(last[r], ref_logits[-1], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(feats[r], ref_feats, rtol=1e-4, atol=1e-4)
+        assert runner.kv.num_committed(r) == len(prompt)
+    for step in range(4):
+        logits, feats = runner.decode([0, 1, 2], [c[step] for c in continuations])
+        for r, prompt in enumerate(prompts):
+            ref_logits, ref_feats = hf_logits_and_features(hf, prompt + continuations[r][: step + 1])
+            torch.testing.assert_close(logits[r], ref_logits[-1], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(feats[r], ref_feats[-1], rtol=1e-4, atol=1e-4)
+
+
+def path_tokens(tree, root, node):
+    """Tokens from the root to `node` (inclusive), root first."""
+    out = []
+    while node >= 0:
+        out.append(int(tree.token_ids[node]))
+        node = int(tree.parents[node])
+    return [root] + out[::-1]
+
+
+def make_verify_case(runner, gen, num_requests=3, vocab=97):
+    """Prefilled requests with different committed lengths and one random tree (depth <= 4) each."""
+    prompts = [random_ids(n, gen, vocab) for n in (6, 11, 3, 8)[:num_requests]]
+    trees = [random_draft_tree(n, 4, vocab, gen) for n in (7, 0, 12, 5)[:num_requests]]
+    roots = [int(t) for t in torch.randint(0, vocab, (num_requests,), generator=gen)]
+    seq_ids = [10 + r for r in range(num_requests)]
+    for s in seq_ids:
+        runner.kv.allocate(s, 64)
+    runner.prefill(seq_ids, prompts)
+    packed = pack(trees, roots, [len(p) for p in prompts])
+    return seq_ids, prompts, trees, roots, packed
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_verify_matches_hf_on_every_path(checkpoints, family):
+    hf = hf_model(checkpoints[family])
+    runner = TargetModel.load(checkpoints[family], feature_layer_ids=FEATURE_LAYERS, max_kv_bytes=2**22)
+    seq_ids, prompts, trees, roots, packed = make_verify_case(runner, torch.Generator().manual_seed(1))
+    logits, feats = runner.verify(seq_ids, packed)
+    assert logits.shape == (packed.num_tokens, 97) and feats.shape == (packed.num_tokens, 2 * 64)
+    for r in range(len(seq_ids)):
+        seg = packed.segment(r)
+        for local, row in enumerate(range(seg.start, seg.stop)):
+            ids = prompts[r] + path_tokens(trees[r], roots[r], local - 1)
+            ref_logits, ref_feats = hf_logits_and_features(hf, ids)
+            torch.testing.assert_close(logits[row], ref_logits[-1], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(feats[row], ref_feats[-1], rtol=1e-4, atol=1e-4)
+
+
+def sequential_logits(runner, prompt, path, seq_id=99):
+    """Logits after each token of `path`, fed one decode step at a time after `prompt`."""
+    runner.kv.allocate(seq_id, len(prompt) + len(path) + 1)
+    try:
+        runner.prefill([seq_id], [prompt])
+        return torch.stack([runner.decode([seq_id], [t])[0][0] for t in path])
+    finally:
+        runner.free(seq_id)
+
+
+@pytest.mark.parametrize("attention", ["sdpa", "flex"])
+def test_verify_equals_sequential_decoding_float64(checkpoints, attention):
+    runner = TargetModel.load(checkpoints["qwen2"], dtype=torch.float64, max_kv_bytes=2**23, attention=attention)
+    seq_ids, prompts, trees, roots, packed = make_verify_case(runner, torch.Generator().manual_seed(2), 4)
+    rows = torch.tensor([0, 3, packed.num_tokens - 1])
+    logits, _ = runner.verify(seq_ids, packed)
+    for r in range(len(seq_ids)):
+        seg = packed.segment(r)
+        for local, row in enumerate(range(seg.start, seg.stop)):
+            path = path_tokens(trees[r], roots[r], local - 1)
+            expected = sequential_logits(runner, prompts[r], path)[-1]
+            torch.testing.assert_close(logits[row], expected, rtol=1e-10, atol=1e-10)
+    # asking for some rows gives exactly those rows
+    for s in seq_ids:
+        runner.commit(s, [])
+    only, _ = runner.verify(seq_ids, packed, logits_rows=rows)
+    torch.testing.assert_close(only, logits[rows], rtol=1e-12, atol=1e-12)
+
+
+def test_flex_matches_sdpa(checkpoints):
+    results = []
+    for attention in ("sdpa", "flex"):
+        runner = TargetModel.load(checkpoints["llama"], feature_layer_ids=[1], max_kv_bytes=2**22,
+                                  attention=attention)
+        seq_ids, _, _, _, packed = make_verify_case(runner, torch.Generator().manual_seed(3))
+        results.append(runner.verify(seq_ids, packed))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-5, atol=1e-5)
+
+
+def test_commit_then_decoding_continues_as_if_only_the_path_was_fed(checkpoints):
+    runner = TargetModel.load(checkpoints["qwen3"], dtype=torch.float64, max_kv_bytes=2**23)
+    seq_ids, prompts, trees, roots, packed = make_verify_case(runner, torch.Generator().manual_seed(4))
+    runner.verify(seq_ids, packed)
+    # request 0: accept the deepest node's path; request 1 (empty tree): only the root; request 2: a leaf path
+    kept = {}
+    for r, tree in enumerate(trees):
+        node = int(torch.argmax(tree.depths)) if tree.num_nodes else -1
+        chain = []
+        while node >= 0:
+            chain.append(node + 1)  # local index in the segment
+            node = int(tree.parents[node])
+        kept[r] = [0] + chain[::-1]
+        runner.commit(seq_ids[r], kept[r])
+    next_tokens = [5, 6, 7]
+    logits, _ = runner.decode(seq_ids, next_tokens)
+    for r in range(len(seq_ids)):
+        seg_ids = packed.input_ids[packed.segment(r)].tolist()
+        fed = [seg_ids[i] for i in kept[r]]
+        assert runner.kv.num_committed(seq_ids[r]) == len(prompts[r]) + len(fed) + 1
+        expected = sequential_logits(runner, prompts[r], fed + [next_tokens[r]])[-1]
+        torch.testing.assert_close(logits[r], expected, rtol=1e-10, atol=1e-10)
+
+
+def test_greedy_argmax_matches_hf_float64(checkpoints):
+    hf = hf_model(checkpoints["llama"], dtype=torch.float64)
+    runner = TargetModel.load(checkpoints["llama"], dtype=torch.float64, max_kv_bytes=2**22)
+    prompt = random_ids(7, torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
+                          pad_token_id=0)[0, len(prompt):].tolist()
+    runner.kv.allocate(0, 32)
+    logits, _ = runner.prefill([0], [prompt])
+    out = [int(logits[0].argmax())]
+    for _ in range(11):
+        logits, _ = runner.decode([0], [out[-1]])
+        out.append(int(logits[0].argmax()))
+    assert out == ref
+
+
+def test_tied_embeddings_and_errors(tmp_path):
+    path = write_random_target(tmp_path / "tied", tie_word_embeddings=True)
+    hf = hf_model(path)
+    runner = TargetModel.load(path, max_kv_bytes=2**20)
+    assert runner.embed_tokens.data_ptr() == runner.lm_head.data_ptr()  # one copy of the shared matrix
+    ids = random_ids(6, torch.Generator().manual_seed(6))
+    runner.kv.allocate(0, 8)
+    last, feats = runner.prefill([0], [ids])
+    assert feats[0].shape == (6, 0)
+    torch.testing.assert_close(last[0], hf_logits_and_features(hf, ids)[0][-1], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="exceed"):
+        runner.prefill([0], [[1, 2, 3]])  # 6 + 3 > 8 allocated slots
+    with pytest.raises(ValueError, match="no KV allocation"):
+        runner.decode([5], [1])
+    with pytest.raises(ValueError, match="feature layer"):
+        TargetModel.load(path, feature_layer_ids=[3])
+    with pytest.raises(ValueError, match="attention"):
+        TargetModel.load(path, attention="paged")
+
+
+def test_verify_cost_curve(checkpoints):
+    runner = TargetModel.load(checkpoints["llama"], max_kv_bytes=2**22)
+    curve = measure_verify_cost_curve(runner, [1, 4, 16], num_context_tokens=8, num_repeats=1)
+    assert [n for n, _ in curve] == [1, 4, 16]
+    assert all(s > 0 for _, s in curve)
+    assert runner.kv.num_bytes_used == 0  # its scratch request is freed
