@@ -1,0 +1,212 @@
+"""The DFlash drafter at serving time: per-request context KV caches and one batched draft forward.
+
+The drafter shares the target's `embed_tokens` and `lm_head` (the same tensors, frozen). A request's drafter
+context is every token in the target's KV cache (positions 0..n-1); for each drafter layer its cache holds K/V of
+the projected target features (fc + hidden_norm, then k_proj/k_norm/rope at the context positions, and v_proj).
+Since the projected context feeds every layer unchanged, these entries never need recomputing: after each verify
+the engine appends the accepted tokens' target features with `add_context`.
+
+A draft is one forward for all requests: block position 0 holds the last committed token (the root of the next
+tree, not yet in the target's KV cache) at position = context length, positions 1..L hold `mask_token_id`; the
+block is bidirectional and sees all of its request's context. Block positions 1..L give the top-K log-probs.
+
+Public API:
+    DFlashDrafter.load(path, target, device=None, dtype=None) -> DFlashDrafter   (device/dtype default: target's)
+    drafter.block_len                                          L = block_size - 1 drafted positions
+    drafter.add_request(seq_id)                                optional; add_context creates the request too
+    drafter.add_context(seq_id, features [n, F], positions [n] | None)   None: continue after the last position
+    drafter.draft(seq_ids, last_token_ids, max_k) -> (topk_logprobs [R, L, K] float32, topk_token_ids [R, L, K])
+    drafter.free(seq_id) -> bool
+    drafter.context_len(seq_id) -> int;  drafter.num_cache_bytes -> int
+    drafter.measure_draft_cost(batch_sizes, max_k, num_context_tokens=128) -> list[(batch_size, seconds)]
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Hashable
+
+import torch
+
+from ddtree.models.dflash import DFlashConfig, DFlashDraftModel, load_dflash
+
+MIN_CONTEXT_CAPACITY = 64
+
+
+@dataclass
+class _Context:
+    kv: torch.Tensor  # [num_layers, 2, capacity, kv_heads, head_dim], the first `length` rows valid
+    length: int = 0
+    next_position: int = 0  # position of the next token (the block's anchor)
+
+
+class DFlashDrafter:
+    def __init__(self, config: DFlashConfig, model: DFlashDraftModel, target, device=None, dtype=None):
+        device = torch.device(device) if device is not None else target.device
+        dtype = dtype or target.dtype
+        tc = target.config
+        if config.hidden_size != tc.hidden_size:
+            raise ValueError(f"drafter hidden size {config.hidden_size} != target hidden size {tc.hidden_size}")
+        if list(target.feature_layer_ids) != list(config.target_layer_ids):
+            raise ValueError(
+                f"the target produces features of layers {target.feature_layer_ids}, the drafter needs "
+                f"{config.target_layer_ids}: load the target with feature_layer_ids=drafter target_layer_ids"
+            )
+        if not 0 <= config.mask_token_id < tc.vocab_size:
+            raise ValueError(f"mask_token_id {config.mask_token_id} outside the target vocabulary ({tc.vocab_size})")
+        self.config = config
+        self.model = model.to(device=device, dtype=dtype).eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.target = target
+        self.device = device
+        self.dtype = dtype
+        self.block_len = config.block_size - 1
+        self._contexts: dict[Hashable, _Context] = {}
+
+    @classmethod
+    def load(cls, path: str | Path, target, device=None, dtype=None) -> "DFlashDrafter":
+        device = torch.device(device) if device is not None else target.device
+        dtype = dtype or target.dtype
+        config, model = load_dflash(path, device=device, dtype=dtype)
+        return cls(config, model, target, device, dtype)
+
+    # ---- per-request context -----------------------------------------------------------------------------------
+    def add_request(self, seq_id: Hashable, capacity: int = MIN_CONTEXT_CAPACITY) -> None:
+        if seq_id in self._contexts:
+            raise ValueError(f"request {seq_id!r} already has a drafter context")
+        self._contexts[seq_id] = _Context(self._empty_kv(max(capacity, 1)))
+
+    def context_len(self, seq_id: Hashable) -> int:
+        return self._get(seq_id).length
+
+    @property
+    def num_cache_bytes(self) -> int:
+        return sum(c.kv.numel() * c.kv.element_size() for c in self._contexts.values())
+
+    @torch.inference_mode()
+    def add_context(self, seq_id: Hashable, features: torch.Tensor, positions: torch.Tensor | None = None) -> None:
+        """Append target features [n, F] of tokens now in the target's KV cache (positions default to the next
+        ones after the request's context)."""
+        if seq_id not in self._contexts:
+            self.add_request(seq_id, max(MIN_CONTEXT_CAPACITY, 2 * features.shape[0]))
+        ctx = self._contexts[seq_id]
+        if features.dim() != 2 or features.shape[1] != self.config.num_target_features:
+            raise ValueError(
+                f"features must be [n, {self.config.num_target_features}], got {tuple(features.shape)}"
+            )
+        n = features.shape[0]
+        if n == 0:
+            return
+        if positions is None:
+            positions = torch.arange(ctx.next_position, ctx.next_position + n)
+        positions = torch.as_tensor(positions, dtype=torch.int64).to(self.device).flatten()
+        if positions.numel() != n:
+            raise ValueError(f"{n} features but {positions.numel()} positions")
+        self._ensure_capacity(ctx, ctx.length + n)
+        context = self.model.project_context(features.to(self.device, self.dtype).unsqueeze(0))  # [1, n, H]
+        for layer, (k, v) in enumerate(self.model.context_kv(context, positions.unsqueeze(0))):
+            ctx.kv[layer, 0, ctx.length : ctx.length + n] = k[0]  # [n, kv_heads, head_dim]
+            ctx.kv[layer, 1, ctx.length : ctx.length + n] = v[0]
+        ctx.length += n
+        ctx.next_position = int(positions[-1]) + 1
+
+    def free(self, seq_id: Hashable) -> bool:
+        return self._contexts.pop(seq_id, None) is not None
+
+    # ---- drafting -----------------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def draft(
+        self, seq_ids: list, last_token_ids: list[int], max_k: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward for all requests: top-`max_k` log-probs and token ids [R, L, K] at block positions 1..L."""
+        if len(seq_ids) != len(last_token_ids) or not seq_ids:
+            raise ValueError("draft needs one last token per request")
+        if max_k < 1:
+            raise ValueError(f"max_k must be >= 1, got {max_k}")
+        contexts = [self._get(s) for s in seq_ids]
+        num_requests, block = len(seq_ids), self.config.block_size
+        ids = torch.full((num_requests, block), self.config.mask_token_id, dtype=torch.int64)
+        ids[:, 0] = torch.tensor(last_token_ids, dtype=torch.int64)
+        starts = torch.tensor([c.next_position for c in contexts], dtype=torch.int64)
+        block_positions = (starts.unsqueeze(1) + torch.arange(block)).to(self.device)  # [R, S]
+        block_hidden = self.target.embed(ids.to(self.device)).to(self.dtype)  # [R, S, H]
+        context_kv, mask = self._batch_context(contexts)
+        h = self.model.forward_with_context_kv(block_hidden, context_kv, block_positions, mask)  # [R, S, H]
+        logits = self.target.project_logits(h[:, 1:].to(self.target.dtype)).float()  # [R, L, V]
+        logprobs = torch.log_softmax(logits, dim=-1)
+        top = torch.topk(logprobs, min(max_k, logprobs.shape[-1]), dim=-1)
+        return top.values, top.indices
+
+    def _batch_context(self, contexts: list[_Context]):
+        """Per layer (k, v) [R, C_max, kv_heads, head_dim] and the mask [R, S, C_max + S] (None when nothing is
+        padded: one request, or equal context lengths)."""
+        lengths = [c.length for c in contexts]
+        max_len = max(lengths)
+        if len(contexts) == 1:
+            kv = contexts[0].kv[:, :, :max_len].unsqueeze(2)  # view, no copy: [L, 2, 1, C, kvh, hd]
+            return [(kv[i, 0], kv[i, 1]) for i in range(kv.shape[0])], None
+        cfg = self.config
+        padded = torch.zeros(
+            cfg.num_hidden_layers, 2, len(contexts), max_len, cfg.num_key_value_heads, cfg.head_dim,
+            device=self.device, dtype=self.dtype,
+        )  # [L, 2, R, C_max, kv_heads, head_dim]
+        for r, c in enumerate(contexts):
+            padded[:, :, r, : c.length] = c.kv[:, :, : c.length]
+        mask = None
+        if min(lengths) != max_len:
+            block = cfg.block_size
+            cols = torch.arange(max_len + block, device=self.device)
+            lens = torch.tensor(lengths, device=self.device).view(-1, 1)
+            visible = (cols.unsqueeze(0) < lens) | (cols.unsqueeze(0) >= max_len)  # [R, C_max + S]
+            mask = visible.unsqueeze(1).expand(len(contexts), block, max_len + block)
+        return [(padded[i, 0], padded[i, 1]) for i in range(cfg.num_hidden_layers)], mask
+
+    def measure_draft_cost(
+        self, batch_sizes: list[int], max_k: int, num_context_tokens: int = 128, num_repeats: int = 3
+    ) -> list[tuple[int, float]]:
+        """Seconds of one draft forward per batch size, with random contexts of `num_context_tokens` tokens."""
+        gen = torch.Generator().manual_seed(0)
+        curve = []
+        for size in batch_sizes:
+            ids = [("__cost__", i) for i in range(size)]
+            try:
+                for s in ids:
+                    feats = torch.randn(num_context_tokens, self.config.num_target_features, generator=gen)
+                    self.add_context(s, feats)
+                best = float("inf")
+                for _ in range(num_repeats):
+                    start = time.perf_counter()
+                    self.draft(ids, [0] * size, max_k)
+                    if self.device.type == "cuda":
+                        torch.cuda.synchronize()
+                    best = min(best, time.perf_counter() - start)
+                curve.append((size, best))
+            finally:
+                for s in ids:
+                    self.free(s)
+        return curve
+
+    # ---- internals ----------------------------------------------------------------------------------------------
+    def _get(self, seq_id: Hashable) -> _Context:
+        ctx = self._contexts.get(seq_id)
+        if ctx is None:
+            raise ValueError(f"request {seq_id!r} has no drafter context")
+        return ctx
+
+    def _empty_kv(self, capacity: int) -> torch.Tensor:
+        cfg = self.config
+        return torch.empty(
+            cfg.num_hidden_layers, 2, capacity, cfg.num_key_value_heads, cfg.head_dim,
+            device=self.device, dtype=self.dtype,
+        )
+
+    def _ensure_capacity(self, ctx: _Context, needed: int) -> None:
+        capacity = ctx.kv.shape[2]
+        if needed <= capacity:
+            return
+        grown = self._empty_kv(max(needed, 2 * capacity))  # doubling: amortised O(1) copies per token
+        grown[:, :, : ctx.length] = ctx.kv[:, :, : ctx.length]
+        ctx.kv = grown

@@ -1,0 +1,115 @@
+"""The serving-time drafter (cached context, batched draft) against the generic DFlash forward on the full context."""
+
+import pytest
+import torch
+
+from ddtree.drafter import DFlashDrafter
+from ddtree.models.target import TargetModel
+from ddtree.models.testing import write_random_dflash, write_random_target
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pair")
+    target_dir = write_random_target(root / "target", model_type="qwen3", num_hidden_layers=4)
+    target = TargetModel.load(target_dir, dtype=torch.float64, feature_layer_ids=[1, 2], max_kv_bytes=2**22)
+    drafter_dir = write_random_dflash(root / "drafter", target.config, num_layers=2, block_size=5,
+                                      target_layer_ids=[1, 2])
+    return target, drafter_dir
+
+
+def reference_logprobs(drafter, features, last_token, start_position):
+    """Generic forward over the whole context at once: log-probs [L, V] at block positions 1..L."""
+    cfg = drafter.config
+    model = drafter.model
+    ids = torch.full((1, cfg.block_size), cfg.mask_token_id)
+    ids[0, 0] = last_token
+    n = features.shape[0]
+    with torch.no_grad():
+        h = model(
+            drafter.target.embed(ids),
+            model.project_context(features.unsqueeze(0)),
+            torch.arange(start_position, start_position + cfg.block_size).unsqueeze(0),
+            torch.arange(n).unsqueeze(0),
+        )
+        return torch.log_softmax(drafter.target.project_logits(h[0, 1:]), dim=-1)
+
+
+def test_draft_equals_generic_forward_on_full_context(pair):
+    target, drafter_dir = pair
+    drafter = DFlashDrafter.load(drafter_dir, target)
+    assert drafter.block_len == 4
+    gen = torch.Generator().manual_seed(0)
+    lengths = [9, 3, 14]
+    features = [torch.randn(n, 2 * 64, generator=gen, dtype=torch.float64) for n in lengths]
+    for r, f in enumerate(features):  # in pieces, as after prefill and then verifies
+        drafter.add_context(f"req{r}", f[:2])
+        drafter.add_context(f"req{r}", f[2:])
+    seq_ids, last = ["req0", "req1", "req2"], [5, 17, 42]
+    values, indices = drafter.draft(seq_ids, last, max_k=6)
+    assert values.shape == indices.shape == (3, 4, 6)
+    for r, f in enumerate(features):
+        ref = reference_logprobs(drafter, f, last[r], lengths[r])
+        top = torch.topk(ref, 6, dim=-1)
+        torch.testing.assert_close(values[r], top.values.float(), rtol=1e-6, atol=1e-6)
+        assert torch.equal(indices[r], top.indices)
+        alone_v, alone_i = drafter.draft([seq_ids[r]], [last[r]], max_k=6)  # the unpadded path
+        torch.testing.assert_close(alone_v[0], values[r], rtol=1e-6, atol=1e-6)
+        assert torch.equal(alone_i[0], indices[r])
+
+
+def test_context_from_target_prefill_and_free(pair):
+    target, drafter_dir = pair
+    drafter = DFlashDrafter.load(drafter_dir, target)
+    target.kv.allocate(7, 32)
+    try:
+        prompt = [3, 9, 27, 81 % 97, 50, 60]
+        last_logits, feats = target.prefill([7], [prompt])
+        drafter.add_context(7, feats[0])
+        assert drafter.context_len(7) == len(prompt)
+        root = int(last_logits[0].argmax())
+        values, indices = drafter.draft([7], [root], max_k=3)
+        ref = torch.topk(reference_logprobs(drafter, feats[0], root, len(prompt)), 3, dim=-1)
+        assert torch.equal(indices[0], ref.indices)
+        # explicit positions: continuing at 6, 7 is the same as the default
+        extra = torch.randn(2, 128, dtype=torch.float64)
+        drafter.add_context(7, extra, positions=torch.tensor([6, 7]))
+        after_v, _ = drafter.draft([7], [root], max_k=3)
+        ref2 = torch.topk(reference_logprobs(drafter, torch.cat([feats[0], extra]), root, 8), 3, dim=-1)
+        torch.testing.assert_close(after_v[0], ref2.values.float(), rtol=1e-6, atol=1e-6)
+        assert drafter.num_cache_bytes > 0
+        assert drafter.free(7) and not drafter.free(7)
+        with pytest.raises(ValueError, match="no drafter context"):
+            drafter.draft([7], [root], max_k=3)
+    finally:
+        target.free(7)
+
+
+def test_context_capacity_grows(pair):
+    target, drafter_dir = pair
+    drafter = DFlashDrafter.load(drafter_dir, target)
+    gen = torch.Generator().manual_seed(1)
+    feats = torch.randn(150, 128, generator=gen, dtype=torch.float64)
+    for i in range(0, 150, 10):  # crosses the initial capacity several times
+        drafter.add_context("r", feats[i : i + 10])
+    values, indices = drafter.draft(["r"], [4], max_k=2)
+    ref = torch.topk(reference_logprobs(drafter, feats, 4, 150), 2, dim=-1)
+    torch.testing.assert_close(values[0], ref.values.float(), rtol=1e-6, atol=1e-6)
+
+
+def test_mismatched_target_layers_rejected(pair, tmp_path):
+    target, _ = pair
+    other = write_random_dflash(tmp_path / "d", target.config, num_layers=1, target_layer_ids=[0, 3])
+    with pytest.raises(ValueError, match="feature_layer_ids"):
+        DFlashDrafter.load(other, target)
+    drafter = DFlashDrafter.load(write_random_dflash(tmp_path / "e", target.config, target_layer_ids=[1, 2]), target)
+    with pytest.raises(ValueError, match="features must be"):
+        drafter.add_context("x", torch.zeros(3, 5, dtype=torch.float64))
+
+
+def test_measure_draft_cost(pair):
+    target, drafter_dir = pair
+    drafter = DFlashDrafter.load(drafter_dir, target)
+    curve = drafter.measure_draft_cost([1, 3], max_k=4, num_context_tokens=8, num_repeats=1)
+    assert [b for b, _ in curve] == [1, 3] and all(s > 0 for _, s in curve)
+    assert drafter.num_cache_bytes == 0

@@ -1,0 +1,83 @@
+import pytest
+import torch
+
+from ddtree.models.kv_cache import KVCache
+
+
+def make_cache(num_slots=100, dtype=torch.float64):
+    per_token = 2 * 2 * 1 * 4 * torch.empty(0, dtype=dtype).element_size()  # layers * (k, v) * heads * head_dim
+    return KVCache(num_layers=2, num_kv_heads=1, head_dim=4, max_bytes=num_slots * per_token, dtype=dtype)
+
+
+def test_byte_accounting_and_admission():
+    cache = make_cache(100)
+    assert cache.num_slots == 100 and cache.bytes_per_token == 2 * 2 * 4 * 8
+    a = cache.allocate(1, 60)
+    assert a is not None and a.num_bytes == 60 * cache.bytes_per_token
+    assert cache.num_bytes_used == a.num_bytes and cache.num_bytes_free == 40 * cache.bytes_per_token
+    assert cache.allocate(2, 41) is None  # does not fit: the scheduler queues it
+    assert cache.allocate(2, 40) is not None
+    assert cache.allocate(3, 1) is None
+    with pytest.raises(ValueError, match="already"):
+        cache.allocate(1, 1)
+    with pytest.raises(ValueError, match="positive"):
+        cache.allocate(9, 0)
+    assert cache.free(1) and not cache.free(1)
+    assert cache.allocate(3, 60) is not None  # freed range reused
+    cache.free(2)
+    cache.free(3)
+    assert cache.num_bytes_used == 0
+    assert cache.allocate(4, 100) is not None  # free ranges merged back into one
+
+
+def fill_scratch(cache, seq_id, n):
+    """Write recognisable values: entry j of the scratch holds j + 100 * committed."""
+    base = cache.handle(seq_id).num_committed
+    first = cache.reserve_scratch(seq_id, n)
+    values = torch.arange(n, dtype=cache.dtype) + 100 * base
+    cache.pool[:, :, :, first : first + n] = values.view(1, 1, 1, n, 1)
+    return values
+
+
+def test_commit_moves_kept_entries_contiguously():
+    cache = make_cache(100)
+    cache.allocate(0, 30)
+    cache.allocate(1, 30)
+    fill_scratch(cache, 0, 5)
+    cache.commit_all(0)
+    other = fill_scratch(cache, 1, 4)
+    cache.commit_all(1)
+    scratch = fill_scratch(cache, 0, 8)  # a verify segment: root + 7 nodes
+    cache.commit(0, [0, 2, 5, 6])
+    assert cache.num_committed(0) == 9
+    k, v = cache.keys_values(0, 1, 9)
+    assert k.shape == (1, 9, 4)
+    expected = torch.cat([torch.arange(5, dtype=cache.dtype), scratch[[0, 2, 5, 6]]])
+    assert torch.equal(k[0, :, 0], expected) and torch.equal(v[0, :, 3], expected)
+    k1, _ = cache.keys_values(1, 0, 4)  # the neighbour is untouched
+    assert torch.equal(k1[0, :, 0], other)
+
+
+def test_commit_validation_and_overflow():
+    cache = make_cache(100)
+    cache.allocate(0, 10)
+    cache.reserve_scratch(0, 4)
+    for bad in ([1, 1], [2, 1], [4], [-1, 0]):
+        with pytest.raises(ValueError, match="increasing"):
+            cache.commit(0, bad)
+    cache.commit(0, [])  # drop everything: nothing committed
+    assert cache.num_committed(0) == 0
+    cache.reserve_scratch(0, 10)
+    cache.commit_all(0)
+    with pytest.raises(ValueError, match="exceed"):
+        cache.reserve_scratch(0, 1)
+    with pytest.raises(ValueError, match="no KV allocation"):
+        cache.num_committed(5)
+
+
+def test_window_limit_and_tiny_budget():
+    with pytest.raises(ValueError, match="holds no token"):
+        KVCache(2, 1, 4, max_bytes=10)
+    cache = KVCache(2, 1, 4, max_bytes=10**6, max_tokens_per_request=16)
+    with pytest.raises(ValueError, match="exactly"):
+        cache.allocate(0, 17)
