@@ -19,6 +19,7 @@ Order and ties (one rule, shared by the reference heap and the batched builder):
 
 from __future__ import annotations
 
+import functools
 import heapq
 from dataclasses import dataclass
 
@@ -150,12 +151,19 @@ def build_trees_from_topk(values: torch.Tensor, token_ids: torch.Tensor, budgets
 
 
 def build_padded_trees(values: torch.Tensor, token_ids: torch.Tensor, budgets: list[int]) -> PaddedTrees:
-    """The batched builder: vectorised over requests and nodes, a loop over depths, one host sync at the end.
+    """The batched builder: vectorised over requests and nodes, with a loop over depths.
 
-    values [R, L, K] decreasing along K, token_ids [R, L, K]. Depth by depth, the candidates are (kept nodes of the
-    previous depth) x (token ranks), pruned by (i + 1)(j + 1) <= B for parent rank i and token rank j (the i + 1
-    better parents' and j + 1 better tokens' combinations all come first); each depth keeps its first B nodes in
-    order. The B best nodes overall are the first B of all kept nodes, which a stable sort puts in pop order.
+    values [R, L, K] from `topk_logprobs` (decreasing along K), token_ids [R, L, K]. Depth by depth, the candidates
+    are (kept nodes of the previous depth) x (token ranks), pruned twice:
+    - by (i + 1)(j + 1) <= B for parent rank i and token rank j: the combinations of the i + 1 better parents and
+      the j + 1 better tokens all come first, so the candidate cannot be among the B best;
+    - by a running lower bound, the B-th best path log-prob among the nodes kept so far: nothing below it can
+      enter the tree, nor can its descendants.
+    Each depth keeps its first B survivors in order; the tree is the first B of all kept nodes, which one stable
+    sort (depth-major layout) puts in pop order.
+
+    Host syncs: two per depth (the sizes of the next candidate set) and one at the end; the loop stops at the first
+    depth where no node survives, so shallow trees cost few steps.
     """
     if values.dim() != 3 or values.shape != token_ids.shape:
         raise ValueError(
@@ -167,89 +175,128 @@ def build_padded_trees(values: torch.Tensor, token_ids: torch.Tensor, budgets: l
     max_budget = max(budgets, default=0)
     if max_budget == 0 or max_depth == 0 or num_ranks == 0:
         return _empty_padded(num_requests, device)
+    # Rows are sorted with NaN first, so the first column tells NaN and positive values apart.
+    if not bool((values[:, :, 0] <= 0).all()):
+        raise ValueError("values must be log-probabilities: no NaN and none above 0")
 
+    num_ranks = min(num_ranks, max_budget)  # rank j >= B never enters: its j better siblings come first
     budget_t = torch.tensor(budgets, dtype=torch.int64, device=device)  # [R]
-    values64 = values.double()  # [R, L, K]
-    # Candidate (parent rank i, token rank j) pairs, i-major so that a stable sort breaks ties by (i, j).
-    per_parent = [min(max_budget // (i + 1), num_ranks) for i in range(max_budget)]
-    pair_parent = torch.repeat_interleave(
-        torch.arange(max_budget, device=device), torch.tensor(per_parent, device=device)
-    )  # [num_pairs]
-    pair_starts = torch.tensor([0] + per_parent[:-1], device=device).cumsum(0)  # [max_budget]
-    pair_rank = torch.arange(pair_parent.numel(), device=device) - pair_starts[pair_parent]  # [num_pairs]
-    pair_bound = (pair_parent + 1) * (pair_rank + 1)  # [num_pairs]
-    pairs_below = [0]  # pairs_below[c] = number of pairs whose parent rank is < c
-    for n in per_parent:
-        pairs_below.append(pairs_below[-1] + n)
+    last_rank = (budget_t - 1).clamp(min=0)[:, None]  # [R, 1]
+    rank_range = torch.arange(max(num_ranks, max_budget), device=device)
+    # Sort keys: -inf path log-probs (zero-probability tokens) become the lowest finite value, so that -inf can mark
+    # "not a candidate"; ties among them break by position, as for any other tie.
+    lowest = torch.finfo(torch.float64).min
 
-    kept_lp, kept_parent, kept_rank, kept_count = [], [], [], []
-    parent_lp = torch.zeros(num_requests, 1, dtype=torch.float64, device=device)  # [R, 1]: the root
-    parent_count = torch.ones(num_requests, dtype=torch.int64, device=device)  # [R]
-    num_parents = 1  # host-side bound on the kept nodes of the previous depth
-    for d in range(max_depth):
-        num_cand = pairs_below[num_parents]
-        cand_parent, cand_rank = pair_parent[:num_cand], pair_rank[:num_cand]
-        cand_lp = parent_lp[:, cand_parent] + values64[:, d, cand_rank]  # [R, C]
-        is_valid = (cand_parent < parent_count[:, None]) & (pair_bound[:num_cand] <= budget_t[:, None])  # [R, C]
-        num_kept = min(max_budget, num_cand)
-        order = _stable_order(cand_lp, is_valid)[:, :num_kept]  # [R, num_kept]
-        parent_lp = cand_lp.gather(1, order)
-        parent_count = torch.minimum(is_valid.sum(1), budget_t)
-        kept_lp.append(parent_lp)
-        kept_parent.append(cand_parent[order])
-        kept_rank.append(cand_rank[order])
-        kept_count.append(parent_count)
-        num_parents = num_kept
+    # Depth 1: the root's children are the top tokens in rank order.
+    lp = values[:, 0, :num_ranks].double()  # [R, K]
+    is_kept = rank_range[None, :num_ranks] < budget_t[:, None]
+    kept_lp, kept_kept = [lp], [is_kept]
+    kept_parent_slot = [torch.full((num_requests, num_ranks), -1, dtype=torch.int64, device=device)]
+    kept_token = [token_ids[:, 0, :num_ranks]]
+    parent_lp = torch.where(is_kept, lp, float("nan"))  # [R, P]: NaN past a request's kept nodes
+    best_lp = torch.where(is_kept, lp, float("-inf"))  # [R, W] decreasing: the best nodes so far
+    if num_ranks < max_budget:
+        best_lp = torch.cat([best_lp, best_lp.new_full((num_requests, max_budget - num_ranks), float("-inf"))], 1)
+    min_lp = best_lp.gather(1, last_rank)  # [R, 1]: the pruning bound
+    slot_start = 0  # first slot of the previous depth in the all-depths layout
+    pair_parent, pair_rank, pairs_below = _candidate_pairs(max_budget, num_ranks, device)
 
-    # All kept nodes, depth-major and in order within each depth: a stable sort by -lp gives the pop order.
+    for d in range(1, max_depth):
+        logp = values[:, d, :num_ranks].double()  # [R, K]
+        # How many parents can still have a surviving child, and how many token ranks can follow the best parent.
+        num_live_parents = (parent_lp + logp[:, :1] >= min_lp).sum(1)
+        num_live_ranks = (logp + parent_lp[:, :1] >= min_lp).sum(1)
+        live_parents, live_ranks = torch.stack([num_live_parents.max(), num_live_ranks.max()]).tolist()
+        if live_parents == 0 or live_ranks == 0:
+            break
+        # Candidates in (parent rank, token rank) lexicographic order: the full grid of live parents and ranks, or
+        # the (i + 1)(j + 1) <= B pairs when those are fewer.
+        if live_parents * live_ranks <= pairs_below[live_parents]:
+            cand_parent = rank_range[:live_parents].repeat_interleave(live_ranks)  # [C]
+            cand_rank = rank_range[:live_ranks].repeat(live_parents)  # [C]
+            cand_lp = (parent_lp[:, :live_parents, None] + logp[:, None, :live_ranks]).reshape(num_requests, -1)
+        else:
+            num_cand = pairs_below[live_parents]
+            cand_parent, cand_rank = pair_parent[:num_cand], pair_rank[:num_cand]
+            cand_lp = parent_lp.gather(1, cand_parent.expand(num_requests, -1)) + logp.gather(
+                1, cand_rank.expand(num_requests, -1)
+            )  # [R, C]
+        num_cand = cand_parent.numel()
+        is_survivor = (cand_lp >= min_lp) & ((cand_parent + 1) * (cand_rank + 1) <= budget_t[:, None])  # [R, C]
+        num_survivors = is_survivor.sum(1)  # [R]
+        max_survivors = int(num_survivors.max())
+        if max_survivors == 0:
+            break
+        # Survivors to the front in candidate order (a slot past them collects the rest), then a stable sort by
+        # decreasing log-prob: candidates are laid out i-major, so ties fall back to (parent rank, token rank), and
+        # each parent's children form an already sorted run, which the merge sort exploits.
+        slot = torch.where(is_survivor, is_survivor.cumsum(1) - 1, max_survivors)  # [R, C]
+        picked = torch.full((num_requests, max_survivors + 1), num_cand - 1, dtype=torch.int64, device=device)
+        picked.scatter_(1, slot, torch.arange(num_cand, device=device).expand(num_requests, -1))
+        picked = picked[:, :max_survivors]  # [R, S]
+        is_filled = torch.arange(max_survivors, device=device)[None, :] < num_survivors[:, None]  # [R, S]
+        key = torch.where(is_filled, cand_lp.gather(1, picked).clamp(min=lowest), float("-inf"))
+        num_kept = min(max_survivors, max_budget)
+        picked = picked.gather(1, key.sort(dim=1, descending=True, stable=True).indices[:, :num_kept])  # [R, W]
+        lp = cand_lp.gather(1, picked)
+        is_kept = rank_range[None, :num_kept] < torch.minimum(num_survivors, budget_t)[:, None]  # [R, W]
+        rank = cand_rank[picked]
+        kept_lp.append(lp)
+        kept_kept.append(is_kept)
+        kept_parent_slot.append(slot_start + cand_parent[picked])
+        kept_token.append(token_ids[:, d].gather(1, rank))
+        slot_start += parent_lp.shape[1]
+        parent_lp = torch.where(is_kept, lp, float("nan"))
+        # Two sorted runs: the stable merge sort is cheap.
+        best_lp = torch.cat([best_lp, torch.where(is_kept, lp, float("-inf"))], 1)
+        best_lp = best_lp.sort(dim=1, descending=True, stable=True).values[:, :max_budget]
+        min_lp = best_lp.gather(1, last_rank)
+
+    # All kept nodes, depth-major and in order within each depth: a stable sort gives the pop order (equal
+    # log-probs: shallower first, then by order within the depth).
     widths = [t.shape[1] for t in kept_lp]
-    depth_starts = [0]
-    for w in widths:
-        depth_starts.append(depth_starts[-1] + w)
     all_lp = torch.cat(kept_lp, 1)  # [R, T]
-    all_parent = torch.cat(kept_parent, 1)  # [R, T]: rank within the previous depth
-    all_rank = torch.cat(kept_rank, 1)  # [R, T]
+    all_kept = torch.cat(kept_kept, 1)  # [R, T]
+    num_slots = all_lp.shape[1]
     slot_depth = torch.repeat_interleave(
-        torch.arange(max_depth, device=device), torch.tensor(widths, device=device)
-    )  # [T]: depth - 1
-    slot_in_depth = torch.arange(all_lp.shape[1], device=device) - torch.tensor(depth_starts[:-1], device=device)[
-        slot_depth
-    ]  # [T]
-    is_kept = slot_in_depth[None, :] < torch.stack(kept_count, 1)[:, slot_depth]  # [R, T]
-    num_out = min(max_budget, all_lp.shape[1])
-    order = _stable_order(all_lp, is_kept)[:, :num_out]  # [R, num_out] slots in pop order
-    num_nodes = torch.minimum(is_kept.sum(1), budget_t)  # [R]
+        torch.arange(1, len(widths) + 1, device=device), torch.tensor(widths, device=device), output_size=num_slots
+    )  # [T]
+    key = torch.where(all_kept, all_lp.clamp(min=lowest), float("-inf"))
+    num_out = min(max_budget, num_slots)
+    order = key.sort(dim=1, descending=True, stable=True).indices[:, :num_out]  # [R, num_out]: slots in pop order
+    num_nodes = torch.minimum(all_kept.sum(1), budget_t)  # [R]
 
-    # Node index of each slot, to turn a parent's slot into its node index.
-    node_of_slot = torch.full_like(all_lp, -1, dtype=torch.int64)  # [R, T]
-    node_of_slot.scatter_(1, order, torch.arange(num_out, device=device).expand(num_requests, -1).contiguous())
-    depth0 = slot_depth[order]  # [R, num_out] depth - 1
-    prev_start = torch.tensor([0] + depth_starts[:-2], device=device)  # [L] first slot of the previous depth
-    parent_slot = prev_start[depth0] + all_parent.gather(1, order)
-    parents = torch.where(depth0 > 0, node_of_slot.gather(1, parent_slot), -1)
-    flat_token = depth0 * num_ranks + all_rank.gather(1, order)
-    tokens = token_ids.reshape(num_requests, -1).gather(1, flat_token)
+    node_of_slot = torch.full((num_requests, num_slots), -1, dtype=torch.int64, device=device)
+    node_of_slot.scatter_(1, order, torch.arange(num_out, device=device).expand(num_requests, -1))
+    parent_slot = torch.cat(kept_parent_slot, 1).gather(1, order)  # [R, num_out], -1 at depth 1
+    parents = torch.where(parent_slot >= 0, node_of_slot.gather(1, parent_slot.clamp(min=0)), -1)
+    tokens = torch.cat(kept_token, 1).gather(1, order)
     path_lp = all_lp.gather(1, order).float()
 
     is_node = torch.arange(num_out, device=device)[None, :] < num_nodes[:, None]  # [R, num_out]
-    # The single host sync: node counts, plus a check that the inputs are log-probs (the order relies on it).
-    is_bad = torch.isnan(values).any() | (values[:, :, 0] > 0).any()
-    host = torch.cat([num_nodes, is_bad.long().reshape(1)]).tolist()
-    if host[-1]:
-        raise ValueError("values must be log-probabilities: no NaN and none above 0")
     return PaddedTrees(
         token_ids=torch.where(is_node, tokens, -1),
         parents=torch.where(is_node, parents, -1),
-        depths=torch.where(is_node, depth0 + 1, 0),
+        depths=torch.where(is_node, slot_depth[order], 0),
         path_logprobs=torch.where(is_node, path_lp, float("-inf")),
-        num_nodes=host[:-1],
+        num_nodes=num_nodes.tolist(),
     )
 
 
-def _stable_order(lp: torch.Tensor, is_valid: torch.Tensor) -> torch.Tensor:
-    """[R, C] column order by decreasing lp, ties by column, invalid columns last (NaN sorts after +inf)."""
-    key = torch.where(is_valid, -lp, float("nan"))
-    return key.sort(dim=1, stable=True).indices
+@functools.lru_cache(maxsize=32)
+def _candidate_pairs(max_budget: int, num_ranks: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """(parent rank i, token rank j) pairs with (i + 1)(j + 1) <= B and j < K, i-major: parent [P], rank [P], and
+    pairs_below[c] = the number of pairs whose parent rank is below c."""
+    per_parent = [min(max_budget // (i + 1), num_ranks) for i in range(max_budget)]
+    pairs_below = [0]
+    for n in per_parent:
+        pairs_below.append(pairs_below[-1] + n)
+    pair_parent = torch.repeat_interleave(
+        torch.arange(max_budget, device=device), torch.tensor(per_parent, device=device)
+    )
+    starts = torch.tensor(pairs_below[:-1], device=device)
+    pair_rank = torch.arange(pair_parent.numel(), device=device) - starts[pair_parent]
+    return pair_parent, pair_rank, pairs_below
 
 
 def _empty_padded(num_requests: int, device: torch.device) -> PaddedTrees:
