@@ -82,67 +82,69 @@ def target_tokens_sampled(
 
     device = logits.device
     seq_index = seq_index.to(device)
-    greedy = logits.argmax(dim=-1)  # [N]
     is_sampled_request = [t > 0 for t in temps]
     if not any(is_sampled_request):
-        return greedy
+        return logits.argmax(dim=-1)
+    if all(is_sampled_request):
+        return _sample(logits, seq_index, temps, top_ps, top_ks, generators)
+    # Mixed batch: sample only the rows of sampling requests, argmax elsewhere.
+    tokens = logits.argmax(dim=-1)  # [N]
+    rows = torch.tensor(is_sampled_request, device=device)[seq_index].nonzero().squeeze(1)
+    tokens[rows] = _sample(logits[rows], seq_index[rows], temps, top_ps, top_ks, generators)
+    return tokens
 
+
+def _sample(
+    logits: torch.Tensor,  # [n, V]
+    seq_index: torch.Tensor,  # [n]
+    temps: list[float],
+    top_ps: list[float],
+    top_ks: list[int],
+    generators: Sequence[torch.Generator | None],
+) -> torch.Tensor:
+    device, vocab = logits.device, logits.shape[1]
     temp_t = torch.tensor([t if t > 0 else 1.0 for t in temps], dtype=torch.float32, device=device)  # [R]
-    scores = logits.float() / temp_t[seq_index, None]  # [N, V]
+    scores = logits.float() / temp_t[seq_index, None]  # [n, V]
     if any(k > 0 for k in top_ks):
-        k_t = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_ks], device=device)[seq_index]  # [N]
-        top_values = scores.topk(min(max(top_ks), vocab), dim=-1).values  # [N, k_max]
-        kth = top_values.gather(1, (k_t.clamp(max=top_values.shape[1]) - 1)[:, None])  # [N, 1]
+        k_t = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_ks], device=device)[seq_index]  # [n]
+        top_values = scores.topk(min(max(top_ks), vocab), dim=-1).values  # [n, k_max]
+        kth = top_values.gather(1, (k_t.clamp(max=top_values.shape[1]) - 1)[:, None])  # [n, 1]
         is_kept = (scores >= kth) | (k_t == vocab)[:, None]
         scores = scores.masked_fill(~is_kept, float("-inf"))
     if any(p < 1 for p in top_ps):
-        p_t = torch.tensor(top_ps, dtype=torch.float32, device=device)[seq_index]  # [N]
-        sorted_scores, order = scores.sort(dim=-1, descending=True)  # [N, V]
+        p_t = torch.tensor(top_ps, dtype=torch.float32, device=device)[seq_index]  # [n]
+        sorted_scores, order = scores.sort(dim=-1, descending=True)  # [n, V]
         sorted_probs = sorted_scores.softmax(dim=-1)
-        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [N, V]
+        mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [n, V]
         is_dropped_sorted = (mass_before >= p_t[:, None]) & (p_t < 1)[:, None]
         is_dropped = torch.zeros_like(is_dropped_sorted).scatter_(1, order, is_dropped_sorted)
         scores = scores.masked_fill(is_dropped, float("-inf"))
-
     # Exponential race (Gumbel-max): argmax_v p_v / E_v with E_v ~ Exp(1) i.i.d. is a sample from p.
-    noise = _exponential_noise(seq_index, num_requests, vocab, is_sampled_request, generators, device)  # [N, V]
-    sampled = (scores - noise.clamp_(min=torch.finfo(noise.dtype).tiny).log_()).argmax(dim=-1)
-    is_sampled_token = torch.tensor(is_sampled_request, device=device)[seq_index]
-    return torch.where(is_sampled_token, sampled, greedy)
+    noise = _exponential_noise(seq_index, vocab, generators)  # [n, V]
+    return (scores - noise.clamp_(min=torch.finfo(noise.dtype).tiny).log_()).argmax(dim=-1)
 
 
 def _exponential_noise(
-    seq_index: torch.Tensor,
-    num_requests: int,
-    vocab: int,
-    is_sampled_request: list[bool],
-    generators: Sequence[torch.Generator | None],
-    device: torch.device,
+    seq_index: torch.Tensor, vocab: int, generators: Sequence[torch.Generator | None]
 ) -> torch.Tensor:
-    """[N, V] Exp(1) noise; request r's rows drawn from generators[r] in packed order (ones for greedy requests)."""
-    counts = torch.bincount(seq_index, minlength=num_requests).tolist()
-    by_request = torch.argsort(seq_index, stable=True)  # packed rows grouped by request, in packed order
-    blocks = []
-    unseeded_rows = 0
-    for r, count in enumerate(counts):
-        if is_sampled_request[r] and generators[r] is not None:
-            blocks.append(torch.empty(count, vocab, device=device).exponential_(generator=generators[r]))
-        else:
-            blocks.append(None)
-            if is_sampled_request[r]:
-                unseeded_rows += count
+    """[n, V] Exp(1) noise; request r's rows drawn from generators[r] in packed order (the default one for None)."""
+    device = seq_index.device
+    counts = torch.bincount(seq_index, minlength=len(generators)).tolist()
     # Requests without a generator share one draw from the default generator.
-    shared = torch.empty(unseeded_rows, vocab, device=device).exponential_()
+    shared = torch.empty(sum(c for c, g in zip(counts, generators) if g is None), vocab, device=device).exponential_()
+    blocks: list[torch.Tensor] = []
     offset = 0
-    for r, count in enumerate(counts):
-        if blocks[r] is None:
-            if is_sampled_request[r]:
-                blocks[r] = shared[offset : offset + count]
-                offset += count
-            else:
-                blocks[r] = torch.ones(count, vocab, device=device)
-    noise = torch.empty(seq_index.numel(), vocab, device=device)
-    noise[by_request] = torch.cat(blocks) if blocks else noise
+    for count, generator in zip(counts, generators):
+        if generator is None:
+            blocks.append(shared[offset : offset + count])
+            offset += count
+        elif count:
+            blocks.append(torch.empty(count, vocab, device=device).exponential_(generator=generator))
+    by_request = torch.cat(blocks)  # [n, V] rows grouped by request, each group in packed order
+    if bool((seq_index[1:] >= seq_index[:-1]).all()):  # already grouped, as in a PackedBatch
+        return by_request
+    noise = torch.empty_like(by_request)
+    noise[torch.argsort(seq_index, stable=True)] = by_request
     return noise
 
 
@@ -174,20 +176,18 @@ def accept(packed: PackedBatch, target_tokens: torch.Tensor) -> AcceptResult:
     on_token = host[2, on_path].tolist()
     on_target = host[3, on_path].tolist()
 
+    # Split the accepted packed indices (sorted) at the segment starts.
+    bounds = torch.searchsorted(on_path, torch.tensor(packed.query_starts)).tolist()
     result = AcceptResult([], [], [], [])
-    i = 0
     for r in range(packed.num_requests):
-        start, end = packed.query_starts[r], packed.query_starts[r + 1]
-        j = i
-        while j < len(on_index) and on_index[j] < end:
-            j += 1
+        i, j = bounds[r], bounds[r + 1]
         if on_depth[i:j] != list(range(j - i)):
             raise ValueError(f"request {r}: siblings in its tree share a token, the accepted path is ambiguous")
+        start = packed.query_starts[r]
         result.accepted_packed.append(on_index[i:j])
         result.accepted_nodes.append([p - start - 1 for p in on_index[i + 1 : j]])
         result.accepted_token_ids.append(on_token[i + 1 : j])
         result.bonus_token_ids.append(on_target[j - 1])
-        i = j
     return result
 
 

@@ -230,18 +230,19 @@ def test_seeded_requests_do_not_depend_on_the_rest_of_the_batch() -> None:
     alone = target_tokens_sampled(
         logits[:5], torch.zeros(5, dtype=torch.long), [0.9], [1.0], [0], [torch.Generator().manual_seed(7)]
     )
-    seq_index = torch.tensor([1, 0, 1, 0, 0, 2, 0, 1, 1, 2, 2, 0])  # request 0 at rows 1, 3, 4, 6, 11
+    seq_index = torch.tensor([1, 0, 1, 0, 0, 2, 0, 3, 1, 2, 3, 0])  # request 0 at rows 1, 3, 4, 6, 11
     mixed_logits = torch.randn(12, vocab, generator=g)
     mixed_logits[seq_index == 0] = logits[:5]
     mixed = target_tokens_sampled(
         mixed_logits,
         seq_index,
-        [0.9, 1.0, 0.7],
-        [1.0, 0.9, 1.0],
-        [0, 0, 5],
-        [torch.Generator().manual_seed(7), None, torch.Generator().manual_seed(3)],
+        [0.9, 1.0, 0.7, 0.0],  # request 3 is greedy
+        [1.0, 0.9, 1.0, 1.0],
+        [0, 0, 5, 0],
+        [torch.Generator().manual_seed(7), None, torch.Generator().manual_seed(3), None],
     )
     assert torch.equal(mixed[seq_index == 0], alone)
+    assert torch.equal(mixed[seq_index == 3], mixed_logits[seq_index == 3].argmax(-1))
 
 
 def test_sampling_input_validation() -> None:
@@ -284,13 +285,17 @@ def lossless_check(num_samples: int, sample_targets) -> float:
     logits = TARGET_LOGITS[rows.repeat(num_samples)]  # [N, V]: the target's logits given each token's path
     result = accept(packed, sample_targets(packed, logits))
 
+    # Complete every sample to 3 tokens from the target (the next rounds, autoregressively), all at once.
     g = torch.Generator().manual_seed(12345)
-    counts = [0] * VOCAB**3
-    for r in range(num_samples):
-        emitted = tuple(result.emitted_token_ids(r))
-        while len(emitted) < 3:  # the next rounds, autoregressively
-            emitted += (int(torch.multinomial(target_probs(emitted), 1, generator=g)),)
-        counts[sum(t * VOCAB ** (2 - i) for i, t in enumerate(emitted[:3]))] += 1
+    emitted = torch.tensor([(result.emitted_token_ids(r) + [-1, -1])[:3] for r in range(num_samples)])
+    for position in (1, 2):
+        todo = emitted[:, position] < 0
+        contexts = emitted[todo, :position]  # [n, position]
+        rows = sum(VOCAB**i for i in range(position)) + (contexts * VOCAB ** torch.arange(position - 1, -1, -1)).sum(1)
+        probs = TARGET_LOGITS[rows].softmax(-1)
+        emitted[todo, position] = torch.multinomial(probs, 1, generator=g).squeeze(1)
+    codes = (emitted * torch.tensor([VOCAB**2, VOCAB, 1])).sum(1)
+    counts = torch.bincount(codes, minlength=VOCAB**3).tolist()
     expected = [
         float(target_probs(())[a] * target_probs((a,))[b] * target_probs((a, b))[c])
         for a, b, c in itertools.product(range(VOCAB), repeat=3)
