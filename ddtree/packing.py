@@ -11,6 +11,7 @@ mask function over a flat packed key/value layout (FlexAttention).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -106,28 +107,33 @@ def pack(
         raise ValueError("cannot pack an empty batch")
     if device is None:
         device = trees[0].token_ids.device
+    if any(n < 0 for n in num_cached):
+        raise ValueError(f"num_cached entries must be >= 0, got {list(num_cached)}")
     seg_lens = [1 + t.num_nodes for t in trees]
     query_starts = [0]
     for n in seg_lens:
         query_starts.append(query_starts[-1] + n)
-    num_requests = len(trees)
-    seg_lens_t = torch.tensor(seg_lens, device=device)
-    starts_t = torch.tensor(query_starts[:-1], device=device)
-    seq_index = torch.repeat_interleave(torch.arange(num_requests, device=device), seg_lens_t)  # [N]
-    local = torch.arange(query_starts[-1], device=device) - starts_t[seq_index]  # [N] offset in segment
+    num_requests, num_tokens = len(trees), query_starts[-1]
+    starts_t = torch.tensor(query_starts[:-1], device=device)  # [R]
+    seq_index = torch.repeat_interleave(
+        torch.arange(num_requests, device=device), torch.tensor(seg_lens, device=device), output_size=num_tokens
+    )  # [N]
+    seg_start = starts_t[seq_index]  # [N]
+    local = torch.arange(num_tokens, device=device) - seg_start  # [N] offset in segment
+    is_node = local > 0  # [N]: every token but the roots, in tree order
 
-    minus_one = torch.full((1,), -1, dtype=torch.int64, device=device)
-    zero = torch.zeros(1, dtype=torch.int64, device=device)
-    roots = torch.tensor(root_token_ids, dtype=torch.int64, device=device)
-    input_ids = torch.cat(
-        [x for r, t in enumerate(trees) for x in (roots[r : r + 1], t.token_ids.to(device))]
-    )
-    depths = torch.cat([x for t in trees for x in (zero, t.depths.to(device))])
-    local_parents = torch.cat([x for t in trees for x in (minus_one, t.parents.to(device) + 1)])
+    # All trees' nodes at once, scattered behind their roots (masked_scatter_ keeps the order).
+    input_ids = torch.empty(num_tokens, dtype=torch.int64, device=device)
+    input_ids[starts_t] = torch.tensor(root_token_ids, dtype=torch.int64, device=device)
+    input_ids.masked_scatter_(is_node, torch.cat([t.token_ids for t in trees]).to(device))
+    depths = torch.zeros(num_tokens, dtype=torch.int64, device=device)
+    depths.masked_scatter_(is_node, torch.cat([t.depths for t in trees]).to(device))
+    local_parents = torch.full((num_tokens,), -1, dtype=torch.int64, device=device)
+    local_parents.masked_scatter_(is_node, torch.cat([t.parents for t in trees]).to(device) + 1)
     node_index = local - 1
     position_ids = torch.tensor(num_cached, dtype=torch.int64, device=device)[seq_index] + depths
 
-    ancestor_bits = _ancestor_bits(local_parents, depths, local, starts_t[seq_index], max(seg_lens))
+    ancestor_bits = _ancestor_bits(local_parents, depths, local, seg_start, max(seg_lens))
     return PackedBatch(
         input_ids=input_ids,
         position_ids=position_ids,
@@ -148,16 +154,18 @@ def _ancestor_bits(
     seg_start: torch.Tensor,  # [N] packed index of the token's segment start
     max_seg_len: int,
 ) -> torch.Tensor:
-    """[N, W] int64: own bit, OR-ed with the parent's bits, one depth level at a time (parents come first)."""
+    """[N, W] int64: each token's own bit OR-ed over its ancestors, by pointer doubling: after step k a token holds
+    the bits of its 2^k nearest ancestors-or-self (the root jumps to itself, and OR is idempotent), so
+    ceil(log2(max depth + 1)) steps cover every path."""
     num_tokens = local.numel()
     num_words = (max_seg_len + BITS_PER_WORD - 1) // BITS_PER_WORD
-    own_word = local // BITS_PER_WORD
-    own_bit = torch.ones_like(local) << (local % BITS_PER_WORD)
     bits = torch.zeros(num_tokens, num_words, dtype=torch.int64, device=local.device)
-    bits[torch.arange(num_tokens, device=local.device), own_word] = own_bit
-    parent_packed = seg_start + local_parents  # only meaningful where depth > 0
+    own_bit = torch.ones_like(local) << (local % BITS_PER_WORD)
+    bits.scatter_(1, (local // BITS_PER_WORD)[:, None], own_bit[:, None])
+    token_index = torch.arange(num_tokens, device=local.device)
+    jump = torch.where(local_parents >= 0, seg_start + local_parents, token_index)  # [N] parent; the root: itself
     max_depth = int(depths.max()) if num_tokens else 0
-    for d in range(1, max_depth + 1):
-        at_depth = (depths == d).nonzero().squeeze(1)
-        bits[at_depth] |= bits[parent_packed[at_depth]]
+    for _ in range(math.ceil(math.log2(max_depth + 1))):
+        bits |= bits.index_select(0, jump)
+        jump = jump.index_select(0, jump)
     return bits
