@@ -201,3 +201,20 @@ def test_verify_cost_curve(checkpoints):
     assert [n for n, _ in curve] == [1, 4, 16]
     assert all(s > 0 for _, s in curve)
     assert runner.kv.num_bytes_used == 0  # its scratch request is freed
+
+
+def test_bfloat16_runs_close_to_float32(checkpoints):
+    gen = torch.Generator().manual_seed(7)
+    prompt = random_ids(12, gen)
+    tree = random_draft_tree(6, 3, 97, gen)
+    results = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        runner = TargetModel.load(checkpoints["qwen3"], dtype=dtype, feature_layer_ids=[1], max_kv_bytes=2**22)
+        runner.kv.allocate(0, 32)
+        last, _ = runner.prefill([0], [prompt])
+        logits, feats = runner.verify([0], pack([tree], [int(last[0].argmax())], [len(prompt)]))
+        assert logits.dtype == feats.dtype == dtype
+        results[dtype] = logits.float()
+    ref, low = results[torch.float32], results[torch.bfloat16]
+    assert (low - ref).abs().max() < 0.05 * ref.abs().max()
+    assert (low.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8

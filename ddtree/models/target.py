@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from ddtree.models.config import TargetConfig
 from ddtree.models.kv_cache import KVCache
-from ddtree.models.layers import Rotary, apply_rope, rms_norm
+from ddtree.models.layers import Rotary, rms_norm
 from ddtree.packing import PackedBatch
 
 ATTENTION_BACKENDS = ("sdpa", "flex")
@@ -45,8 +45,7 @@ class LayerWeights:
     attn_norm: torch.Tensor  # [H]
     w_qkv: torch.Tensor  # [H, q_size + 2 * kv_size]
     b_qkv: torch.Tensor | None  # [q_size + 2 * kv_size] (Qwen2)
-    q_norm: torch.Tensor | None  # [head_dim] (Qwen3)
-    k_norm: torch.Tensor | None  # [head_dim]
+    qk_norm: torch.Tensor | None  # [heads + kv_heads, head_dim]: q_norm repeated per q head, then k_norm (Qwen3)
     w_o: torch.Tensor  # [q_size, H]
     b_o: torch.Tensor | None  # [H]
     mlp_norm: torch.Tensor  # [H]
@@ -135,6 +134,16 @@ class TargetModel:
         def opt(name: str) -> torch.Tensor | None:
             return get(name) if name in t else None
 
+        # Weights are [in, out] for `x @ W`. In float32/float64 they are stored row-major ([in, out] contiguous),
+        # which MKL ran 1.4x faster than F.linear's [out, in] at one row on this CPU (on par at 4-64); in bfloat16 the
+        # [out, in] storage is faster, so there W is the transposed view of a contiguous [out, in] matrix.
+        is_half = self.dtype in (torch.float16, torch.bfloat16)
+
+        def in_out(*out_in: torch.Tensor) -> torch.Tensor:
+            """[in, sum(out)] from [out_i, in] matrices fused along out."""
+            fused = torch.cat(out_in, dim=0) if len(out_in) > 1 else out_in[0]
+            return fused.contiguous().t() if is_half else fused.t().contiguous()
+
         self.layers: list[LayerWeights] = []
         for i in range(cfg.num_hidden_layers):
             p = f"model.layers.{i}."
@@ -145,29 +154,31 @@ class TargetModel:
             self.layers.append(
                 LayerWeights(
                     attn_norm=get(p + "input_layernorm.weight"),
-                    # [in, out] and fused: one GEMM for q, k and v
-                    w_qkv=torch.cat([q.t(), k.t(), v.t()], dim=1).contiguous(),
+                    w_qkv=in_out(q, k, v),  # one GEMM for q, k and v
                     b_qkv=torch.cat(biases) if biases[0] is not None else None,
-                    q_norm=opt(p + "self_attn.q_norm.weight") if cfg.has_qk_norm else None,
-                    k_norm=opt(p + "self_attn.k_norm.weight") if cfg.has_qk_norm else None,
-                    w_o=get(p + "self_attn.o_proj.weight").t().contiguous(),
+                    qk_norm=self._qk_norm(t, p) if cfg.has_qk_norm else None,
+                    w_o=in_out(get(p + "self_attn.o_proj.weight")),
                     b_o=opt(p + "self_attn.o_proj.bias"),
                     mlp_norm=get(p + "post_attention_layernorm.weight"),
-                    w_gate_up=torch.cat(
-                        [get(p + "mlp.gate_proj.weight").t(), get(p + "mlp.up_proj.weight").t()], dim=1
-                    ).contiguous(),
-                    w_down=get(p + "mlp.down_proj.weight").t().contiguous(),
+                    w_gate_up=in_out(get(p + "mlp.gate_proj.weight"), get(p + "mlp.up_proj.weight")),
+                    w_down=in_out(get(p + "mlp.down_proj.weight")),
                 )
             )
-            if cfg.has_qk_norm and (self.layers[-1].q_norm is None or self.layers[-1].k_norm is None):
-                raise ValueError(f"layer {i}: a qwen3 checkpoint needs q_norm and k_norm weights")
         self.final_norm = get("model.norm.weight")
         if cfg.tie_word_embeddings or "lm_head.weight" not in t:
-            self.lm_head = get("model.embed_tokens.weight").t().contiguous()  # [H, V]
+            self.lm_head = in_out(get("model.embed_tokens.weight"))  # [H, V]
             self.embed_tokens = self.lm_head.t()  # [V, H] view: one copy of the shared matrix
         else:
-            self.lm_head = get("lm_head.weight").t().contiguous()  # [H, V]
+            self.lm_head = in_out(get("lm_head.weight"))  # [H, V]
             self.embed_tokens = get("model.embed_tokens.weight")  # [V, H]
+
+    def _qk_norm(self, t: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+        cfg = self.config
+        names = [prefix + "self_attn.q_norm.weight", prefix + "self_attn.k_norm.weight"]
+        if any(n not in t for n in names):
+            raise ValueError(f"a qwen3 checkpoint needs {names[0]} and {names[1]}")
+        q_norm, k_norm = (t[n].to(device=self.device, dtype=self.dtype) for n in names)
+        return torch.cat([q_norm.expand(cfg.num_attention_heads, -1), k_norm.expand(cfg.num_key_value_heads, -1)])
 
     @property
     def num_weight_bytes(self) -> int:
@@ -312,45 +323,54 @@ class TargetModel:
     def _forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, batch: _Batch, logits_rows: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # Few, large ops per layer: at one decode token every op costs microseconds of overhead, and the weight
+        # reads (the bandwidth bound) are all the time a decode step should take.
         cfg = self.config
         num_tokens = input_ids.numel()
         nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q_size, kv_size = cfg.q_size, cfg.kv_size
-        eps = cfg.rms_norm_eps
+        half = hd // 2
+        norm = self._norm
         h = self.embed(input_ids)  # [N, H]
         cos, sin = self.rotary.cos_sin(positions, self.dtype)  # [N, head_dim]
+        cos = cos.unsqueeze(1)  # [N, 1, head_dim], broadcast over heads
+        sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).unsqueeze(1)  # rotate-half's sign folded in
         attend = self._flex_attention_fn(batch) if batch.packed is not None else self._sdpa_attention
         features: list[torch.Tensor] = []
         last_layer = cfg.num_hidden_layers - 1
         for layer, lw in enumerate(self.layers):
-            x = rms_norm(h, lw.attn_norm, eps)
-            qkv = x @ lw.w_qkv  # [N, q_size + 2 * kv_size]
-            if lw.b_qkv is not None:
-                qkv = qkv + lw.b_qkv
-            q = qkv[:, :q_size].view(num_tokens, nh, hd)
-            k = qkv[:, q_size : q_size + kv_size].view(num_tokens, nkv, hd)
-            v = qkv[:, q_size + kv_size :].view(num_tokens, nkv, hd)
-            if lw.q_norm is not None:
-                q = rms_norm(q, lw.q_norm, eps)
-                k = rms_norm(k, lw.k_norm, eps)
-            q = apply_rope(q, cos, sin)
-            k = apply_rope(k, cos, sin)
+            x = norm(h, lw.attn_norm)
+            qkv = x @ lw.w_qkv if lw.b_qkv is None else torch.addmm(lw.b_qkv, x, lw.w_qkv)  # [N, q + 2 kv]
+            qk = qkv[:, : q_size + kv_size].view(num_tokens, nh + nkv, hd)  # q and k heads roped together
+            if lw.qk_norm is not None:
+                qk = norm(qk, lw.qk_norm)  # [nh + nkv, head_dim] weights: q_norm rows then k_norm rows
+            swapped = torch.cat([qk[..., half:], qk[..., :half]], dim=-1)
+            qk = torch.addcmul(qk * cos, swapped, sin_signed)  # [N, nh + nkv, head_dim]
             pool = self.kv.pool[layer]  # [2, kv_heads, slots, head_dim]
-            pool[0][:, batch.slots] = k.transpose(0, 1)
-            pool[1][:, batch.slots] = v.transpose(0, 1)
-            attn = attend(layer, q, batch)  # [N, heads * head_dim]
-            o = attn @ lw.w_o
-            h = h + (o if lw.b_o is None else o + lw.b_o)
-            x = rms_norm(h, lw.mlp_norm, eps)
-            gate_up = x @ lw.w_gate_up  # [N, 2 * intermediate]
-            gate, up = gate_up.chunk(2, dim=-1)
-            h = h + (F.silu(gate) * up) @ lw.w_down
+            pool[0][:, batch.slots] = qk[:, nh:].transpose(0, 1)
+            pool[1][:, batch.slots] = qkv[:, q_size + kv_size :].view(num_tokens, nkv, hd).transpose(0, 1)
+            attn = attend(layer, qk[:, :nh], batch)  # [N, heads * head_dim]
+            h = torch.addmm(h, attn, lw.w_o)  # residual fused into the GEMM
+            if lw.b_o is not None:
+                h = h + lw.b_o
+            gate_up = norm(h, lw.mlp_norm) @ lw.w_gate_up  # [N, 2 * intermediate]
+            act = F.silu(gate_up[:, : cfg.intermediate_size]) * gate_up[:, cfg.intermediate_size :]
+            h = torch.addmm(h, act, lw.w_down)
             if layer in self.feature_layer_ids:
                 # Hugging Face's last hidden state is after the final norm.
-                features.append(rms_norm(h, self.final_norm, eps) if layer == last_layer else h)
+                features.append(norm(h, self.final_norm) if layer == last_layer else h)
         feats = self._order_features(features, num_tokens)
-        logits = self.project_logits(rms_norm(h.index_select(0, logits_rows), self.final_norm, eps))
+        logits = self.project_logits(norm(h.index_select(0, logits_rows), self.final_norm))
         return logits, feats
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm over the last dim; `weight` [..., dim] may hold one row per head."""
+        eps = self.config.rms_norm_eps
+        if self.dtype in (torch.float16, torch.bfloat16):
+            return rms_norm(x, weight, eps)  # Hugging Face's float32 round trip
+        if weight.dim() == 1:
+            return F.rms_norm(x, weight.shape, weight, eps)  # one fused kernel
+        return F.rms_norm(x, weight.shape[-1:], None, eps) * weight
 
     def _order_features(self, collected: list[torch.Tensor], num_tokens: int) -> torch.Tensor:
         """Collected in layer order -> concatenated in feature_layer_ids order [N, F]."""
@@ -369,17 +389,16 @@ class TargetModel:
             q0, q1 = batch.query_starts[r], batch.query_starts[r + 1]
             n, num_cached = q1 - q0, batch.num_cached[r]
             k, v = self.kv.keys_values(seq_id, layer, num_cached + n)  # [kv_heads, T, head_dim]
-            qr = q[q0:q1].transpose(0, 1)  # [heads, n, head_dim]
+            # 4-D inputs: the 3-D form takes SDPA's slow math path with GQA
+            qr = q[q0:q1].transpose(0, 1).unsqueeze(0)  # [1, heads, n, head_dim]
             mask = batch.masks[r]
-            if mask is None and n > 1:
-                if num_cached == 0:
-                    o = F.scaled_dot_product_attention(qr, k, v, is_causal=True, enable_gqa=gqa)
-                else:
-                    mask = _causal_mask(n, num_cached, q.device)
-                    o = F.scaled_dot_product_attention(qr, k, v, attn_mask=mask, enable_gqa=gqa)
-            else:
-                o = F.scaled_dot_product_attention(qr, k, v, attn_mask=mask, enable_gqa=gqa)
-            out[q0:q1] = o.transpose(0, 1)
+            is_causal = mask is None and n > 1
+            if is_causal and num_cached > 0:
+                mask, is_causal = _causal_mask(n, num_cached, q.device), False
+            o = F.scaled_dot_product_attention(
+                qr, k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, is_causal=is_causal, enable_gqa=gqa
+            )  # [1, heads, n, head_dim]
+            out[q0:q1] = o[0].transpose(0, 1)
         return out.view(num_tokens, nh * hd)
 
     def _flex_attention_fn(self, batch: _Batch):
