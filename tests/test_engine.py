@@ -113,15 +113,16 @@ def test_stops_apply_to_tokens_accepted_in_one_round(workers):
     off = make_llm(workers, speculation="off")
     spec = make_llm(workers, speculation="ddtree", budget=64)
     free_text = off.generate(PROMPTS[1], greedy(40))[0]
-    stop = free_text.text[10:13]
-    assert stop and stop not in free_text.text[:10]
+    stop = free_text.text[10:12]
+    assert len(stop) == 2 and free_text.text.index(stop) > 0
     for llm in (off, spec):
         out = llm.generate(PROMPTS[1], greedy(40, stop=[stop]))[0]
         assert out.finish_reason == "stop" and out.text == free_text.text[: free_text.text.index(stop)]
     stop_id = free_text.token_ids[6]
     for llm in (off, spec):
         out = llm.generate(PROMPTS[1], greedy(40, stop_token_ids=[stop_id]))[0]
-        assert out.finish_reason == "stop" and out.token_ids == free_text.token_ids[: 7]
+        first = free_text.token_ids.index(stop_id)
+        assert out.finish_reason == "stop" and out.token_ids == free_text.token_ids[: first + 1]
         out = llm.generate(PROMPTS[1], greedy(5))[0]
         assert out.finish_reason == "length" and out.token_ids == free_text.token_ids[:5]
 
@@ -135,7 +136,8 @@ def test_eos_and_context_length(workers, checkpoints):
     try:
         engine = Engine(EngineConfig(speculation="ddtree", budget=16), target, drafter, tok, cost=FLAT_COST)
         out = LLM.from_engine(engine).generate(PROMPTS[0], SamplingParams(max_tokens=40))[0]
-        assert out.finish_reason == "stop" and out.token_ids == free.token_ids[: 4]
+        first = free.token_ids.index(eos_target)
+        assert out.finish_reason == "stop" and out.token_ids == free.token_ids[: first + 1]
     finally:
         target.eos_token_ids.remove(eos_target)
     short = Engine(EngineConfig(speculation="ddtree", budget=16, max_model_len=20), target, drafter, tok,
