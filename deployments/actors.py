@@ -1,0 +1,266 @@
+"""The target and drafter workers on their own Ray actors, and the thin proxies the Engine calls.
+
+The engine calls its workers only through a handful of methods (allocate, prefill, verify, take_features, free,
+measure_verify_cost / draft, free, measure_draft_cost), so each proxy method is one plain actor call:
+`ray.get(actor.method.remote(...))`. Serve handles never appear in the per-round loop.
+
+Target features go from the target actor to the drafter actor by object reference: `TargetProxy.take_features`
+returns the ObjectRef un-fetched and `DrafterProxy.draft` passes it as an argument of the drafter's call, so Ray
+resolves it on the drafter's side (large objects move between the two actors' object stores; Ray inlines objects
+under ~100 KB into the reply to the caller, so small feature sets do pass by the engine process, still without being
+deserialised there).
+
+Each timed actor method returns (result, seconds spent inside the actor); the proxies keep the difference from the
+wall time of the call: the cost of the actor hop itself (see `HopTimes`, reported as a metric and by
+benchmarks/bench_actors.py).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import ray
+
+from deployments.config import ActorPlace, WorkerSpec
+
+
+# OpenMP threads spin after each parallel region by default (libgomp: ~0.3 s of busy-waiting). The target and the
+# drafter take turns on the same cores, so a spinning pool in one actor would steal the cores from the other:
+# every stage measured 5-10x slower on 2 cores. Passive waiting must be set before torch loads OpenMP, so it goes in
+# the actor's environment.
+OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
+
+
+def _set_torch_threads(spec: WorkerSpec) -> None:
+    if spec.device.startswith("cpu"):
+        import torch
+
+        torch.set_num_threads(spec.torch_threads or len(os.sched_getaffinity(0)))
+
+
+@dataclass
+class TargetHead:
+    """What the DFlash drafter uses of the target (ddtree.drafter.DFlashDrafter reads `config`, `feature_layer_ids`,
+    `device`, `dtype`, `embed()` and `project_logits()`): the token embedding and the LM head, without the layers or
+    the KV cache, so that a drafter actor holds only these two matrices of the target."""
+
+    config: object  # ddtree.models.config.TargetConfig
+    feature_layer_ids: list[int]
+    embed_tokens: object  # [V, H]
+    lm_head: object  # [H, V]
+
+    @property
+    def device(self):
+        return self.lm_head.device
+
+    @property
+    def dtype(self):
+        return self.lm_head.dtype
+
+    def to(self, device) -> "TargetHead":
+        lm_head = self.lm_head.to(device)
+        # Tied embeddings: embed_tokens is a view of the LM head; keep one copy.
+        shared = self.embed_tokens.data_ptr() == self.lm_head.data_ptr()
+        embed = lm_head.t() if shared else self.embed_tokens.to(device)
+        return TargetHead(self.config, self.feature_layer_ids, embed, lm_head)
+
+    def embed(self, token_ids):
+        import torch.nn.functional as F
+
+        return F.embedding(token_ids, self.embed_tokens)  # [..., H]
+
+    def project_logits(self, hidden):
+        return hidden @ self.lm_head  # [..., V]
+
+
+class TargetActor:
+    """Owns the target model and its KV cache."""
+
+    def __init__(self, spec: WorkerSpec, need_drafter: bool) -> None:
+        from ddtree.workers import build_workers
+
+        _set_torch_threads(spec)
+        # build_workers validates the pair and loads the target with the feature layers the drafter needs; the
+        # drafter it also builds here is dropped (the drafter actor builds its own).
+        self.worker, _, self.tokenizer = build_workers(
+            spec.model, spec.drafter, device=spec.device, dtype=spec.dtype, need_drafter=need_drafter,
+            max_num_seqs=spec.max_num_seqs, kv_cache_bytes=spec.kv_cache_bytes, attention=spec.attention)
+
+    def describe(self) -> dict:
+        """What the engine reads from the worker once, and the tokenizer it detokenizes with."""
+        w = self.worker
+        return {"max_model_len": w.max_model_len, "eos_token_ids": list(w.eos_token_ids),
+                "vocab_size": w.vocab_size, "tokenizer": self.tokenizer}
+
+    def head(self) -> TargetHead:
+        model = self.worker.model
+        return TargetHead(model.config, list(model.feature_layer_ids), model.embed_tokens, model.lm_head)
+
+    def allocate(self, request_id, capacity, params):
+        return _timed(self.worker.allocate, request_id, capacity, params)
+
+    def prefill(self, request_ids, prompts):
+        return _timed(self.worker.prefill, request_ids, prompts)
+
+    def verify(self, request_ids, trees, roots):
+        return _timed(self.worker.verify, request_ids, trees, roots)
+
+    def take_features(self, request_ids):
+        return self.worker.take_features(request_ids)
+
+    def free(self, request_id):
+        return _timed(self.worker.free, request_id)
+
+    def measure_verify_cost(self, token_counts):
+        return self.worker.measure_verify_cost(token_counts)
+
+    def kv_cache_stats(self) -> dict:
+        return {"bytes_used": self.worker.num_kv_bytes_used}
+
+
+class DrafterActor:
+    """Owns the DFlash drafter and its per-request context caches."""
+
+    def __init__(self, spec: WorkerSpec, head: TargetHead) -> None:
+        from ddtree.drafter import DFlashDrafter
+        from ddtree.workers import DEFAULT_DRAFTER_DIR, DrafterWorker, resolve_dtype
+
+        _set_torch_threads(spec)
+        path = spec.drafter if spec.drafter is not None else DEFAULT_DRAFTER_DIR
+        head = head.to(spec.device)
+        self.worker = DrafterWorker(DFlashDrafter.load(path, head, device=spec.device,
+                                                       dtype=resolve_dtype(spec.dtype, spec.device)))
+
+    def block_len(self) -> int:
+        return self.worker.block_len
+
+    def draft(self, request_ids, roots, features, max_k):
+        return _timed(self.worker.draft, request_ids, roots, features, max_k)
+
+    def free(self, request_id):
+        return _timed(self.worker.free, request_id)
+
+    def measure_draft_cost(self, batch_sizes, max_k):
+        return self.worker.measure_draft_cost(batch_sizes, max_k)
+
+
+def _timed(fn, *args):
+    t0 = time.perf_counter()
+    result = fn(*args)
+    return result, time.perf_counter() - t0
+
+
+@dataclass
+class HopTimes:
+    """Seconds the proxies spent in actor calls beyond what the actors spent working (summed)."""
+
+    seconds: float = 0.0
+    num_calls: int = 0
+
+    def add(self, wall_seconds: float, inside_seconds: float) -> None:
+        self.seconds += max(0.0, wall_seconds - inside_seconds)
+        self.num_calls += 1
+
+
+def _call(hops: HopTimes, method, *args):
+    t0 = time.perf_counter()
+    result, inside = ray.get(method.remote(*args))
+    hops.add(time.perf_counter() - t0, inside)
+    return result
+
+
+class TargetProxy:
+    """Looks like a TargetWorker to the Engine; every method is one actor call."""
+
+    def __init__(self, actor, hops: HopTimes) -> None:
+        self.actor = actor
+        self.hops = hops
+        info = ray.get(actor.describe.remote())
+        self.max_model_len = info["max_model_len"]
+        self.eos_token_ids = info["eos_token_ids"]
+        self.vocab_size = info["vocab_size"]
+        self.tokenizer = info["tokenizer"]
+
+    def allocate(self, request_id, capacity, params):
+        return _call(self.hops, self.actor.allocate, request_id, capacity, params)
+
+    def prefill(self, request_ids, prompts):
+        return _call(self.hops, self.actor.prefill, request_ids, prompts)
+
+    def verify(self, request_ids, trees, roots):
+        return _call(self.hops, self.actor.verify, request_ids, trees, roots)
+
+    def take_features(self, request_ids):
+        # Un-fetched on purpose: the drafter actor resolves it (see the module docstring).
+        return self.actor.take_features.remote(request_ids)
+
+    def free(self, request_id):
+        return _call(self.hops, self.actor.free, request_id)
+
+    def measure_verify_cost(self, token_counts):
+        return ray.get(self.actor.measure_verify_cost.remote(token_counts))
+
+    def kv_cache_stats(self) -> dict:
+        return ray.get(self.actor.kv_cache_stats.remote())
+
+
+class DrafterProxy:
+    """Looks like a DrafterWorker to the Engine."""
+
+    def __init__(self, actor, hops: HopTimes) -> None:
+        self.actor = actor
+        self.hops = hops
+        self.block_len = ray.get(actor.block_len.remote())
+
+    def draft(self, request_ids, roots, features_ref, max_k):
+        return _call(self.hops, self.actor.draft, request_ids, roots, features_ref, max_k)
+
+    def free(self, request_id):
+        return _call(self.hops, self.actor.free, request_id)
+
+    def measure_draft_cost(self, batch_sizes, max_k):
+        return ray.get(self.actor.measure_draft_cost.remote(batch_sizes, max_k))
+
+
+@dataclass
+class WorkerActors:
+    target: object  # ActorHandle
+    drafter: object | None
+    target_proxy: TargetProxy
+    drafter_proxy: DrafterProxy | None
+    hops: HopTimes
+
+    def kill(self) -> None:
+        for actor in (self.target, self.drafter):
+            if actor is not None:
+                ray.kill(actor)
+
+
+def start_worker_actors(spec: WorkerSpec, target_place: ActorPlace, drafter_place: ActorPlace | None,
+                        placement_group=None) -> WorkerActors:
+    """Create the target actor (and the drafter actor) in the given bundles of `placement_group` (None: the
+    caller's own placement group if it runs in one, else anywhere), and wait until both have loaded."""
+    from ray.util import get_current_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    pg = placement_group if placement_group is not None else get_current_placement_group()
+
+    def options(place: ActorPlace) -> dict:
+        opts = {"num_cpus": place.num_cpus, "num_gpus": place.num_gpus, "max_restarts": 0,
+                "runtime_env": {"env_vars": dict(OPENMP_ENV)}}
+        if pg is not None:
+            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=place.bundle_index)
+        return opts
+
+    target = ray.remote(TargetActor).options(**options(target_place)).remote(spec, drafter_place is not None)
+    hops = HopTimes()
+    target_proxy = TargetProxy(target, hops)  # waits for the target to load
+    drafter = drafter_proxy = None
+    if drafter_place is not None:
+        head = target.head.remote()  # by reference: target actor -> drafter actor
+        drafter = ray.remote(DrafterActor).options(**options(drafter_place)).remote(spec, head)
+        drafter_proxy = DrafterProxy(drafter, hops)
+    return WorkerActors(target, drafter, target_proxy, drafter_proxy, hops)

@@ -1,0 +1,57 @@
+"""`build_app(args) -> Application`: the builder named by ray_config.yaml (`import_path: deployments.app:build_app`).
+
+    serve run ray_config.yaml                                # this machine, the embedded default model on CPU
+    serve run deployments.app:build_app model=/path/to/model # args on the command line
+    serve.run(build_app({"model": ..., "placement": "gpu-per-worker"}), name="ddtree")
+
+The args are validated (deployments/config.py: AppArgs) before anything is built; an invalid dict raises pydantic's
+ValidationError, a ValueError naming every bad field.
+"""
+
+from __future__ import annotations
+
+from ray import serve
+from ray.serve import Application
+
+from deployments.actors import OPENMP_ENV
+from deployments.config import AppArgs, parse_args
+from deployments.engine_server import DDTreeEngine
+from deployments.ingress import OpenAIIngress
+
+ENGINE_DEPLOYMENT = "DDTreeEngine"
+INGRESS_DEPLOYMENT = "OpenAIIngress"
+
+
+def build_app(args: dict | AppArgs | None = None) -> Application:
+    parsed = parse_args(args)
+    layout = parsed.worker_layout()
+    engine_options = {
+        "name": ENGINE_DEPLOYMENT,
+        # Bundle 0 holds the replica itself; its actors go in the next bundles (deployments/actors.py).
+        # The replica builds trees with torch on the same cores as its worker actors: no spinning OpenMP threads.
+        "ray_actor_options": {"num_cpus": parsed.engine_num_cpus, "runtime_env": {"env_vars": dict(OPENMP_ENV)}},
+        "placement_group_bundles": layout.bundles,
+        "placement_group_strategy": layout.strategy,
+        "max_ongoing_requests": parsed.engine_max_ongoing_requests,
+        # Loading the models and profiling the verify pass take a while on a CPU.
+        "health_check_timeout_s": 120.0,
+        "graceful_shutdown_timeout_s": 30.0,
+    }
+    if parsed.autoscaling_config is not None:
+        engine_options["autoscaling_config"] = parsed.autoscaling_config
+    else:
+        engine_options["num_replicas"] = parsed.num_replicas or 1
+    engine = serve.deployment(DDTreeEngine).options(**engine_options).bind(parsed)
+    ingress = serve.deployment(OpenAIIngress).options(
+        name=INGRESS_DEPLOYMENT,
+        num_replicas=parsed.num_ingress_replicas,
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=parsed.engine_max_ongoing_requests * max(1, _max_engine_replicas(parsed)),
+    ).bind(engine, parsed)
+    return ingress
+
+
+def _max_engine_replicas(args: AppArgs) -> int:
+    if args.autoscaling_config is not None:
+        return int(args.autoscaling_config.get("max_replicas", 1))
+    return args.num_replicas or 1

@@ -1,0 +1,232 @@
+"""Runs an Engine in a background thread and serves its requests to asyncio code.
+
+Only the loop thread ever touches the engine (it is not thread-safe): requests and aborts reach it through an inbox,
+and each request's outputs go back through its own asyncio queue on the event loop that asked. The thread steps the
+engine while work exists and sleeps on the inbox when there is none. A request's admission errors (bad input, prompt
+too long, queue full) come back to its caller before any output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from ddtree.outputs import RequestOutput
+from ddtree.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Add:
+    prompt: object
+    params: SamplingParams
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    admitted: asyncio.Future
+    outputs: asyncio.Queue
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Call:
+    """Run `fn(engine)` on the loop thread (reads of engine state that must not race a step)."""
+
+    fn: Callable
+    loop: asyncio.AbstractEventLoop
+    done: asyncio.Future
+
+
+@dataclass
+class _Stop:
+    pass
+
+
+@dataclass
+class RoundReport:
+    """What one step did, for metrics: its wall time and the outputs it produced."""
+
+    wall_seconds: float
+    outputs: list[RequestOutput]
+    num_running: int
+    num_waiting: int
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue
+
+
+@dataclass
+class EngineLoop:
+    engine: object  # ddtree.engine.Engine
+    on_round: Callable[[RoundReport], None] | None = None
+    # Turns what callers pass as a prompt (e.g. chat messages) into the engine's prompt, on the loop thread, where
+    # the tokenizer is used by no one else at the same time.
+    prepare_prompt: Callable[[object], str | list[int]] | None = None
+    _inbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    _streams: dict[str, _Stream] = field(default_factory=dict)
+    _thread: threading.Thread | None = None
+    _ids: itertools.count = field(default_factory=itertools.count)
+    error: BaseException | None = None  # set when a step failed: the engine's state is unknown, the loop stops
+    num_callback_errors: int = 0  # on_round failures (logged; they never stop the engine)
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="ddtree-engine-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            self._inbox.put(_Stop())
+            self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    # ------------------------------------------------------------------------------------------------------------
+    # asyncio side
+
+    async def stream(
+        self, prompt: object, params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """The request's incremental outputs, the last one `finished`. Raises the engine's admission error (ValueError,
+        PromptTooLongError, EngineFullError) before the first output. Leaving early aborts the request."""
+        if not self.is_alive:
+            raise RuntimeError(f"the engine loop is not running: {self.error!r}")
+        loop = asyncio.get_running_loop()
+        request_id = request_id or f"loop-{next(self._ids)}"
+        add = _Add(prompt, params, request_id, loop, loop.create_future(), asyncio.Queue())
+        self._inbox.put(add)
+        finished = False
+        try:
+            await add.admitted  # raises the admission error
+            while True:
+                item = await add.outputs.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            rejected = add.admitted.done() and not add.admitted.cancelled() and add.admitted.exception() is not None
+            if not finished and not rejected:
+                self._inbox.put(_Abort(request_id))
+
+    async def generate(self, prompt: object, params: SamplingParams,
+                       request_id: str | None = None) -> RequestOutput:
+        final = None
+        async for final in self.stream(prompt, params, request_id):
+            pass
+        return final
+
+    async def call(self, fn: Callable):
+        """`fn(engine)` evaluated on the loop thread, between steps."""
+        if not self.is_alive:
+            raise RuntimeError(f"the engine loop is not running: {self.error!r}")
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._inbox.put(_Call(fn, loop, done))
+        return await done
+
+    # ------------------------------------------------------------------------------------------------------------
+    # loop thread
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            # Block on the inbox only when there is nothing to step.
+            if not engine.has_unfinished_requests():
+                if not self._handle(self._inbox.get()):
+                    return
+            while True:
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if not self._handle(item):
+                    return
+            if not engine.has_unfinished_requests():
+                continue
+            t0 = time.perf_counter()
+            try:
+                outputs = engine.step()
+            except BaseException as exc:  # noqa: BLE001 - every waiting caller must hear of it
+                self.error = exc
+                self._fail_all(exc)
+                return
+            wall = time.perf_counter() - t0
+            for out in outputs:
+                stream = self._streams.get(out.request_id)
+                if stream is None:
+                    continue
+                if out.finished:
+                    del self._streams[out.request_id]
+                stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, out)
+            if self.on_round is not None:
+                try:
+                    self.on_round(RoundReport(wall, outputs, engine.num_running, engine.num_waiting))
+                except Exception:  # metrics must never stop the engine
+                    self.num_callback_errors += 1
+                    logger.exception("on_round failed")
+
+    def _handle(self, item) -> bool:
+        """Apply one inbox item; False means stop."""
+        if isinstance(item, _Stop):
+            self._fail_all(RuntimeError("the engine loop stopped"))
+            return False
+        if isinstance(item, _Add):
+            try:
+                prompt = self.prepare_prompt(item.prompt) if self.prepare_prompt is not None else item.prompt
+                self.engine.add_request(prompt, item.params, request_id=item.request_id)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller, nothing was recorded
+                item.loop.call_soon_threadsafe(_settle, item.admitted, None, exc)
+                return True
+            self._streams[item.request_id] = _Stream(item.loop, item.outputs)
+            item.loop.call_soon_threadsafe(_settle, item.admitted, item.request_id, None)
+        elif isinstance(item, _Abort):
+            self._streams.pop(item.request_id, None)
+            if item.request_id in self.engine.requests:
+                self.engine.abort_request(item.request_id)
+        elif isinstance(item, _Call):
+            try:
+                result, exc = item.fn(self.engine), None
+            except BaseException as e:  # noqa: BLE001 - handed to the caller
+                result, exc = None, e
+            item.loop.call_soon_threadsafe(_settle, item.done, result, exc)
+        return True
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for stream in self._streams.values():
+            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, exc)
+        self._streams.clear()
+        while True:  # callers still waiting to be admitted
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, _Add):
+                item.loop.call_soon_threadsafe(_settle, item.admitted, None, exc)
+            elif isinstance(item, _Call):
+                item.loop.call_soon_threadsafe(_settle, item.done, None, exc)
+
+
+def _settle(future: asyncio.Future, result, exc: BaseException | None) -> None:
+    if future.done():  # the caller went away (cancelled)
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(result)

@@ -1,0 +1,219 @@
+"""The ingress deployment: the OpenAI HTTP API (FastAPI) and the Python handle API, in front of the engine replicas.
+
+HTTP: POST /v1/completions, POST /v1/chat/completions (SSE with `stream: true`), GET /v1/models, GET /health.
+Python (`serve.get_app_handle(name)`): `generate(prompt | messages=..., params)` -> the final `RequestOutput`;
+`generate_stream(...)` with `handle.options(stream=True)` -> incremental `RequestOutput`s.
+"""
+
+# No `from __future__ import annotations` here: FastAPI reads the route signatures (Request) at runtime.
+import hmac
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from ddtree.sampling_params import SamplingParams
+from deployments import protocol
+from deployments.config import AppArgs, parse_args
+from deployments.engine_request import EngineRequest
+from deployments.errors import APIError, bad_request, internal_error, model_not_found, unauthorized, unwrap
+
+logger = logging.getLogger(__name__)
+
+# OpenAI's chat API has no default max_tokens (the rest of the context window); the engine caps it to the window.
+UNLIMITED_MAX_TOKENS = 2**31 - 1
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+api = FastAPI(title="DDTree Serve", description="OpenAI-compatible API with DDTree speculative decoding")
+
+
+@api.exception_handler(APIError)
+async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+@api.exception_handler(RequestValidationError)
+async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    return JSONResponse(bad_request(str(exc.errors()[0].get("msg", exc))).body(), status_code=400)
+
+
+@api.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    error = APIError(exc.status_code, str(exc.detail) if exc.status_code != 404 else f"No route {request.url.path}",
+                     "invalid_request_error", None, None)
+    return JSONResponse(error.body(), status_code=exc.status_code)
+
+
+# Helpers come before the class: serve.ingress pickles the routes (with the globals they see) when it decorates.
+
+def _python_request(prompt, params, messages) -> EngineRequest:
+    try:
+        return EngineRequest(prompt=prompt, messages=messages, params=params, request_id=protocol.new_id("py"))
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
+
+
+async def _engine_call(awaitable):
+    """Await an engine call. The engine answers a refused request with an APIError object (raised here); a failure
+    of the engine arrives as an exception wrapped by Ray, raised here as the API error inside it or as a 500."""
+    try:
+        result = await awaitable
+    except StopAsyncIteration:
+        raise
+    except Exception as exc:  # noqa: BLE001 - every failure must reach the client in the API's shape
+        cause = unwrap(exc)
+        if isinstance(cause, APIError):
+            raise APIError(cause.status, cause.message, cause.type, cause.param, cause.code) from None
+        logger.exception("engine call failed")
+        raise internal_error(f"engine call failed: {type(cause).__name__}: {cause}") from None
+    if isinstance(result, APIError):
+        raise result
+    return result
+
+
+async def _json(request: Request):
+    try:
+        return await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise bad_request("The request body is not valid JSON.") from None
+
+
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+@serve.ingress(api)
+class OpenAIIngress:
+    def __init__(self, engine, args: AppArgs | dict) -> None:
+        self.engine = engine  # DeploymentHandle of DDTreeEngine
+        self.args = parse_args(args)
+        self.model_name = self.args.model_name
+        self.created = int(time.time())
+        self._api_key = self.args.api_key.get_secret_value().encode() if self.args.api_key else None
+
+    # ------------------------------------------------------------------------------------------------------------
+    # HTTP
+
+    @api.get("/health")
+    async def health(self) -> dict:
+        return {"status": "ok"}
+
+    @api.get("/v1/models")
+    async def models(self, request: Request) -> dict:
+        self._authorize(request)
+        return protocol.models_body(self.model_name, self.created)
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request):
+        self._authorize(request)
+        body = protocol.parse_request(protocol.CompletionRequest, await _json(request))
+        self._check_model(body.model)
+        engine_request = EngineRequest(prompt=body.prompt, params=body.sampling_params(COMPLETIONS_DEFAULT_MAX_TOKENS),
+                                       request_id=protocol.new_id("cmpl"))
+        return await self._respond(body, engine_request, chat=False)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        self._authorize(request)
+        body = protocol.parse_request(protocol.ChatCompletionRequest, await _json(request))
+        self._check_model(body.model)
+        engine_request = EngineRequest(messages=body.template_messages(),
+                                       params=body.sampling_params(UNLIMITED_MAX_TOKENS),
+                                       request_id=protocol.new_id("chatcmpl"))
+        return await self._respond(body, engine_request, chat=True)
+
+    def _authorize(self, request: Request) -> None:
+        if self._api_key is None:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._api_key):
+            raise unauthorized("Incorrect API key provided." if header else
+                               "Missing API key: send 'Authorization: Bearer <key>'.")
+
+    def _check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise model_not_found(model, self.model_name)
+
+    async def _respond(self, body, engine_request: EngineRequest, chat: bool):
+        request_id = engine_request.request_id
+        if not body.stream:
+            final = await _engine_call(self.engine.generate.remote(engine_request))
+            usage = protocol.usage_of(final, self.args.speculation)
+            make = protocol.chat_body if chat else protocol.completion_body
+            return make(request_id, self.model_name, final.text, final.finish_reason, usage)
+        outputs = self.engine.options(stream=True).generate_stream.remote(engine_request)
+        # The first output (or the admission error: bad prompt, too long, queue full) before any byte is sent, so
+        # that errors keep their HTTP status.
+        try:
+            first = await _engine_call(outputs.__anext__())
+        except BaseException:
+            outputs.cancel()
+            raise
+        events = self._sse(first, outputs, body, request_id, chat)
+        return StreamingResponse(events, media_type="text/event-stream")
+
+    async def _sse(self, first, outputs, body, request_id: str, chat: bool) -> AsyncIterator[str]:
+        created = int(time.time())
+        include_usage = body.include_usage
+        model = self.model_name
+
+        def chunk(text: str, finish_reason: str | None) -> dict:
+            if chat:
+                return protocol.chat_chunk(request_id, model, created, {"content": text} if text or not finish_reason
+                                           else {}, finish_reason, include_usage)
+            return protocol.completion_chunk(request_id, model, created, text, finish_reason, include_usage)
+
+        try:
+            if chat:
+                role = protocol.chat_chunk(request_id, model, created, {"role": "assistant", "content": ""}, None,
+                                           include_usage)
+                yield _event(role)
+            output = first
+            while True:
+                if output.new_text or output.finished:
+                    yield _event(chunk(output.new_text, output.finish_reason if output.finished else None))
+                if output.finished:
+                    break
+                output = await _engine_call(outputs.__anext__())
+            if include_usage:
+                usage = protocol.usage_of(output, self.args.speculation)
+                yield _event(protocol.usage_chunk(request_id, model, created,
+                                                  "chat.completion.chunk" if chat else "text_completion", usage))
+            yield "data: [DONE]\n\n"
+        except APIError as exc:  # after the headers went out: the error travels as an event
+            yield _event(exc.body())
+        finally:
+            outputs.cancel()  # a client that went away aborts its request on the engine
+
+    # ------------------------------------------------------------------------------------------------------------
+    # Python handle API
+
+    async def generate(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None, *,
+                       messages: list[dict] | None = None):
+        """The finished `ddtree.RequestOutput` for a prompt (text or token ids) or chat `messages`."""
+        request = _python_request(prompt, params, messages)
+        return await _engine_call(self.engine.generate.remote(request))
+
+    async def generate_stream(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None, *,
+                              messages: list[dict] | None = None) -> AsyncIterator:
+        """Incremental `RequestOutput`s (`new_text`, `new_token_ids`); call with `handle.options(stream=True)`."""
+        request = _python_request(prompt, params, messages)
+        outputs = self.engine.options(stream=True).generate_stream.remote(request)
+        try:
+            while True:
+                try:
+                    output = await _engine_call(outputs.__anext__())
+                except StopAsyncIteration:
+                    return
+                yield output
+                if output.finished:
+                    return
+        finally:
+            outputs.cancel()

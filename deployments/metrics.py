@@ -1,0 +1,111 @@
+"""Engine replica metrics through `ray.serve.metrics` (exported by Ray's Prometheus endpoint, tagged with the
+deployment, replica and application). Recorded once per round from the engine loop thread.
+
+    ddtree_generated_tokens_total            Counter    tokens emitted (rate() = output tokens/s)
+    ddtree_output_tokens_per_second          Gauge      tokens emitted over the last `window_s` seconds / window
+    ddtree_acceptance_length                 Histogram  tau per speculative request-round (bonus token included)
+    ddtree_round_budget                      Histogram  draft tree nodes verified per speculative request-round
+    ddtree_speculative_requests              Gauge      requests that drafted in the last round
+    ddtree_autoregressive_requests           Gauge      requests in fallback (no draft) in the last round
+    ddtree_running_requests                  Gauge      requests being decoded
+    ddtree_queue_depth                       Gauge      requests waiting for admission
+    ddtree_kv_cache_bytes_used               Gauge      target KV cache bytes in use (refreshed every `kv_every_s`)
+    ddtree_round_seconds                     Histogram  wall time of one engine round
+    ddtree_stage_seconds_total{stage}        Counter    time per stage: prefill, draft, tree, verify, accept, emit,
+                                                        other (the rest of the round's wall time); they add up to
+                                                        the rounds' wall time
+    ddtree_actor_hop_seconds_total           Counter    time in actor calls beyond the actors' own work (overlaps
+                                                        the stages: prefill and draft are timed around the call,
+                                                        verify and accept inside the target actor, so a verify's
+                                                        hop lands in "other")
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+from deployments.engine_loop import RoundReport
+
+STAGES = ("prefill", "draft", "tree", "verify", "accept", "emit")
+_TAU_BOUNDARIES = [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32]
+_BUDGET_BOUNDARIES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+_ROUND_BOUNDARIES = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
+
+
+class EngineMetrics:
+    def __init__(self, engine, hops, kv_cache_stats=None, window_s: float = 10.0, kv_every_s: float = 1.0):
+        from ray.serve.metrics import Counter, Gauge, Histogram
+
+        self.engine = engine
+        self.hops = hops
+        self.kv_cache_stats = kv_cache_stats  # () -> {"bytes_used": ...}, or None when the worker has none
+        self.window_s = window_s
+        self.kv_every_s = kv_every_s
+        self.tokens = Counter("ddtree_generated_tokens_total", "Output tokens emitted.")
+        self.tokens_per_second = Gauge("ddtree_output_tokens_per_second", "Output tokens/s over a sliding window.")
+        self.tau = Histogram("ddtree_acceptance_length", "Accepted length per speculative request-round.",
+                             boundaries=_TAU_BOUNDARIES)
+        self.budget = Histogram("ddtree_round_budget", "Draft nodes verified per speculative request-round.",
+                                boundaries=_BUDGET_BOUNDARIES)
+        self.speculative = Gauge("ddtree_speculative_requests", "Requests that drafted in the last round.")
+        self.fallback = Gauge("ddtree_autoregressive_requests", "Requests decoding without a draft (fallback).")
+        self.running = Gauge("ddtree_running_requests", "Requests being decoded.")
+        self.queue_depth = Gauge("ddtree_queue_depth", "Requests waiting for admission.")
+        self.kv_bytes = Gauge("ddtree_kv_cache_bytes_used", "Target KV cache bytes in use.")
+        self.round_seconds = Histogram("ddtree_round_seconds", "Wall time of one engine round.",
+                                       boundaries=_ROUND_BOUNDARIES)
+        self.stage_seconds = Counter("ddtree_stage_seconds_total", "Seconds per round stage.", tag_keys=("stage",))
+        self.hop_seconds = Counter("ddtree_actor_hop_seconds_total", "Actor call overhead (overlaps stages).")
+        self._last_timings = engine.timings.as_dict()
+        self._last_hop_seconds = hops.seconds
+        self._rounds_seen: dict[str, int] = {}
+        self._window: collections.deque[tuple[float, int]] = collections.deque()
+        self._last_kv_time = 0.0
+
+    def on_round(self, report: RoundReport) -> None:
+        now = time.monotonic()
+        num_tokens = sum(len(o.new_token_ids) for o in report.outputs)
+        if num_tokens:
+            self.tokens.inc(num_tokens)
+        self._window.append((now, num_tokens))
+        while self._window and self._window[0][0] < now - self.window_s:
+            self._window.popleft()
+        self.tokens_per_second.set(sum(n for _, n in self._window) / self.window_s)
+
+        for out in report.outputs:
+            stats = out.stats
+            seen = self._rounds_seen.get(out.request_id, 0)
+            for tau, nodes in zip(stats.acceptance_lengths[seen:], stats.budgets[seen:]):
+                self.tau.observe(tau)
+                self.budget.observe(nodes)
+            if out.finished:
+                self._rounds_seen.pop(out.request_id, None)
+            else:
+                self._rounds_seen[out.request_id] = len(stats.acceptance_lengths)
+
+        timings = self.engine.timings.as_dict()
+        delta = {k: timings[k] - self._last_timings.get(k, 0) for k in timings}
+        self._last_timings = timings
+        self.speculative.set(delta["num_speculative_request_rounds"])
+        self.fallback.set(delta["num_autoregressive_request_rounds"])
+        self.running.set(report.num_running)
+        self.queue_depth.set(report.num_waiting)
+        self.round_seconds.observe(report.wall_seconds)
+
+        hop_seconds = self.hops.seconds - self._last_hop_seconds
+        self._last_hop_seconds = self.hops.seconds
+        staged = 0.0
+        for stage in STAGES:
+            if delta[stage] > 0:
+                self.stage_seconds.inc(delta[stage], tags={"stage": stage})
+                staged += delta[stage]
+        if hop_seconds > 0:
+            self.hop_seconds.inc(hop_seconds)
+        other = report.wall_seconds - staged
+        if other > 0:
+            self.stage_seconds.inc(other, tags={"stage": "other"})
+
+        if self.kv_cache_stats is not None and now - self._last_kv_time >= self.kv_every_s:
+            self._last_kv_time = now
+            self.kv_bytes.set(self.kv_cache_stats()["bytes_used"])

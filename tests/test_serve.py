@@ -1,0 +1,346 @@
+"""The Serve application end to end on CPU: built from ray_config.yaml (model overridden to a tiny random pair), started
+once per test session, called with the official `openai` client, raw HTTP and the Python handle API. T=0 answers must
+equal the offline `LLM`'s."""
+
+from __future__ import annotations
+
+import importlib
+import socket
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import requests
+import yaml
+
+from ddtree import SamplingParams
+from tests.factories import make_tiny_drafter, make_tiny_target
+
+ray = pytest.importorskip("ray")
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")  # Ray's own pydantic v1-style fields
+
+REPO = Path(__file__).resolve().parents[1]
+APP_NAME = "ddtree"
+MODEL_NAME = "tiny-ddtree"
+API_KEY = "test-key"
+PROMPTS = ["hello world", "the cat sat on", "12 + 7 ="]
+MAX_NUM_SEQS = 2
+MAX_WAITING = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _config_app(yaml_path: Path) -> dict:
+    """ray_config.yaml's application, checked against Serve's own config schema."""
+    from ray.serve.schema import ServeDeploySchema
+
+    config = yaml.safe_load(yaml_path.read_text())
+    ServeDeploySchema.model_validate(config) if hasattr(ServeDeploySchema, "model_validate") else \
+        ServeDeploySchema.parse_obj(config)
+    (app,) = config["applications"]
+    return app
+
+
+def _tiny_overrides(checkpoints: dict) -> dict:
+    return {
+        "model": str(checkpoints["target"]),
+        "drafter": str(checkpoints["drafter"]),
+        "dtype": "float64",  # exact arithmetic: batching cannot flip a greedy token
+        "served_model_name": MODEL_NAME,
+        "api_key": API_KEY,
+        "max_num_seqs": MAX_NUM_SEQS,
+        "max_waiting": MAX_WAITING,
+        "max_budget": 16,
+    }
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve_tiny")
+    target = make_tiny_target(root / "target", logit_scale=8.0)
+    return {"target": target, "drafter": make_tiny_drafter(root / "drafter", target)}
+
+
+@pytest.fixture(scope="session")
+def app_args(checkpoints) -> dict:
+    app = _config_app(REPO / "ray_config.yaml")
+    return {**app["args"], **_tiny_overrides(checkpoints)}
+
+
+@pytest.fixture(scope="session")
+def served(app_args):
+    """The one Ray + Serve start of the session: the app of ray_config.yaml, through its import_path."""
+    from ray import serve
+
+    app_config = _config_app(REPO / "ray_config.yaml")
+    module_name, attr = app_config["import_path"].split(":")
+    build = getattr(importlib.import_module(module_name), attr)
+    port = _free_port()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build(app_args), name=APP_NAME, route_prefix=app_config["route_prefix"])
+        yield {"base_url": f"http://127.0.0.1:{port}", "handle": serve.get_app_handle(APP_NAME)}
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def client(served):
+    return openai.OpenAI(base_url=served["base_url"] + "/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def offline(checkpoints, app_args):
+    """The reference: the offline LLM on the same checkpoints and engine settings."""
+    from ddtree import LLM
+
+    return LLM(str(checkpoints["target"]), str(checkpoints["drafter"]), dtype="float64",
+               speculation=app_args["speculation"], budget=app_args["budget"], max_budget=app_args["max_budget"],
+               max_num_seqs=MAX_NUM_SEQS)
+
+
+def _engine_info(served) -> dict:
+    from ray import serve
+
+    return serve.get_deployment_handle("DDTreeEngine", APP_NAME).info.remote().result()
+
+
+def _post(served, path: str, body, key: str | None = API_KEY, **kw) -> requests.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+    return requests.post(served["base_url"] + path, json=body, headers=headers, timeout=60, **kw)
+
+
+# ---- the config ------------------------------------------------------------------------------------------------
+
+
+def test_ray_config_yaml_builds_the_app(app_args):
+    from deployments.app import ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT, build_app
+    from deployments.config import parse_args
+
+    app = _config_app(REPO / "ray_config.yaml")
+    assert app["import_path"] == "deployments.app:build_app"
+    assert parse_args(app["args"]).model is None  # the embedded default
+    assert parse_args(app_args).model_name == MODEL_NAME
+    # The overrides name deployments the builder really makes.
+    assert {d["name"] for d in app.get("deployments", [])} <= {ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT}
+    with pytest.raises(ValueError):
+        build_app({**app_args, "max_budgt": 8})
+
+
+# ---- OpenAI API through the official client ------------------------------------------------------------------
+
+
+def test_models_and_health(served, client):
+    assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    assert requests.get(served["base_url"] + "/health", timeout=10).json() == {"status": "ok"}
+
+
+def test_completions_equal_offline_llm_at_t0(client, offline):
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    expected = offline.generate(PROMPTS, params)
+    for prompt, ref in zip(PROMPTS, expected):
+        out = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=24, temperature=0)
+        assert out.choices[0].text == ref.text
+        assert out.choices[0].finish_reason == ref.finish_reason
+        assert out.usage.completion_tokens == len(ref.token_ids)
+        assert out.usage.prompt_tokens == len(ref.prompt_token_ids)
+        ddtree = out.usage.model_extra["ddtree"]
+        assert ddtree["speculation"] == "ddtree"
+        assert ddtree["num_speculative_rounds"] + ddtree["num_autoregressive_rounds"] >= 1
+        assert len(ddtree["acceptance_lengths"]) == ddtree["num_speculative_rounds"]
+
+
+def test_chat_equals_offline_llm_at_t0(client, offline):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "why is the sky blue?"}]
+    prompt_ids = offline.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=False)
+    ref = offline.generate([list(prompt_ids)], SamplingParams(temperature=0.0, max_tokens=20))[0]
+    out = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=20, temperature=0)
+    assert out.choices[0].message.role == "assistant"
+    assert out.choices[0].message.content == ref.text
+    assert out.usage.completion_tokens == len(ref.token_ids)
+
+
+def test_stop_is_honoured_and_sampling_runs(client, offline):
+    ref = offline.generate("hello world", SamplingParams(temperature=0.0, max_tokens=24))[0]
+    stop = ref.text[3:5]  # a stop string the greedy answer is known to contain
+    out = client.completions.create(model=MODEL_NAME, prompt="hello world", max_tokens=24, temperature=0, stop=[stop])
+    assert out.choices[0].text == ref.text[: ref.text.index(stop)]
+    assert out.choices[0].finish_reason == "stop"
+    # Sampling with every knob set; equal seeds do not give equal samples across requests under budget "auto"
+    # (the engine draws per tree node and the trees differ with live timings), so only the run itself is checked.
+    sampled = client.completions.create(model=MODEL_NAME, prompt="the cat", max_tokens=16, temperature=0.8,
+                                        top_p=0.9, seed=7, extra_body={"top_k": 5})
+    assert sampled.choices[0].finish_reason in ("stop", "length") and sampled.usage.completion_tokens >= 1
+
+
+def test_streaming_completion_with_usage(client):
+    whole = client.completions.create(model=MODEL_NAME, prompt="the cat sat on", max_tokens=24, temperature=0)
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt="the cat sat on", max_tokens=24, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    text_chunks = [c for c in chunks if c.choices]
+    assert len(text_chunks) > 1  # incremental
+    assert "".join(c.choices[0].text for c in text_chunks) == whole.choices[0].text
+    assert text_chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert all(c.usage is None for c in text_chunks)
+    usage = chunks[-1].usage
+    assert not chunks[-1].choices and usage.completion_tokens == whole.usage.completion_tokens
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert "mean_acceptance_length" in usage.model_extra["ddtree"]
+
+
+def test_streaming_chat_with_usage(client):
+    messages = [{"role": "user", "content": "hi"}]
+    whole = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=16, temperature=0)
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=16, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_streaming_without_usage_ends_with_done(served):
+    r = _post(served, "/v1/completions", {"model": MODEL_NAME, "prompt": "a", "max_tokens": 8, "stream": True},
+              stream=True)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    events = [line for line in r.iter_lines(decode_unicode=True) if line]
+    assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
+    assert '"usage"' not in "".join(events)
+
+
+# ---- errors ----------------------------------------------------------------------------------------------------
+
+
+def test_errors_through_the_client(served, client):
+    bad_key = openai.OpenAI(base_url=served["base_url"] + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad_key.models.list()
+    with pytest.raises(openai.NotFoundError) as info:
+        client.completions.create(model="gpt-9", prompt="hi", max_tokens=4)
+    assert info.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=4, n=2)
+    assert info.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x" * 600}],
+                                       max_tokens=4)
+    assert info.value.body["code"] == "context_length_exceeded" and info.value.body["param"] == "messages"
+    with pytest.raises(openai.BadRequestError) as info:  # the error comes before the stream starts
+        client.completions.create(model=MODEL_NAME, prompt="x" * 600, max_tokens=4, stream=True)
+    assert info.value.body["code"] == "context_length_exceeded"
+
+
+@pytest.mark.parametrize(
+    "path, body, key, status",
+    [
+        ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi"}, None, 401),
+        ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "temperature": -1}, API_KEY, 400),
+        ("/v1/completions", {"model": MODEL_NAME, "prompt": [99999]}, API_KEY, 400),  # token id outside the vocab
+        ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "best_of": 3}, API_KEY, 400),
+        ("/v1/chat/completions", {"model": MODEL_NAME, "messages": "hi"}, API_KEY, 400),
+        ("/v1/embeddings", {"model": MODEL_NAME, "input": "hi"}, API_KEY, 404),
+    ],
+)
+def test_error_shape_and_status(served, path, body, key, status):
+    r = _post(served, path, body, key=key)
+    assert r.status_code == status
+    assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_invalid_json_is_a_400(served):
+    r = requests.post(served["base_url"] + "/v1/completions", data="{nope",
+                      headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_full_queue_answers_429_and_disconnects_abort(served):
+    long_body = {"model": MODEL_NAME, "prompt": "the cat", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+                 "stream": True}
+    streams = []
+    lock = threading.Lock()
+
+    def open_stream():
+        r = _post(served, "/v1/completions", long_body, stream=True)
+        with lock:
+            streams.append(r)
+
+    # MAX_NUM_SEQS decoding + MAX_WAITING queued; the waiting ones get no headers until admitted, hence threads.
+    threads = [threading.Thread(target=open_stream) for _ in range(MAX_NUM_SEQS + MAX_WAITING)]
+    for t in threads:
+        t.start()
+        time.sleep(0.3)
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        info = _engine_info(served)
+        if info["num_running"] == MAX_NUM_SEQS and info["num_waiting"] == MAX_WAITING:
+            break
+        time.sleep(0.05)
+    assert (info["num_running"], info["num_waiting"]) == (MAX_NUM_SEQS, MAX_WAITING)
+    r = _post(served, "/v1/completions", {**long_body, "stream": False})
+    assert r.status_code == 429 and r.json()["error"]["code"] == "engine_queue_full"
+
+    # Clients going away abort their requests: the engine empties long before 400 tokens each.
+    while any(t.is_alive() for t in threads) or streams:
+        with lock:
+            while streams:
+                streams.pop().close()
+        time.sleep(0.05)
+    deadline = time.time() + 20
+    while time.time() < deadline and (info := _engine_info(served))["num_running"] + info["num_waiting"] > 0:
+        time.sleep(0.1)
+    assert info["num_running"] + info["num_waiting"] == 0
+    r = _post(served, "/v1/completions", {"model": MODEL_NAME, "prompt": "a", "max_tokens": 4})
+    assert r.status_code == 200
+
+
+# ---- Python handle API -----------------------------------------------------------------------------------------
+
+
+def test_handle_generate_and_stream_equal_offline_llm(served, offline):
+    handle = served["handle"]
+    params = SamplingParams(temperature=0.0, max_tokens=24)
+    ref = offline.generate("hello world", params)[0]
+    final = handle.generate.remote("hello world", params).result()
+    assert final.token_ids == ref.token_ids and final.text == ref.text and final.finished
+    outputs = list(handle.options(stream=True).generate_stream.remote("hello world", params))
+    assert len(outputs) > 1 and outputs[-1].finished and not any(o.finished for o in outputs[:-1])
+    assert "".join(o.new_text for o in outputs) == ref.text
+    assert [t for o in outputs for t in o.new_token_ids] == ref.token_ids
+    token_ids = offline.tokenizer.encode("hello world", add_special_tokens=False)
+    assert handle.generate.remote(token_ids, params).result().token_ids == ref.token_ids
+
+
+def test_handle_errors_are_api_errors(served):
+    from deployments.errors import APIError
+
+    with pytest.raises(APIError) as info:
+        served["handle"].generate.remote("x" * 600, SamplingParams(max_tokens=4)).result()
+    assert info.value.status == 400 and info.value.code == "context_length_exceeded"
+    with pytest.raises(APIError):
+        served["handle"].generate.remote(None, SamplingParams()).result()  # neither prompt nor messages
+
+
+def test_handle_example_runs(served):
+    from deployments.handle_example import run_example
+
+    final, streamed = run_example(APP_NAME, max_tokens=8)
+    assert final.finished and 1 <= len(final.token_ids) <= 8
+    assert streamed[-1].finished
+
+
+def test_engine_reports_timings_and_metrics_without_errors(served):
+    info = _engine_info(served)
+    assert info["timings"]["num_rounds"] > 0
+    assert info["actor_hop_calls"] > 0 and info["actor_hop_seconds"] > 0
+    assert info["num_metrics_errors"] == 0

@@ -1,0 +1,138 @@
+"""The serving layer without Ray: app args, placement layouts, OpenAI request validation and error shapes."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+from pydantic import ValidationError
+
+from deployments.config import AppArgs, parse_args
+from deployments.errors import APIError
+from deployments.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+
+
+# ---- app args --------------------------------------------------------------------------------------------------
+
+
+def test_default_args_serve_the_embedded_model_on_cpu():
+    args = parse_args({})
+    assert args.model is None and args.model_name == "SmolLM2-135M-Instruct"
+    assert args.worker_device == "cpu"
+    layout = args.worker_layout()
+    assert [b.get("GPU", 0) for b in layout.bundles] == [0, 0, 0]
+    assert (layout.target.bundle_index, layout.drafter.bundle_index) == (1, 2)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"placement": "tpu"},
+        {"speculation": "medusa"},
+        {"budget": 0},
+        {"budget": "big"},
+        {"budget": 128, "max_budget": 64},
+        {"max_num_seqs": 0},
+        {"num_replicas": 2, "autoscaling_config": {"min_replicas": 1, "max_replicas": 2}},
+        {"autoscaling_config": {"min_replicas": 3, "max_replicas": 1}},
+        {"device": "cuda"},  # placement cpu
+        {"placement": "gpu-per-worker", "device": "cpu"},
+        {"dtype": "int8"},
+        {"modle": "typo"},
+    ],
+)
+def test_bad_args_fail_before_anything_is_built(bad):
+    with pytest.raises(ValidationError):
+        parse_args(bad)
+
+
+def test_args_must_be_a_dict():
+    with pytest.raises(ValueError, match="dict"):
+        parse_args(["model"])
+
+
+def test_gpu_placements_reserve_gpus_in_one_node():
+    per_worker = parse_args({"placement": "gpu-per-worker"}).worker_layout()
+    assert per_worker.strategy == "STRICT_PACK"
+    assert [b.get("GPU", 0) for b in per_worker.bundles] == [0, 1, 1]
+    assert (per_worker.target.num_gpus, per_worker.drafter.num_gpus) == (1, 1)
+
+    shared = parse_args({"placement": "shared-gpu", "device": "cuda"}).worker_layout()
+    assert [b.get("GPU", 0) for b in shared.bundles] == [0, 1]
+    assert shared.target.bundle_index == shared.drafter.bundle_index == 1
+    assert shared.target.num_gpus + shared.drafter.num_gpus == 1
+
+    no_drafter = parse_args({"placement": "gpu-per-worker", "speculation": "off"}).worker_layout()
+    assert no_drafter.drafter is None and len(no_drafter.bundles) == 2
+
+
+def test_served_model_name_follows_the_model_folder():
+    assert parse_args({"model": "/models/Qwen3-8B/"}).model_name == "Qwen3-8B"
+    assert parse_args({"model": "/m/x", "served_model_name": "mine"}).model_name == "mine"
+
+
+def test_api_key_is_not_printed():
+    args = parse_args({"api_key": "s3cret"})
+    assert "s3cret" not in repr(args) and args.api_key.get_secret_value() == "s3cret"
+
+
+# ---- OpenAI requests -------------------------------------------------------------------------------------------
+
+
+def _error(model, body) -> APIError:
+    with pytest.raises(APIError) as info:
+        parse_request(model, body)
+    return info.value
+
+
+def test_completion_request_to_sampling_params():
+    req = parse_request(CompletionRequest, {"model": "m", "prompt": "hi", "max_tokens": 5, "temperature": 0,
+                                            "top_p": 0.5, "stop": "\n", "seed": 3, "top_k": 4})
+    params = req.sampling_params(default_max_tokens=16)
+    assert (params.max_tokens, params.temperature, params.top_p, params.stop, params.seed, params.top_k) == (
+        5, 0.0, 0.5, ["\n"], 3, 4)
+    assert parse_request(CompletionRequest, {"model": "m", "prompt": [[1, 2]]}).prompt == [1, 2]
+    assert parse_request(CompletionRequest, {"model": "m", "prompt": "x"}).sampling_params(16).temperature == 1.0
+
+
+@pytest.mark.parametrize(
+    "body, param, code",
+    [
+        ({"model": "m", "prompt": "hi", "n": 2}, "n", "unsupported_parameter"),
+        ({"model": "m", "prompt": "hi", "logprobs": 2}, "logprobs", "unsupported_parameter"),
+        ({"model": "m", "prompt": "hi", "echo": True}, "echo", "unsupported_parameter"),
+        ({"model": "m", "prompt": "hi", "presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter"),
+        ({"model": "m", "prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options",
+         "unsupported_parameter"),
+        ({"model": "m", "prompt": "hi", "temperature": -1}, "temperature", "invalid_value"),
+        ({"model": "m", "prompt": "hi", "top_p": 0}, "top_p", "invalid_value"),
+        ({"model": "m", "prompt": "hi", "max_tokens": 0}, "max_tokens", "invalid_value"),
+        ({"model": "m", "prompt": ["a", "b"]}, "prompt", "invalid_value"),
+        ({"model": "m", "prompt": ""}, "prompt", "invalid_value"),
+        ({"model": "m", "prompt": "hi", "speculation": "off"}, "speculation", "unrecognized_parameter"),
+        ({"model": "m"}, "prompt", "missing_parameter"),
+    ],
+)
+def test_bad_completion_requests_name_the_parameter(body, param, code):
+    err = _error(CompletionRequest, body)
+    assert (err.status, err.param, err.code, err.type) == (400, param, code, "invalid_request_error")
+    assert set(err.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_chat_request_messages_and_limits():
+    req = parse_request(ChatCompletionRequest, {
+        "model": "m", "max_completion_tokens": 7,
+        "messages": [{"role": "developer", "content": "be brief"},
+                     {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})
+    assert req.template_messages() == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"}]
+    assert req.sampling_params(default_max_tokens=99).max_tokens == 7
+    assert _error(ChatCompletionRequest, {"model": "m", "messages": []}).param == "messages"
+    assert _error(ChatCompletionRequest, {"model": "m", "messages": [{"role": "tool", "content": "x"}]}).status == 400
+    assert _error(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                          "tools": [{"type": "function"}]}).param == "tools"
+
+
+def test_api_error_survives_pickling():
+    err = pickle.loads(pickle.dumps(APIError(429, "full", "rate_limit_error", None, "engine_queue_full")))
+    assert err.status == 429 and err.body() == {
+        "error": {"message": "full", "type": "rate_limit_error", "param": None, "code": "engine_queue_full"}}
