@@ -9,7 +9,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ddtree", description="DDTree Serve command line")
     subcommands = parser.add_subparsers(dest="command", required=True)
 
+    from ddtree import bench, cli_run
     from ddtree.training import pipeline
+
+    generate = subcommands.add_parser("generate", help="generate from one prompt, streamed to the terminal")
+    cli_run.add_generate_arguments(generate)
+    generate.set_defaults(handler=cli_run.run_generate)
+
+    chat = subcommands.add_parser("chat", help="interactive chat")
+    cli_run.add_model_arguments(chat)
+    chat.set_defaults(handler=cli_run.run_chat)
+
+    bench_parser = subcommands.add_parser(
+        "bench", help="tokens/s and acceptance of off / dflash / ddtree (B sweep, auto) / HF generate")
+    bench.add_arguments(bench_parser)
+    bench_parser.set_defaults(handler=bench.run)
 
     train_drafter = subcommands.add_parser(
         "train-drafter", help="make prompts, generate target data, train and evaluate a DFlash drafter")

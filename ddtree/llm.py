@@ -91,10 +91,10 @@ class LLM:
         for m in messages:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValueError("each chat message must be a dict with string 'role' and 'content'")
-        ids = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict):  # newer transformers return a BatchEncoding
-            ids = ids["input_ids"]
-        return list(ids)
+        ids = self.tokenizer.apply_chat_template(
+            list(messages), add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        return [int(t) for t in ids]
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
         """Incremental outputs for one prompt: each has the `new_text`/`new_token_ids` of one engine step."""
