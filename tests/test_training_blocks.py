@@ -119,3 +119,18 @@ def test_simulated_chain_rounds_count_accepted_prefixes():
     # round 1 at anchor 1 accepts 2 (commits 3, 4 and the bonus 5 -> anchor 4); round 2 accepts 0 -> anchor 5;
     # round 3 at anchor 5 accepts 7 (the last token) -> done
     assert simulate_rounds(tokens, first_anchor, ids, values, None) == 3
+
+
+def test_lr_schedule_warms_up_then_anneals_to_zero_by_steps_or_by_deadline():
+    from ddtree.training.train import TrainConfig, lr_factor, training_progress
+
+    assert lr_factor(0.02, 0.04) == pytest.approx(0.5)
+    assert lr_factor(0.04, 0.04) == pytest.approx(1.0)
+    assert lr_factor(0.52, 0.04) == pytest.approx(0.5)
+    assert lr_factor(1.0, 0.04) == pytest.approx(0.0)
+    by_steps = TrainConfig(out_dir="x", max_steps=100)
+    assert training_progress(25, 5.0, by_steps) == pytest.approx(0.25)
+    by_time = TrainConfig(out_dir="x", max_steps=100, max_hours=2.0)
+    assert training_progress(25, 1.0, by_time) == pytest.approx(0.5)  # the deadline comes first
+    assert training_progress(90, 1.0, by_time) == pytest.approx(0.9)
+    assert training_progress(90, 3.0, by_time) == 1.0

@@ -7,7 +7,7 @@ Layout of a data directory:
                           every token of prompt + response except the last, [num_tokens - 1, num_layers, hidden]
   manifest.json           sources, counts, seeds, commands, dropped overlaps
 
-The hidden states come from the generation itself (`output_hidden_states`): the step that produces token t ran the
+The hidden states come from the generation itself (forward hooks on the stored layers): the step that produces token t ran the
 target on token t-1, so its hidden state is exactly the drafter's context feature of position t-1. This saves a
 second target forward per sequence.
 """
@@ -106,16 +106,21 @@ def generate_responses(
             for row, ids in enumerate(prompt_ids):
                 input_ids[row, max_len - len(ids) :] = torch.tensor(ids)
                 attention_mask[row, max_len - len(ids) :] = 1
-            out = model.generate(
-                input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
-                do_sample=False, output_hidden_states=True, return_dict_in_generate=True, pad_token_id=pad_id,
-                temperature=None, top_p=None, top_k=None,
-            )
-            new_tokens = out.sequences[:, max_len:]  # [B, N]
-            # hidden states per step: step 0 covers the whole (padded) prompt, later steps one token each
+            captured: dict[int, list[torch.Tensor]] = {i: [] for i in stored_layer_ids}
+            hooks = [model.model.layers[i].register_forward_hook(_capture_into(captured[i])) for i in stored_layer_ids]
+            try:
+                sequences = model.generate(
+                    input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                    do_sample=False, pad_token_id=pad_id, temperature=None, top_p=None, top_k=None,
+                )
+            finally:
+                for hook in hooks:
+                    hook.remove()
+            new_tokens = sequences[:, max_len:]  # [B, N]
+            # one captured output per forward: the first covers the whole (padded) prompt, later ones a token each
             stacked = [
-                torch.stack([step[i + 1] for i in stored_layer_ids], dim=2).to(torch.bfloat16)  # [B, T, Ls, H]
-                for step in out.hidden_states
+                torch.stack([captured[i][step] for i in stored_layer_ids], dim=2)  # [B, T, Ls, H]
+                for step in range(len(captured[stored_layer_ids[0]]))
             ]
             all_features = torch.cat(stacked, dim=1)  # [B, P + N - 1, Ls, H]
             shard_name = f"{shard_index:06d}.safetensors"
@@ -149,7 +154,124 @@ def generate_responses(
     return num_written
 
 
+def _capture_into(outputs: list[torch.Tensor]):
+    """A forward hook keeping a decoder layer's output (hidden_states[layer + 1]) in bfloat16."""
+
+    def hook(module, args, output):
+        hidden = output[0] if isinstance(output, tuple) else output
+        outputs.append(hidden.detach().to(torch.bfloat16))
+
+    return hook
+
+
 def _as_list(value) -> list:
     if value is None:
         return []
     return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+@torch.no_grad()
+def generate_responses_continuous(
+    data_dir: Path,
+    target: str,
+    batch_size: int = 32,
+    max_new_tokens: int = 256,
+    max_prompts: int | None = None,
+    stored_layer_ids: tuple[int, ...] = DEFAULT_STORED_LAYER_IDS,
+    num_threads: int = 1,
+    max_seconds: float | None = None,
+    shard_size: int = 32,
+) -> int:
+    """Like `generate_responses`, on the project's target runner with continuous batching: a finished request
+    leaves the decode batch at once and a new prompt takes its place (HF `generate` keeps computing finished rows
+    and pads prompts). Features are the runner's hidden states, the same quantities as Hugging Face's
+    hidden_states[layer + 1]."""
+    from safetensors.torch import save_file
+
+    from ddtree.models.target import TargetModel
+    from ddtree.training.target import DEFAULT_TARGET, chat_prompt_ids
+
+    if batch_size <= 0 or max_new_tokens <= 0:
+        raise ValueError("batch_size and max_new_tokens must be positive")
+    torch.set_num_threads(num_threads)
+    pending = _pending(data_dir)[:max_prompts]
+    if not pending:
+        return 0
+    source = "default" if target == DEFAULT_TARGET else target
+    max_prompt_tokens = 1024
+    model = TargetModel.load(source, feature_layer_ids=stored_layer_ids,
+                             max_kv_bytes=_kv_bytes(source, batch_size, max_prompt_tokens + max_new_tokens))
+    tokenizer = model.tokenizer
+    eos_ids = {tokenizer.eos_token_id}
+    features_dir = data_dir / "features"
+    features_dir.mkdir(parents=True, exist_ok=True)
+    shard_index = len(list(features_dir.glob("*.safetensors")))
+    num_layers, hidden = len(stored_layer_ids), model.config.hidden_size
+    start = time.time()
+    queue = list(reversed(pending))
+    active: dict[int, dict] = {}  # seq id -> prompt, prompt ids, response ids, features list
+    finished: list[dict] = []
+    num_written, next_seq_id = 0, 0
+
+    def flush() -> None:
+        nonlocal shard_index, num_written, finished
+        if not finished:
+            return
+        shard_name = f"{shard_index:06d}.safetensors"
+        tensors = {r["prompt_id"]: r.pop("features") for r in finished}
+        save_file(tensors, str(features_dir / shard_name))
+        with open(data_dir / "responses.jsonl", "a") as f:
+            for r in finished:
+                f.write(json.dumps({**r, "shard": shard_name}) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        num_written += len(finished)
+        num_new = sum(len(r["response_ids"]) for r in finished)
+        print(f"[generate] shard {shard_name}: {len(finished)} prompts, {num_new} new tokens, {num_written} written,"
+              f" {time.time() - start:.0f}s", flush=True)
+        shard_index += 1
+        finished = []
+
+    while queue or active:
+        is_out_of_time = max_seconds is not None and time.time() - start > max_seconds
+        new_ids, new_prompts = [], []
+        while queue and len(active) + len(new_ids) < batch_size and not is_out_of_time:
+            p = queue.pop()
+            ids = chat_prompt_ids(tokenizer, p.text)[-max_prompt_tokens:]
+            model.kv.allocate(next_seq_id, len(ids) + max_new_tokens)
+            new_ids.append(next_seq_id)
+            new_prompts.append((p, ids))
+            next_seq_id += 1
+        if new_ids:
+            logits, prompt_features = model.prefill(new_ids, [ids for _, ids in new_prompts])
+            for seq_id, (p, ids), row, feats in zip(new_ids, new_prompts, logits.argmax(-1).tolist(),
+                                                    prompt_features):
+                active[seq_id] = {"prompt": p, "prompt_ids": ids, "response_ids": [row],
+                                  "features": [feats.to(torch.bfloat16)]}
+        # requests whose last token ends them leave before the decode step
+        for seq_id in list(active):
+            a = active[seq_id]
+            last = a["response_ids"][-1]
+            if last in eos_ids or len(a["response_ids"]) >= max_new_tokens:
+                del active[seq_id]
+                model.free(seq_id)
+                feats = torch.cat(a["features"]).view(-1, num_layers, hidden)  # [N - 1, Ls, H]
+                finished.append({"prompt_id": a["prompt"].prompt_id, "category": a["prompt"].category,
+                                 "prompt_ids": a["prompt_ids"], "response_ids": a["response_ids"],
+                                 "is_finished": last in eos_ids, "features": feats.contiguous()})
+                if len(finished) >= shard_size:
+                    flush()
+        if not active:
+            continue
+        seq_ids = list(active)
+        logits, feats = model.decode(seq_ids, [active[s]["response_ids"][-1] for s in seq_ids])
+        for seq_id, token, f in zip(seq_ids, logits.argmax(-1).tolist(), feats.to(torch.bfloat16)):
+            active[seq_id]["response_ids"].append(token)
+            active[seq_id]["features"].append(f.unsqueeze(0))
+    flush()
+    return num_written
+
+
+def _kv_bytes(source: str, batch_size: int, max_tokens: int) -> int:
+    # float32 K and V for every layer: 30 layers x 3 heads x 64 for SmolLM2 = 46 KB per token; sized generously
+    return max(2**30, batch_size * max_tokens * 2 * 4 * 64 * 1024)

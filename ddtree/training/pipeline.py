@@ -5,6 +5,7 @@
   eval-data  the same for the held-out evaluation prompts, under <eval-dir>/<category>/ (resumes too)
   train      train the drafter from <out-dir>/checkpoint.pt if present; exports <out-dir>/drafter/
   eval       offline tau (chain and DDTree budgets) of <out-dir>/drafter on <eval-dir>, table + tau.json
+  ship       copy <out-dir>/drafter to <ship-dir> with MANIFEST.json (commands, data manifest, training, tau)
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-STEPS = ("prompts", "generate", "eval-data", "train", "eval")
+STEPS = ("prompts", "generate", "eval-data", "train", "eval", "ship")
+DEFAULT_SHIP_DIR = Path(__file__).resolve().parent.parent / "assets" / "drafter" / "smollm2-135m-dflash"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,6 +38,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-prompts", type=int, default=None, help="stop after this many new responses")
     parser.add_argument("--max-seconds", type=float, default=None, help="stop generating/training after this long")
     parser.add_argument("--num-eval-prompts", type=int, default=40, help="per category")
+    parser.add_argument("--engine", choices=("runner", "hf"), default="runner",
+                        help="runner: the project's target runner with continuous batching; hf: transformers generate")
     # train
     parser.add_argument("--num-draft-layers", type=int, default=2)
     parser.add_argument("--block-size", type=int, default=8)
@@ -45,11 +49,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train-batch-size", type=int, default=4, help="sequences per optimiser step")
     parser.add_argument("--lr", type=float, default=6e-4)
     parser.add_argument("--max-steps", type=int, default=4000)
+    parser.add_argument("--max-hours", type=float, default=None,
+                        help="time budget of the whole training (resumes included); the LR schedule anneals by then")
     parser.add_argument("--checkpoint-every", type=int, default=100)
     parser.add_argument("--full-softmax", action="store_true", help="train with the softmax over the whole vocab")
     # eval
     parser.add_argument("--drafter", type=Path, default=None, help="drafter folder to evaluate (default out/drafter)")
     parser.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 64, 128])
+    # ship
+    parser.add_argument("--ship-dir", type=Path, default=DEFAULT_SHIP_DIR)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,16 +72,23 @@ def run(args: argparse.Namespace) -> int:
             _train(args)
         elif step == "eval":
             _eval(args)
+        elif step == "ship":
+            _ship(args)
     return 0
 
 
 def _generate(args: argparse.Namespace, data_dir: Path) -> None:
-    from ddtree.training.generate import DEFAULT_STORED_LAYER_IDS, generate_responses
+    from ddtree.training.generate import (
+        DEFAULT_STORED_LAYER_IDS,
+        generate_responses,
+        generate_responses_continuous,
+    )
 
     _update_manifest(data_dir, {"stored_layer_ids": list(DEFAULT_STORED_LAYER_IDS),
                                 "generation": {"batch_size": args.batch_size, "greedy": True,
                                                "max_new_tokens": args.max_new_tokens}})
-    generate_responses(data_dir, args.target, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+    generate = generate_responses_continuous if args.engine == "runner" else generate_responses
+    generate(data_dir, args.target, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                        max_prompts=args.max_prompts, num_threads=args.num_threads, max_seconds=args.max_seconds)
     _update_manifest(data_dir, {"generate_command": " ".join(sys.argv)})
 
@@ -130,7 +145,7 @@ def _train_config(args: argparse.Namespace):
         out_dir=str(args.out_dir), num_draft_layers=args.num_draft_layers, block_size=args.block_size,
         target_layer_ids=list(args.target_layer_ids), mask_token_id=args.mask_token_id,
         max_anchors=args.max_anchors, batch_size=args.train_batch_size, lr=args.lr, max_steps=args.max_steps,
-        checkpoint_every=args.checkpoint_every, seed=args.seed, is_softmax_restricted=not args.full_softmax)
+        max_hours=args.max_hours, checkpoint_every=args.checkpoint_every, seed=args.seed, is_softmax_restricted=not args.full_softmax)
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -175,6 +190,40 @@ def _eval(args: argparse.Namespace) -> None:
     write_results(drafter_dir / "tau.json", results,
                   {"command": command, "eval_dir": str(args.eval_dir), "seconds": round(time.time() - start)})
     (drafter_dir / "tau.md").write_text(f"`{command}`\n\n{table}\n")
+
+
+def _ship(args: argparse.Namespace) -> None:
+    import shutil
+
+    from ddtree.training.data import read_sequences
+
+    drafter_dir = args.drafter or args.out_dir / "drafter"
+    tau_path = drafter_dir / "tau.json"
+    if not tau_path.exists():
+        raise ValueError(f"{drafter_dir} has no tau.json: run the eval step before shipping")
+    args.ship_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "model.safetensors", "tau.md"):
+        shutil.copy(drafter_dir / name, args.ship_dir / name)
+    log = [json.loads(line) for line in (args.out_dir / "log.jsonl").read_text().splitlines() if line.strip()]
+    last = log[-1]
+    tail = log[-100:]
+    data_manifest = json.loads((args.data_dir / "manifest.json").read_text())
+    sequences = read_sequences(args.data_dir)
+    data_manifest["num_responses"] = len(sequences)
+    data_manifest["num_response_tokens"] = sum(len(s.token_ids) - s.prompt_length for s in sequences)
+    data_manifest.pop("dropped_for_eval_overlap", None) if not data_manifest.get("dropped_for_eval_overlap", {}).get(
+        "prompt_ids") else None
+    manifest = {
+        "target": args.target,
+        "train": json.loads((args.out_dir / "manifest.json").read_text()),
+        "training_steps": last["step"], "training_hours": round(last["hours"], 3),
+        "final_100_steps_mean": {k: round(sum(r[k] for r in tail) / len(tail), 4) for k in ("loss", "acc", "acc_k1")},
+        "data": data_manifest,
+        "tau": json.loads(tau_path.read_text()),
+        "ship_command": " ".join(sys.argv),
+    }
+    (args.ship_dir / "MANIFEST.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    print(f"[ship] {drafter_dir} -> {args.ship_dir}")
 
 
 def _update_manifest(data_dir: Path, fields: dict) -> None:

@@ -29,15 +29,16 @@ class TrainConfig:
     block_size: int = 8
     target_layer_ids: list[int] = field(default_factory=lambda: [1, 14, 27])
     mask_token_id: int = 16  # SmolLM2 `<empty_output>`: a Jupyter marker never produced in chat (docs/drafter.md)
-    max_anchors: int = 24  # per sequence and step
+    max_anchors: int = 32  # per sequence and step
     batch_size: int = 4  # sequences per step
     lr: float = 6e-4
     weight_decay: float = 0.01
     warmup_fraction: float = 0.04
     max_steps: int = 4000
+    max_hours: float | None = None  # a time budget: training stops and the schedule anneals by then
     grad_clip: float = 1.0
     gamma: float | None = None  # None: default_gamma(block_size)
-    validation_fraction: float = 0.03
+    validation_fraction: float = 0.0  # sequences held out of training (the tau evaluation uses its own prompts)
     checkpoint_every: int = 100
     is_softmax_restricted: bool = True  # softmax over the tokens present in the data (see FrozenTargetHead)
     seed: int = 0
@@ -147,12 +148,20 @@ def make_batch(sequences: list[Sequence], reader: FeatureReader, config: DFlashC
     return features, batch
 
 
-def lr_factor(step: int, max_steps: int, warmup_fraction: float) -> float:
-    warmup = max(1, int(round(warmup_fraction * max_steps)))
-    if step < warmup:
-        return (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, max_steps - warmup))
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
+def lr_factor(progress: float, warmup_fraction: float) -> float:
+    """Linear warmup over the first `warmup_fraction` of training, then cosine decay to 0 at progress 1."""
+    if progress < warmup_fraction:
+        return max(progress, 1e-3) / warmup_fraction
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (progress - warmup_fraction) / (1.0 - warmup_fraction))))
+
+
+def training_progress(step: int, hours: float, train_config: "TrainConfig") -> float:
+    """Fraction of training done: by steps, or by time when a time budget is set and runs out first (on a shared
+    CPU the step rate is unknown in advance; the schedule still anneals by the deadline)."""
+    progress = step / train_config.max_steps
+    if train_config.max_hours is not None:
+        progress = max(progress, hours / train_config.max_hours)
+    return min(1.0, progress)
 
 
 def train(
@@ -173,22 +182,29 @@ def train(
     target_model, _ = load_target(target)
     head = FrozenTargetHead(target_model)
     config = drafter_config_for(target_model.config, train_config)
+    target_final_norm = target_model.model.norm.weight.detach().clone()  # [H]
     del target_model
     gamma = train_config.gamma if train_config.gamma is not None else default_gamma(train_config.block_size)
 
     torch.manual_seed(train_config.seed)
     drafter = DFlashDraftModel(config)
+    with torch.no_grad():
+        # The drafter's output feeds the target's LM head: start it at the scale the head expects (the target's
+        # final norm) rather than unit scale, whose random logits start the loss near 40 instead of ~11.
+        drafter.norm.weight.copy_(target_final_norm)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=train_config.lr, betas=(0.9, 0.95),
                                   weight_decay=train_config.weight_decay)
     step, seconds_trained, epoch = 0, 0.0, 0
     checkpoint_path = out_dir / "checkpoint.pt"
     if checkpoint_path.exists():
         state = torch.load(checkpoint_path, weights_only=False)
-        if state["train_config"] != asdict(train_config) | {"max_steps": state["train_config"]["max_steps"]}:
+        budget = {k: state["train_config"][k] for k in ("max_steps", "max_hours")}
+        if state["train_config"] != asdict(train_config) | budget:
             raise ValueError(f"{checkpoint_path} was trained with another configuration: {state['train_config']}")
         drafter.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        step, seconds_trained, epoch = state["step"], state["seconds_trained"], state["epoch"]
+        # a resumed run starts a fresh epoch: the data set may have grown, so the old order cannot be continued
+        step, seconds_trained, epoch = state["step"], state["seconds_trained"], state["epoch"] + 1
         print(f"[train] resumed at step {step} ({seconds_trained / 3600:.2f} h trained)", flush=True)
 
     reader = FeatureReader(data_dir, stored_layer_ids(data_dir), config.target_layer_ids)
@@ -206,7 +222,7 @@ def train(
         tmp.replace(checkpoint_path)
         save_dflash(drafter, config, out_dir / "drafter")
 
-    while step < train_config.max_steps:
+    while training_progress(step, (seconds_trained + time.time() - start) / 3600, train_config) < 1.0:
         # The data set is read again every epoch: generation may still be appending to it.
         sequences = [s for s in read_sequences(data_dir) if not is_validation(s.prompt_id,
                                                                               train_config.validation_fraction)]
@@ -217,10 +233,12 @@ def train(
         rng = random.Random(train_config.seed * 1_000_003 + epoch)
         rng.shuffle(sequences)
         for first in range(0, len(sequences) - train_config.batch_size + 1, train_config.batch_size):
-            if step >= train_config.max_steps or (max_seconds is not None and time.time() - start > max_seconds):
+            hours = (seconds_trained + time.time() - start) / 3600
+            progress_done = training_progress(step, hours, train_config)
+            if progress_done >= 1.0 or (max_seconds is not None and time.time() - start > max_seconds):
                 break
             for group in optimizer.param_groups:
-                group["lr"] = train_config.lr * lr_factor(step, train_config.max_steps, train_config.warmup_fraction)
+                group["lr"] = train_config.lr * lr_factor(progress_done, train_config.warmup_fraction)
             features, batch = make_batch(sequences[first : first + train_config.batch_size], reader, config,
                                          train_config.max_anchors, rng, gamma)
             loss, stats = block_loss(drafter, head, features, batch)

@@ -1,0 +1,60 @@
+"""Offline prompt sets: evaluation sets load, training prompts are diverse and disjoint from every evaluation set."""
+
+import pytest
+
+from ddtree.training.prompts import (
+    CATEGORIES,
+    Prompt,
+    _word_ngrams,
+    drop_overlapping,
+    load_eval_prompt_records,
+    load_eval_prompts,
+    make_training_prompts,
+)
+
+
+@pytest.fixture(scope="module")
+def training_prompts():
+    return make_training_prompts(150, seed=0)
+
+
+def test_eval_sets_load_for_every_category():
+    sizes = {c: len(load_eval_prompts(c)) for c in CATEGORIES}
+    assert sizes["code"] == 164  # HumanEval
+    assert sizes["math"] >= 30 and sizes["chat"] >= 30
+    assert all(isinstance(t, str) and t for c in CATEGORIES for t in load_eval_prompts(c))
+    with pytest.raises(ValueError):
+        load_eval_prompts("poetry")
+
+
+def test_training_prompts_are_balanced_unique_and_deterministic(training_prompts):
+    assert {p.category for p in training_prompts} == set(CATEGORIES)
+    assert len({p.text for p in training_prompts}) == len(training_prompts)
+    assert len({p.prompt_id for p in training_prompts}) == len(training_prompts)
+    # the first prompts cycle through the categories, so any prefix of the list is balanced
+    assert [p.category for p in training_prompts[:3]] == list(CATEGORIES)
+    assert [p.text for p in make_training_prompts(150, seed=0)] == [p.text for p in training_prompts]
+
+
+def test_training_prompts_share_no_template_or_8gram_with_eval_sets(training_prompts):
+    eval_records = [r for c in CATEGORIES for r in load_eval_prompt_records(c)]
+    eval_sources = {r.source for r in eval_records}
+    assert not eval_sources & {p.source for p in training_prompts}
+    kept, dropped = drop_overlapping(training_prompts)
+    assert not dropped and len(kept) == len(training_prompts)
+    eval_texts = {r.text for r in eval_records}
+    assert not eval_texts & {p.text for p in training_prompts}
+
+
+def test_drop_overlapping_catches_a_leaked_eval_prompt(training_prompts):
+    leaked_math = Prompt("math-leak", "math", "Please help. " + load_eval_prompts("math")[3], "leak")
+    humaneval = load_eval_prompts("code")[10]
+    leaked_code = Prompt("code-leak", "code", "Write this:\n" + humaneval.split("```python\n")[1], "leak")
+    kept, dropped = drop_overlapping(training_prompts[:20] + [leaked_math, leaked_code])
+    assert sorted(dropped) == ["code-leak", "math-leak"]
+    assert len(kept) == 20
+
+
+def test_word_ngrams():
+    assert _word_ngrams("A b, c d!", 2) == {("a", "b"), ("b", "c"), ("c", "d")}
+    assert _word_ngrams("a b", 3) == set()
