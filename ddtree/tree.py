@@ -157,13 +157,14 @@ def build_padded_trees(values: torch.Tensor, token_ids: torch.Tensor, budgets: l
     are (kept nodes of the previous depth) x (token ranks), pruned twice:
     - by (i + 1)(j + 1) <= B for parent rank i and token rank j: the combinations of the i + 1 better parents and
       the j + 1 better tokens all come first, so the candidate cannot be among the B best;
-    - by a running lower bound, the B-th best path log-prob among the nodes kept so far: nothing below it can
-      enter the tree, nor can its descendants.
+    - by a lower bound on the B-th best path log-prob: the B-th best of any B known prefixes (first the greedy chain
+      with one last deviation, then the nodes kept so far). Nothing below it can enter the tree, nor can its
+      descendants.
     Each depth keeps its first B survivors in order; the tree is the first B of all kept nodes, which one stable
     sort (depth-major layout) puts in pop order.
 
-    Host syncs: two per depth (the sizes of the next candidate set) and one at the end; the loop stops at the first
-    depth where no node survives, so shallow trees cost few steps.
+    Host syncs: two at the start, two per depth (the sizes of the next candidate set) and one at the end; the loop
+    stops at the first depth where no node survives, so shallow trees cost few steps.
     """
     if values.dim() != 3 or values.shape != token_ids.shape:
         raise ValueError(
@@ -182,27 +183,44 @@ def build_padded_trees(values: torch.Tensor, token_ids: torch.Tensor, budgets: l
     num_ranks = min(num_ranks, max_budget)  # rank j >= B never enters: its j better siblings come first
     budget_t = torch.tensor(budgets, dtype=torch.int64, device=device)  # [R]
     last_rank = (budget_t - 1).clamp(min=0)[:, None]  # [R, 1]
-    rank_range = torch.arange(max(num_ranks, max_budget), device=device)
+    is_uniform = min(budgets) == max_budget
+    pair_parent, pair_rank, pairs_below = _candidate_pairs(max_budget, num_ranks, device)
+    rank_range = torch.arange(max(num_ranks, pairs_below[-1]), device=device)  # covers every width below
     # Sort keys: -inf path log-probs (zero-probability tokens) become the lowest finite value, so that -inf can mark
     # "not a candidate"; ties among them break by position, as for any other tie.
     lowest = torch.finfo(torch.float64).min
 
+    # A first pruning bound: the greedy chain with one last deviation, (0, ..., 0, j), gives L * K distinct
+    # prefixes, so the B-th best of them cannot beat the B-th best overall (the largest budget's bound is valid for
+    # every request). Summed in another order than the builder's, so lowered by a margin far above rounding.
+    first_ranks = values[:, :, :num_ranks].double()  # [R, L, K]
+    chain_lp = first_ranks[:, :, 0].cumsum(1)  # [R, L]
+    chain_above = torch.cat([torch.zeros_like(chain_lp[:, :1]), chain_lp[:, :-1]], 1)  # [R, L]
+    deviations = (chain_above[:, :, None] + first_ranks).reshape(num_requests, -1)  # [R, L * K]
+    if deviations.shape[1] >= max_budget:
+        grid_bound = deviations.topk(max_budget, dim=1, sorted=False).values.min(dim=1, keepdim=True).values
+        grid_bound = grid_bound - 1e-9 * grid_bound.abs() - 1e-300  # [R, 1]
+    else:
+        grid_bound = torch.full((num_requests, 1), float("-inf"), dtype=torch.float64, device=device)
+
     # Depth 1: the root's children are the top tokens in rank order.
-    lp = values[:, 0, :num_ranks].double()  # [R, K]
-    is_kept = rank_range[None, :num_ranks] < budget_t[:, None]
+    lp = first_ranks[:, 0]  # [R, K]
+    count = torch.minimum((lp >= grid_bound).sum(1), budget_t)  # [R]
+    num_kept = max(int(count.max()), 1)
+    lp = lp[:, :num_kept]
+    is_kept = rank_range[None, :num_kept] < count[:, None]
     kept_lp, kept_kept = [lp], [is_kept]
-    kept_parent_slot = [torch.full((num_requests, num_ranks), -1, dtype=torch.int64, device=device)]
-    kept_token = [token_ids[:, 0, :num_ranks]]
+    kept_parent_slot = [torch.full((num_requests, num_kept), -1, dtype=torch.int64, device=device)]
+    kept_token = [token_ids[:, 0, :num_kept]]
     parent_lp = torch.where(is_kept, lp, float("nan"))  # [R, P]: NaN past a request's kept nodes
     best_lp = torch.where(is_kept, lp, float("-inf"))  # [R, W] decreasing: the best nodes so far
-    if num_ranks < max_budget:
-        best_lp = torch.cat([best_lp, best_lp.new_full((num_requests, max_budget - num_ranks), float("-inf"))], 1)
-    min_lp = best_lp.gather(1, last_rank)  # [R, 1]: the pruning bound
+    if num_kept < max_budget:
+        best_lp = torch.cat([best_lp, best_lp.new_full((num_requests, max_budget - num_kept), float("-inf"))], 1)
+    min_lp = torch.maximum(best_lp.gather(1, last_rank), grid_bound)  # [R, 1]: the pruning bound
     slot_start = 0  # first slot of the previous depth in the all-depths layout
-    pair_parent, pair_rank, pairs_below = _candidate_pairs(max_budget, num_ranks, device)
 
     for d in range(1, max_depth):
-        logp = values[:, d, :num_ranks].double()  # [R, K]
+        logp = first_ranks[:, d]  # [R, K]
         # How many parents can still have a surviving child, and how many token ranks can follow the best parent.
         num_live_parents = (parent_lp + logp[:, :1] >= min_lp).sum(1)
         num_live_ranks = (logp + parent_lp[:, :1] >= min_lp).sum(1)
@@ -222,22 +240,32 @@ def build_padded_trees(values: torch.Tensor, token_ids: torch.Tensor, budgets: l
                 1, cand_rank.expand(num_requests, -1)
             )  # [R, C]
         num_cand = cand_parent.numel()
-        is_survivor = (cand_lp >= min_lp) & ((cand_parent + 1) * (cand_rank + 1) <= budget_t[:, None])  # [R, C]
+        is_survivor = cand_lp >= min_lp  # [R, C]; NaN parents (past a request's kept nodes) fail it
+        if is_uniform:  # the pairs already respect the bound
+            if live_parents * live_ranks <= pairs_below[live_parents]:
+                is_survivor &= (cand_parent + 1) * (cand_rank + 1) <= max_budget
+        else:
+            is_survivor &= (cand_parent + 1) * (cand_rank + 1) <= budget_t[:, None]
         num_survivors = is_survivor.sum(1)  # [R]
         max_survivors = int(num_survivors.max())
         if max_survivors == 0:
             break
-        # Survivors to the front in candidate order (a slot past them collects the rest), then a stable sort by
-        # decreasing log-prob: candidates are laid out i-major, so ties fall back to (parent rank, token rank), and
-        # each parent's children form an already sorted run, which the merge sort exploits.
-        slot = torch.where(is_survivor, is_survivor.cumsum(1) - 1, max_survivors)  # [R, C]
-        picked = torch.full((num_requests, max_survivors + 1), num_cand - 1, dtype=torch.int64, device=device)
-        picked.scatter_(1, slot, torch.arange(num_cand, device=device).expand(num_requests, -1))
-        picked = picked[:, :max_survivors]  # [R, S]
-        is_filled = torch.arange(max_survivors, device=device)[None, :] < num_survivors[:, None]  # [R, S]
-        key = torch.where(is_filled, cand_lp.gather(1, picked).clamp(min=lowest), float("-inf"))
+        # A stable sort by decreasing log-prob: candidates are laid out i-major, so ties fall back to (parent rank,
+        # token rank), and each parent's children form an already sorted run, which the merge sort exploits. When
+        # few candidates survive, they first move to the front in candidate order (a slot past them collects the
+        # rest) so that the sort is short.
         num_kept = min(max_survivors, max_budget)
-        picked = picked.gather(1, key.sort(dim=1, descending=True, stable=True).indices[:, :num_kept])  # [R, W]
+        if 4 * max_survivors >= num_cand:
+            key = torch.where(is_survivor, cand_lp.clamp(min=lowest), float("-inf"))  # [R, C]
+            picked = key.sort(dim=1, descending=True, stable=True).indices[:, :num_kept]  # [R, W]
+        else:
+            slot = torch.where(is_survivor, is_survivor.cumsum(1) - 1, max_survivors)  # [R, C]
+            picked = torch.full((num_requests, max_survivors + 1), num_cand - 1, dtype=torch.int64, device=device)
+            picked.scatter_(1, slot, torch.arange(num_cand, device=device).expand(num_requests, -1))
+            picked = picked[:, :max_survivors]  # [R, S]
+            is_filled = rank_range[None, :max_survivors] < num_survivors[:, None]  # [R, S]
+            key = torch.where(is_filled, cand_lp.gather(1, picked).clamp(min=lowest), float("-inf"))
+            picked = picked.gather(1, key.sort(dim=1, descending=True, stable=True).indices[:, :num_kept])  # [R, W]
         lp = cand_lp.gather(1, picked)
         is_kept = rank_range[None, :num_kept] < torch.minimum(num_survivors, budget_t)[:, None]  # [R, W]
         rank = cand_rank[picked]
@@ -250,7 +278,7 @@ def build_padded_trees(values: torch.Tensor, token_ids: torch.Tensor, budgets: l
         # Two sorted runs: the stable merge sort is cheap.
         best_lp = torch.cat([best_lp, torch.where(is_kept, lp, float("-inf"))], 1)
         best_lp = best_lp.sort(dim=1, descending=True, stable=True).values[:, :max_budget]
-        min_lp = best_lp.gather(1, last_rank)
+        min_lp = torch.maximum(best_lp.gather(1, last_rank), grid_bound)
 
     # All kept nodes, depth-major and in order within each depth: a stable sort gives the pop order (equal
     # log-probs: shallower first, then by order within the depth).

@@ -176,8 +176,9 @@ def test_topk_ranks_ties_by_token_id() -> None:
 # --- the batched builder against the heap ---
 
 
-def test_batched_matches_heap_at_large_budgets() -> None:
-    logprobs = random_logprobs(3, 6, 500, seed=5, scale=1.0)
+@pytest.mark.parametrize("scale,num_positions", [(1.0, 6), (3.0, 15), (10.0, 15)])  # flat and wide .. peaked and deep
+def test_batched_matches_heap_at_large_budgets(scale: float, num_positions: int) -> None:
+    logprobs = random_logprobs(3, num_positions, 500, seed=5, scale=scale)
     budgets = [1024, 300, 5]
     trees = build_trees(logprobs, budgets)
     for r, budget in enumerate(budgets):
