@@ -251,11 +251,11 @@ def build_padded_trees(values: torch.Tensor, token_ids: torch.Tensor, budgets: l
         if max_survivors == 0:
             break
         # A stable sort by decreasing log-prob: candidates are laid out i-major, so ties fall back to (parent rank,
-        # token rank), and each parent's children form an already sorted run, which the merge sort exploits. When
-        # few candidates survive, they first move to the front in candidate order (a slot past them collects the
-        # rest) so that the sort is short.
+        # token rank), and each parent's children form an already sorted run, which the merge sort exploits. Unless
+        # almost all candidates survive, they first move to the front in candidate order (a slot past them collects
+        # the rest) so that the sort is short.
         num_kept = min(max_survivors, max_budget)
-        if 4 * max_survivors >= num_cand:
+        if num_cand <= 128 or 8 * (num_cand - max_survivors) <= num_cand:
             key = torch.where(is_survivor, cand_lp.clamp(min=lowest), float("-inf"))  # [R, C]
             picked = key.sort(dim=1, descending=True, stable=True).indices[:, :num_kept]  # [R, W]
         else:
