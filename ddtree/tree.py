@@ -104,6 +104,8 @@ def build_tree_from_topk(values: torch.Tensor, token_ids: torch.Tensor, budget: 
         return DraftTree.empty(device)
     v = values.double().tolist()  # float64, as the batched builder sums
     ids = token_ids.tolist()
+    if any(not row[0] <= 0 for row in v):  # rows decrease, NaN first
+        raise ValueError("values must be log-probabilities: no NaN and none above 0")
     # Entry: (-path_logprob, depth, parent's rank within its depth, token rank, parent node, parent path_logprob).
     # The first four fields identify a node, so ties never compare further.
     heap = [(-(0.0 + v[0][0]), 1, 0, 0, -1, 0.0)]
@@ -131,6 +133,24 @@ def build_tree_from_topk(values: torch.Tensor, token_ids: torch.Tensor, budget: 
         depths=torch.tensor(out_depths, dtype=torch.int64, device=device),
         path_logprobs=torch.tensor(out_logprobs, dtype=torch.float64, device=device).float(),
     )
+
+
+def build_trees_with_heap(values: torch.Tensor, token_ids: torch.Tensor, budgets: list[int]) -> list[DraftTree]:
+    """The reference heap per request, from `topk_logprobs` output [R, L, K]: the same trees as
+    `build_trees_from_topk`. One host copy; on a CPU it is the faster choice for small total budgets or deep,
+    narrow trees (see docs/tree_benchmark.md)."""
+    if values.dim() != 3 or values.shape != token_ids.shape:
+        raise ValueError(
+            f"values and token_ids must both be [R, L, K], got {tuple(values.shape)}, {tuple(token_ids.shape)}"
+        )
+    budgets = _check_budgets(budgets, values.shape[0])
+    host_values, host_ids = values.cpu(), token_ids.cpu()
+    trees = [build_tree_from_topk(host_values[r], host_ids[r], b) for r, b in enumerate(budgets)]
+    if values.device.type == "cpu":
+        return trees
+    return [
+        DraftTree(*(x.to(values.device) for x in (t.token_ids, t.parents, t.depths, t.path_logprobs))) for t in trees
+    ]
 
 
 def build_trees(logprobs: torch.Tensor, budgets: list[int]) -> list[DraftTree]:
@@ -221,12 +241,16 @@ def build_padded_trees(values: torch.Tensor, token_ids: torch.Tensor, budgets: l
 
     for d in range(1, max_depth):
         logp = first_ranks[:, d]  # [R, K]
-        # How many parents can still have a surviving child, and how many token ranks can follow the best parent.
-        num_live_parents = (parent_lp + logp[:, :1] >= min_lp).sum(1)
-        num_live_ranks = (logp + parent_lp[:, :1] >= min_lp).sum(1)
-        live_parents, live_ranks = torch.stack([num_live_parents.max(), num_live_ranks.max()]).tolist()
-        if live_parents == 0 or live_ranks == 0:
-            break
+        # How many parents can still have a surviving child, and how many token ranks can follow the best parent
+        # (not worth two more reductions and a sync when there are few parents).
+        if parent_lp.shape[1] <= 32:
+            live_parents, live_ranks = parent_lp.shape[1], num_ranks
+        else:
+            num_live_parents = (parent_lp + logp[:, :1] >= min_lp).sum(1)
+            num_live_ranks = (logp + parent_lp[:, :1] >= min_lp).sum(1)
+            live_parents, live_ranks = torch.stack([num_live_parents.max(), num_live_ranks.max()]).tolist()
+            if live_parents == 0 or live_ranks == 0:
+                break
         # Candidates in (parent rank, token rank) lexicographic order: the full grid of live parents and ranks, or
         # the (i + 1)(j + 1) <= B pairs when those are fewer.
         if live_parents * live_ranks <= pairs_below[live_parents]:

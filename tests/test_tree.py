@@ -17,6 +17,7 @@ from ddtree.tree import (
     build_tree_from_topk,
     build_trees,
     build_trees_from_topk,
+    build_trees_with_heap,
     topk_logprobs,
 )
 
@@ -164,6 +165,11 @@ def test_input_validation() -> None:
         build_trees(logprobs.abs()[None], [3])
     with pytest.raises(ValueError):
         topk_logprobs(logprobs[None], 5)  # k > V
+    values, ids = topk_logprobs(logprobs.abs()[None], 2)
+    with pytest.raises(ValueError):
+        build_tree_from_topk(values[0], ids[0], 3)
+    with pytest.raises(ValueError):
+        build_trees_with_heap(values, ids, [3])
 
 
 def test_topk_ranks_ties_by_token_id() -> None:
@@ -247,7 +253,7 @@ def test_batched_equals_heap_from_the_same_topk(data, num_requests, num_position
     k = data.draw(st.integers(min(max(budgets), vocab) or 1, vocab))
     values, ids = topk_logprobs(logprobs, k)
     trees = build_trees_from_topk(values, ids, budgets)
+    heaps = build_trees_with_heap(values, ids, budgets)
     for r, budget in enumerate(budgets):
-        heap = build_tree_from_topk(values[r], ids[r], budget)
-        assert_same_tree(heap, trees[r])
-        check_structure(heap, logprobs[r])
+        assert_same_tree(heaps[r], trees[r])
+        check_structure(heaps[r], logprobs[r])
