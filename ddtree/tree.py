@@ -74,6 +74,8 @@ def topk_logprobs(logprobs: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.T
     if k > logprobs.shape[-1]:
         raise ValueError(f"k={k} exceeds the vocabulary size {logprobs.shape[-1]}")
     values, token_ids = torch.topk(logprobs, k, dim=-1, sorted=True)  # [R, L, k] each
+    if not bool((values[..., 1:] == values[..., :-1]).any()):
+        return values, token_ids
     # torch.topk orders equal values arbitrarily: put them in token id order so that ranks are reproducible.
     by_id = token_ids.argsort(dim=-1)
     values, token_ids = values.gather(-1, by_id), token_ids.gather(-1, by_id)
