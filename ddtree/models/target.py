@@ -276,13 +276,13 @@ class TargetModel:
                     f"{h.num_committed}"
                 )
         slots = self._reserve(seq_ids, [packed.segment_len(r) for r in range(packed.num_requests)])
-        is_chain_free = all(packed.segment_len(r) == 1 for r in range(packed.num_requests))
-        if is_chain_free or self.attention == "flex":
+        is_root_only = all(packed.segment_len(r) == 1 for r in range(packed.num_requests))
+        if is_root_only or self.attention == "flex":
             masks = [None] * packed.num_requests  # root-only segments see everything; flex uses `packed`
         else:
             masks = [packed.dense_mask(r).to(self.device) for r in range(packed.num_requests)]
         batch = _Batch(list(seq_ids), list(packed.query_starts), list(packed.num_cached), masks, slots,
-                       packed if (self.attention == "flex" and not is_chain_free) else None)
+                       packed if (self.attention == "flex" and not is_root_only) else None)
         if logits_rows is None:
             logits_rows = torch.arange(packed.num_tokens, device=self.device)
         return self._forward(packed.input_ids.to(self.device), packed.position_ids.to(self.device), batch,
