@@ -5,8 +5,8 @@
 
 Per (requests R, budget B): the per-position top-K alone (K = min(B, V)), R heaps looped in Python, the batched
 builder (both from the same top-K), the speedup heap / batched, and pack() of the batched trees. Draft log-probs
-are log_softmax(randn * scale) with fixed seeds (scale 3 by default); each timing cycles over a few different inputs (repeating one input
-lets the branch predictor learn the sorts), and reports the median in milliseconds.
+are log_softmax(randn * scale) with fixed seeds (scale 3 by default); each timing cycles over a few different
+inputs (repeating one input lets the branch predictor learn the sorts), and reports the median in milliseconds.
 """
 
 from __future__ import annotations

@@ -11,8 +11,9 @@ Order and ties (one rule, shared by the reference heap and the batched builder):
   acceptance does not depend on it.
 - Path log-probs are accumulated in float64, parent first (`lp(child) = lp(parent) + logprob[depth, token]`),
   so the heap and the batched builder compute bit-identical sums; DraftTree stores them as float32.
-- Nodes are ordered by the key (-path_logprob, depth, parent's rank within its depth, token rank): equal
-  probabilities go shallower first, then by the order of their parents, then by token rank. A parent precedes its
+- Nodes are ordered by the key (-path_logprob, depth, parent's position among the nodes of its depth under this
+  same order, token rank): equal probabilities go shallower first, then by the order of their parents, then by
+  token rank (zero-probability nodes, -inf, tie with each other and follow the same rule). A parent precedes its
   children and a token precedes its lower-ranked siblings under this key, so every prefix of the order is a
   prefix-closed tree, and the heap pops exactly this order.
 """
@@ -98,7 +99,9 @@ def build_tree(logprobs: torch.Tensor, budget: int) -> DraftTree:
 def build_tree_from_topk(values: torch.Tensor, token_ids: torch.Tensor, budget: int) -> DraftTree:
     """The heap of `build_tree`, from one request's top-K: values [L, K] (decreasing per row), token_ids [L, K]."""
     if values.dim() != 2 or values.shape != token_ids.shape:
-        raise ValueError(f"values and token_ids must both be [L, K], got {tuple(values.shape)}, {tuple(token_ids.shape)}")
+        raise ValueError(
+            f"values and token_ids must both be [L, K], got {tuple(values.shape)}, {tuple(token_ids.shape)}"
+        )
     _check_int("budget", budget, minimum=0)
     device = values.device
     max_depth, num_ranks = values.shape
@@ -126,7 +129,8 @@ def build_tree_from_topk(values: torch.Tensor, token_ids: torch.Tensor, budget: 
         out_depths.append(depth)
         out_logprobs.append(lp)
         if rank + 1 < num_ranks:  # next sibling
-            heapq.heappush(heap, (-(parent_lp + v[depth - 1][rank + 1]), depth, parent_order, rank + 1, parent, parent_lp))
+            sibling_lp = parent_lp + v[depth - 1][rank + 1]
+            heapq.heappush(heap, (-sibling_lp, depth, parent_order, rank + 1, parent, parent_lp))
         if depth < max_depth:  # first child
             heapq.heappush(heap, (-(lp + v[depth][0]), depth + 1, order_in_depth, 0, node, lp))
     return DraftTree(
@@ -338,7 +342,9 @@ def build_padded_trees(values: torch.Tensor, token_ids: torch.Tensor, budgets: l
 
 
 @functools.lru_cache(maxsize=32)
-def _candidate_pairs(max_budget: int, num_ranks: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+def _candidate_pairs(
+    max_budget: int, num_ranks: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
     """(parent rank i, token rank j) pairs with (i + 1)(j + 1) <= B and j < K, i-major: parent [P], rank [P], and
     pairs_below[c] = the number of pairs whose parent rank is below c."""
     per_parent = [min(max_budget // (i + 1), num_ranks) for i in range(max_budget)]
