@@ -58,6 +58,7 @@ def _tiny_overrides(checkpoints: dict) -> dict:
         "max_num_seqs": MAX_NUM_SEQS,
         "max_waiting": MAX_WAITING,
         "max_budget": 16,
+        "worker_torch_threads": 1,  # tiny models: threads cost more than they give
     }
 
 

@@ -1,0 +1,234 @@
+"""Per-round overhead of running the workers on Ray actors (as an engine replica does) vs in the engine's process.
+
+    python benchmarks/bench_actors.py                       # embedded SmolLM2 + shipped drafter, CPU
+    python benchmarks/bench_actors.py --budget 16 --concurrency 4 --max-tokens 64
+
+The same prompts are decoded with the same engine settings (a fixed budget, so that every mode does the same
+work per round, and T=0, so that the outputs must be identical) by:
+  in-process   Engine + workers in this process (as ddtree.LLM)
+  actors       Engine here, target and drafter each on a Ray actor, called through deployments/actors.py proxies
+               (features passed target -> drafter by object reference)
+After a warm-up pass of each, the modes alternate for `--passes` measured passes (so that load from other jobs on
+the machine hits both alike); the table reports every measured round. The table shows the mean round time, the actor call
+overhead per round (wall time of the proxy calls minus the time the actors spent working), and tokens/s; below it,
+the bare cost of one actor round trip and of a features hand-off between two actors.
+"""
+
+from __future__ import annotations
+
+import os
+
+# The actors wait passively between OpenMP regions (deployments/actors.py: OPENMP_ENV); the in-process engine must
+# too, or the comparison measures spinning threads rather than actor hops. Set before torch loads OpenMP.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("KMP_BLOCKTIME", "0")
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+@dataclass
+class Result:
+    name: str
+    round_seconds: list[float] = field(default_factory=list)
+    num_tokens: int = 0
+    seconds: float = 0.0
+    hop_seconds: float = 0.0
+    hop_calls: int = 0
+    outputs: list[list[int]] = field(default_factory=list)
+    tau: float | None = None
+
+
+def run_engine(engine, prompts, params, concurrency: int, name: str, hops=None) -> Result:
+    from ddtree.scheduler import EngineFullError
+
+    result = Result(name)
+    hop_s0, hop_c0 = (hops.seconds, hops.num_calls) if hops is not None else (0.0, 0)
+    finals = {}
+    order = []
+    taus = []
+    t0 = time.perf_counter()
+    pending = list(prompts)
+    while pending or engine.has_unfinished_requests():
+        while pending and engine.num_running + engine.num_waiting < concurrency:
+            try:
+                order.append(engine.add_request(pending[0], params))
+            except EngineFullError:
+                break
+            pending.pop(0)
+        r0 = time.perf_counter()
+        outputs = engine.step()
+        result.round_seconds.append(time.perf_counter() - r0)
+        for out in outputs:
+            if out.finished:
+                finals[out.request_id] = out
+    result.seconds = time.perf_counter() - t0
+    for rid in order:
+        result.outputs.append(finals[rid].token_ids)
+        result.num_tokens += len(finals[rid].token_ids)
+        taus.extend(finals[rid].acceptance_lengths)
+    result.tau = statistics.fmean(taus) if taus else None
+    if hops is not None:
+        result.hop_seconds = hops.seconds - hop_s0
+        result.hop_calls = hops.num_calls - hop_c0
+    return result
+
+
+def bare_hops(num_calls: int, feature_shape: tuple[int, int]) -> tuple[float, float]:
+    """Seconds per no-op actor round trip, and per features hand-off (actor A returns a tensor by reference, actor B
+    receives it), as the round loop does."""
+    import ray
+    import torch
+
+    @ray.remote(num_cpus=0)
+    class Echo:
+        def noop(self):
+            return None
+
+        def make(self, rows, cols):
+            return torch.randn(rows, cols)  # [num_tokens, num_feature_dims]
+
+        def take(self, features):
+            return features.shape[0]
+
+    a, b = Echo.remote(), Echo.remote()
+    ray.get([a.noop.remote(), b.noop.remote()])
+    t0 = time.perf_counter()
+    for _ in range(num_calls):
+        ray.get(a.noop.remote())
+    noop = (time.perf_counter() - t0) / num_calls
+    t0 = time.perf_counter()
+    for _ in range(num_calls):
+        ray.get(b.take.remote(a.make.remote(*feature_shape)))
+    handoff = (time.perf_counter() - t0) / num_calls
+    for actor in (a, b):
+        ray.kill(actor)
+    return noop, handoff
+
+
+def make_random_drafter(model: str | None, out: Path, block_size: int = 8) -> Path:
+    """A randomly initialised 1-layer DFlash drafter for the target (its drafts are poor, but at a fixed budget a
+    round does the same work as with a trained drafter, which is what this benchmark compares)."""
+    import json
+
+    import torch
+
+    from ddtree.models.dflash import DFlashConfig, DFlashDraftModel, save_dflash
+
+    if model is None:
+        from ddtree.models.default import default_target_dir
+
+        target_dir = default_target_dir()
+    else:
+        target_dir = Path(model)
+    t = json.loads((target_dir / "config.json").read_text())
+    num_layers = t["num_hidden_layers"]
+    config = DFlashConfig(
+        hidden_size=t["hidden_size"], intermediate_size=t["intermediate_size"], num_hidden_layers=1,
+        num_attention_heads=t["num_attention_heads"], num_key_value_heads=t["num_key_value_heads"],
+        head_dim=t.get("head_dim") or t["hidden_size"] // t["num_attention_heads"],
+        rms_norm_eps=t.get("rms_norm_eps", 1e-6), rope_theta=t.get("rope_theta", 10000.0),
+        vocab_size=t["vocab_size"], max_position_embeddings=t["max_position_embeddings"], block_size=block_size,
+        num_target_layers=num_layers, mask_token_id=0,
+        target_layer_ids=[1, num_layers // 2, num_layers - 3])
+    torch.manual_seed(0)
+    save_dflash(DFlashDraftModel(config), config, out, dtype=torch.float32)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="target (default: embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--drafter", default=None,
+                        help="DFlash drafter (default: the shipped one); 'random': a random 1-layer drafter")
+    parser.add_argument("--speculation", default="ddtree", choices=("ddtree", "dflash", "off"))
+    parser.add_argument("--budget", type=int, default=16, help="fixed nodes per request (same work in each mode)")
+    parser.add_argument("--num-prompts", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=2, help="requests decoded together")
+    parser.add_argument("--num-cpus", type=int, default=2, help="Ray's CPUs (this machine: 2)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the engine and of each actor")
+    parser.add_argument("--passes", type=int, default=2, help="measured passes per mode, alternating")
+    args = parser.parse_args(argv)
+    if args.drafter == "random":
+        args.drafter = str(make_random_drafter(args.model, Path("work/bench_actors/random-drafter")))
+
+    import ray
+
+    from ddtree.engine import Engine, EngineConfig
+    from ddtree.sampling_params import SamplingParams
+    from ddtree.training.prompts import load_eval_prompts
+    from ddtree.workers import build_workers
+    from deployments.actors import start_worker_actors
+    from deployments.config import AppArgs, WorkerSpec
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    app_args = AppArgs(model=args.model, drafter=args.drafter, speculation=args.speculation, budget=args.budget,
+                       max_budget=max(args.budget, 1), max_num_seqs=args.concurrency,
+                       worker_torch_threads=args.threads)
+    # No fallback: the budget policy would decide from live timings, which differ between the modes.
+    config = EngineConfig(speculation=args.speculation, budget=args.budget, max_budget=args.budget,
+                          max_num_seqs=args.concurrency, allow_fallback=False)
+    need_drafter = args.speculation != "off"
+    target, drafter, tokenizer = build_workers(
+        args.model, args.drafter, device="cpu", dtype=None, need_drafter=need_drafter,
+        max_num_seqs=args.concurrency, kv_cache_bytes=None, attention="auto")
+    texts = [p for c in ("chat", "code", "math") for p in load_eval_prompts(c)][: args.num_prompts]
+    prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                                  tokenize=True, return_dict=False)) for t in texts]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+
+    local_engine = Engine(config, target, drafter, tokenizer)
+    cost = copy.deepcopy(local_engine.budget.cost)  # the actors' engine starts from the same cost model
+
+    ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
+    layout = app_args.worker_layout()
+    actors = start_worker_actors(WorkerSpec.from_args(app_args), layout.target, layout.drafter)
+    actor_engine = Engine(config, actors.target_proxy, actors.drafter_proxy, actors.target_proxy.tokenizer,
+                          cost=cost)
+    run_engine(local_engine, prompts, params, args.concurrency, "warm-up")
+    run_engine(actor_engine, prompts, params, args.concurrency, "warm-up", actors.hops)
+    local, remote = Result("in-process"), Result("actors")
+    for _ in range(args.passes):
+        for total, run in ((local, run_engine(local_engine, prompts, params, args.concurrency, "in-process")),
+                           (remote, run_engine(actor_engine, prompts, params, args.concurrency, "actors",
+                                               actors.hops))):
+            total.round_seconds += run.round_seconds
+            total.num_tokens += run.num_tokens
+            total.seconds += run.seconds
+            total.hop_seconds += run.hop_seconds
+            total.hop_calls += run.hop_calls
+            total.outputs = run.outputs
+            total.tau = run.tau
+    noop, handoff = bare_hops(200, (8, 3 * 576))
+    actors.kill()
+    ray.shutdown()
+
+    same = local.outputs == remote.outputs
+    print(f"\n{len(prompts)} prompts, max_tokens={args.max_tokens}, concurrency={args.concurrency}, "
+          f"speculation={args.speculation}, budget={args.budget}; outputs identical: {same}")
+    print(f"{'mode':<12}{'rounds':>8}{'round ms':>10}{'p50 ms':>9}{'hop ms/round':>14}{'calls/round':>13}"
+          f"{'tokens/s':>10}{'tau':>7}")
+    for r in (local, remote):
+        n = len(r.round_seconds)
+        print(f"{r.name:<12}{n:>8}{1000 * statistics.fmean(r.round_seconds):>10.2f}"
+              f"{1000 * statistics.median(r.round_seconds):>9.2f}{1000 * r.hop_seconds / n:>14.2f}"
+              f"{r.hop_calls / n:>13.2f}{r.num_tokens / r.seconds:>10.1f}"
+              f"{r.tau if r.tau is not None else float('nan'):>7.2f}")
+    extra = statistics.fmean(remote.round_seconds) - statistics.fmean(local.round_seconds)
+    print(f"actors - in-process: {1000 * extra:+.2f} ms per round "
+          f"({100 * extra / statistics.fmean(local.round_seconds):+.1f}%)")
+    print(f"bare no-op actor round trip: {1000 * noop:.2f} ms; features hand-off A -> B (8 x 1728 fp32): "
+          f"{1000 * handoff:.2f} ms")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

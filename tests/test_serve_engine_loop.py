@@ -1,0 +1,113 @@
+"""The engine loop of a replica, without Ray: a real Engine stepped in its own thread, requests from asyncio."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from ddtree import LLM, SamplingParams
+from ddtree.budget import CostModel
+from ddtree.engine import Engine, EngineConfig, PromptTooLongError
+from ddtree.scheduler import EngineFullError
+from ddtree.workers import build_workers
+from deployments.engine_loop import EngineLoop
+from tests.factories import make_tiny_drafter, make_tiny_target
+
+PROMPTS = ["hello world", "the cat sat on", "a", "12 + 7 ="]
+FLAT_COST = CostModel([(1, 0.010), (64, 0.012), (1024, 0.05)], [(1, 0.002), (16, 0.003)])
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory):
+    root = tmp_path_factory.mktemp("loop_tiny")
+    target = make_tiny_target(root / "target", logit_scale=8.0)
+    drafter = make_tiny_drafter(root / "drafter", target)
+    return build_workers(str(target), str(drafter), dtype="float64", max_num_seqs=4)
+
+
+def make_engine(workers, **config) -> Engine:
+    target, drafter, tokenizer = workers
+    return Engine(EngineConfig(**{"max_num_seqs": 2, "budget": 8, **config}), target, drafter, tokenizer,
+                  cost=FLAT_COST)
+
+
+def run_loop(engine: Engine, body, **loop_kw):
+    """Run `body(loop)` in asyncio with the loop thread started around it."""
+    loop = EngineLoop(engine, **loop_kw)
+    loop.start()
+    try:
+        return asyncio.run(body(loop))
+    finally:
+        loop.stop()
+
+
+def test_concurrent_requests_equal_offline_answers(workers):
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    expected = LLM.from_engine(make_engine(workers)).generate(PROMPTS, params)
+    rounds = []
+
+    async def body(loop):
+        return await asyncio.gather(*(loop.generate(p, params) for p in PROMPTS))
+
+    # 4 requests over 2 seats: two wait, join when the first ones leave.
+    finals = run_loop(make_engine(workers), body, on_round=rounds.append)
+    assert [f.token_ids for f in finals] == [e.token_ids for e in expected]
+    assert [f.text for f in finals] == [e.text for e in expected]
+    assert max(r.num_waiting for r in rounds) >= 1 and rounds[-1].num_running == 0
+
+
+def test_stream_is_incremental_and_complete(workers):
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+
+    async def body(loop):
+        return [out async for out in loop.stream("hello world", params)]
+
+    outputs = run_loop(make_engine(workers), body)
+    assert len(outputs) > 1 and outputs[-1].finished and not any(o.finished for o in outputs[:-1])
+    assert [t for o in outputs for t in o.new_token_ids] == outputs[-1].token_ids
+    assert "".join(o.new_text for o in outputs) == outputs[-1].text
+
+
+def test_admission_errors_reach_the_caller(workers):
+    engine = make_engine(workers, max_num_seqs=1, max_waiting=1)
+    long_params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+
+    async def body(loop):
+        with pytest.raises(PromptTooLongError):
+            await loop.generate("a" * 600, long_params)
+        with pytest.raises(ValueError):
+            await loop.generate([10**6], long_params)
+        running = loop.stream("the cat", long_params)
+        await running.__anext__()  # admitted and decoding
+        waiting = asyncio.ensure_future(loop.generate("hello", long_params))
+        while engine.num_waiting == 0:
+            await asyncio.sleep(0.01)
+        with pytest.raises(EngineFullError):
+            await loop.generate("one too many", long_params)
+        await running.aclose()  # leaving early aborts: the waiting request gets the seat
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        # both aborts reach the loop thread; then nothing is left in the engine
+        return await loop.call(lambda e: (e.num_running, e.num_waiting, len(e.requests)))
+
+    assert run_loop(engine, body) == (0, 0, 0)
+
+
+def test_stopping_the_loop_fails_pending_requests(workers):
+    engine = make_engine(workers)
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+
+    async def body(loop):
+        stream = loop.stream("the cat", params)
+        await stream.__anext__()
+        await asyncio.get_running_loop().run_in_executor(None, loop.stop)
+        with pytest.raises(RuntimeError, match="stopped"):
+            async for _ in stream:
+                pass
+        assert not loop.is_alive
+        with pytest.raises(RuntimeError, match="not running"):
+            await loop.generate("hello", params)
+
+    run_loop(engine, body)
