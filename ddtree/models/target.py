@@ -3,8 +3,10 @@
 Every call is one forward over the packed tokens of several requests: linear layers run on all packed tokens at
 once (weights stored [in, out], fused q/k/v and gate/up, `x @ W`), attention runs per request against its region
 of the KV cache (PyTorch SDPA with a dense mask) or for the whole batch at once (FlexAttention with a block mask
-from the ancestor bitmasks). Logits are computed only for the rows asked for; hidden features of
-`feature_layer_ids` (Hugging Face's hidden_states[i + 1], concatenated along the feature dim) for every row.
+from the ancestor bitmasks; used for verify batches with trees, while prefill and root-only steps use SDPA on both
+backends). Logits are computed only for the rows asked for; hidden features of `feature_layer_ids` (Hugging
+Face's hidden_states[i + 1], concatenated along the feature dim; the last layer's is after the final norm, as in
+Hugging Face) for every row. On CPU, prefer one torch thread on a shared machine (docs/runtime_benchmark.md).
 
 Public API (engine side):
     TargetModel.load(source="default", device="cpu", dtype=torch.float32, feature_layer_ids=(),
