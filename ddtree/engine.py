@@ -255,7 +255,11 @@ class Engine:
         else:
             trees = build_trees_from_topk(topk_logprobs, topk_token_ids, plan.max_budgets)
         # One host sync per round: node probabilities become plain floats for the budget policy.
-        path_probs = [t.path_logprobs.exp().tolist() for t in trees]
+        flat_probs = torch.cat([t.path_logprobs for t in trees]).exp().tolist()
+        path_probs, start = [], 0
+        for t in trees:
+            path_probs.append(flat_probs[start : start + t.num_nodes])
+            start += t.num_nodes
         counts = self.budget.allocate(plan.speculative_ids, path_probs, len(plan.autoregressive_ids))
         drafted.trees = [_truncate(t, n) for t, n in zip(trees, counts)]
         drafted.predicted = [sum(p[:n]) for p, n in zip(path_probs, counts)]
