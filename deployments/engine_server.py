@@ -88,6 +88,11 @@ class DDTreeEngine:
 
         return await self.loop.call(read)
 
+    async def ready(self) -> bool:
+        """True once this replica serves (its constructor has loaded the workers); raises if its loop stopped."""
+        self.check_health()
+        return True
+
     def check_health(self) -> None:
         if not self.loop.is_alive:
             raise RuntimeError(f"the engine loop stopped: {self.loop.error!r}")

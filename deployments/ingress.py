@@ -6,6 +6,7 @@ Python (`serve.get_app_handle(name)`): `generate(prompt | messages=..., params)`
 """
 
 # No `from __future__ import annotations` here: FastAPI reads the route signatures (Request) at runtime.
+import asyncio
 import hmac
 import json
 import logging
@@ -29,6 +30,7 @@ logger = logging.getLogger(__name__)
 # OpenAI's chat API has no default max_tokens (the rest of the context window); the engine caps it to the window.
 UNLIMITED_MAX_TOKENS = 2**31 - 1
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+HEALTH_TIMEOUT_S = 5.0
 
 api = FastAPI(title="DDTree Serve", description="OpenAI-compatible API with DDTree speculative decoding")
 
@@ -102,6 +104,13 @@ class OpenAIIngress:
 
     @api.get("/health")
     async def health(self) -> dict:
+        """200 once an engine replica answers (Serve routes to the ingress while the engines still load)."""
+        response = self.engine.ready.remote()
+        try:
+            await asyncio.wait_for(_engine_call(response), HEALTH_TIMEOUT_S)
+        except (asyncio.TimeoutError, APIError):
+            response.cancel()
+            raise APIError(503, "The engine is not ready.", "server_error", None, "engine_not_ready") from None
         return {"status": "ok"}
 
     @api.get("/v1/models")
