@@ -136,3 +136,31 @@ def test_api_error_survives_pickling():
     err = pickle.loads(pickle.dumps(APIError(429, "full", "rate_limit_error", None, "engine_queue_full")))
     assert err.status == 429 and err.body() == {
         "error": {"message": "full", "type": "rate_limit_error", "param": None, "code": "engine_queue_full"}}
+
+
+# ---- the built application (no Ray start needed to build) -------------------------------------------------------
+
+
+def _engine_deployment(app):
+    ingress = app._bound_deployment
+    return ingress, ingress.init_args[0]._bound_deployment
+
+
+def test_build_app_sets_placement_and_autoscaling_of_the_engine():
+    from deployments.app import build_app
+
+    ingress, engine = _engine_deployment(build_app({
+        "placement": "gpu-per-worker", "max_num_seqs": 32, "max_waiting": 64,
+        "autoscaling_config": {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 32}}))
+    assert (ingress.name, engine.name) == ("OpenAIIngress", "DDTreeEngine")
+    # Serve must pass every request to the engine, whose own queue answers 429.
+    assert engine.max_ongoing_requests >= 32 + 64
+    assert engine.ray_actor_options["num_cpus"] == 0.5
+    # Ray Serve keeps these in private fields; they are what the cluster will be asked for.
+    assert engine._replica_config.placement_group_bundles == [{"CPU": 0.5}, {"CPU": 0.5, "GPU": 1.0},
+                                                              {"CPU": 0.5, "GPU": 1.0}]
+    assert engine._replica_config.placement_group_strategy == "STRICT_PACK"
+    assert engine._deployment_config.autoscaling_config.max_replicas == 3
+
+    _, fixed = _engine_deployment(build_app({"num_replicas": 2, "speculation": "off"}))
+    assert fixed.num_replicas == 2 and len(fixed._replica_config.placement_group_bundles) == 2
