@@ -88,12 +88,19 @@ class _GenerationRequest(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
+        """The engine's SamplingParams; what they reject (e.g. negative stop_token_ids) is a 400."""
         max_tokens = self._max_tokens()
+        try:
+            return self._sampling_params(max_tokens if max_tokens is not None else default_max_tokens)
+        except ValueError as exc:
+            raise bad_request(str(exc), None, "invalid_value") from None
+
+    def _sampling_params(self, max_tokens: int) -> SamplingParams:
         return SamplingParams(
             temperature=float(self.temperature),
             top_p=float(self.top_p),
             top_k=self.top_k,
-            max_tokens=max_tokens if max_tokens is not None else default_max_tokens,
+            max_tokens=max_tokens,
             stop=list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []),
             seed=self.seed,

@@ -93,6 +93,9 @@ def test_completion_request_to_sampling_params():
         5, 0.0, 0.5, ["\n"], 3, 4)
     assert parse_request(CompletionRequest, {"model": "m", "prompt": [[1, 2]]}).prompt == [1, 2]
     assert parse_request(CompletionRequest, {"model": "m", "prompt": "x"}).sampling_params(16).temperature == 1.0
+    with pytest.raises(APIError) as info:  # what SamplingParams rejects is the client's error too
+        parse_request(CompletionRequest, {"model": "m", "prompt": "x", "stop_token_ids": [-1]}).sampling_params(16)
+    assert info.value.status == 400
 
 
 @pytest.mark.parametrize(
