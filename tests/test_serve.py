@@ -84,14 +84,17 @@ def served(app_args):
     module_name, attr = app_config["import_path"].split(":")
     build = getattr(importlib.import_module(module_name), attr)
     port = _free_port()
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build(app_args), name=APP_NAME, route_prefix=app_config["route_prefix"])
         yield {"base_url": f"http://127.0.0.1:{port}", "handle": serve.get_app_handle(APP_NAME)}
     finally:
         serve.shutdown()
-        ray.shutdown()
+        if started_ray:
+            ray.shutdown()
 
 
 @pytest.fixture(scope="session")
