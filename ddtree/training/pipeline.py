@@ -53,9 +53,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="time budget of the whole training (resumes included); the LR schedule anneals by then")
     parser.add_argument("--checkpoint-every", type=int, default=100)
     parser.add_argument("--full-softmax", action="store_true", help="train with the softmax over the whole vocab")
+    parser.add_argument("--num-negatives", type=int, default=8192,
+                        help="sampled-softmax negatives per step (tokens outside the training data)")
+    parser.add_argument("--init-from", type=Path, default=None, help="start from this DFlash drafter folder")
     # eval
     parser.add_argument("--drafter", type=Path, default=None, help="drafter folder to evaluate (default out/drafter)")
     parser.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 64, 128])
+    parser.add_argument("--max-eval-sequences", type=int, default=None, help="per category (a quick check)")
     # ship
     parser.add_argument("--ship-dir", type=Path, default=DEFAULT_SHIP_DIR)
 
@@ -145,7 +149,8 @@ def _train_config(args: argparse.Namespace):
         out_dir=str(args.out_dir), num_draft_layers=args.num_draft_layers, block_size=args.block_size,
         target_layer_ids=list(args.target_layer_ids), mask_token_id=args.mask_token_id,
         max_anchors=args.max_anchors, batch_size=args.train_batch_size, lr=args.lr, max_steps=args.max_steps,
-        max_hours=args.max_hours, checkpoint_every=args.checkpoint_every, seed=args.seed, is_softmax_restricted=not args.full_softmax)
+        max_hours=args.max_hours, checkpoint_every=args.checkpoint_every, seed=args.seed, is_softmax_restricted=not args.full_softmax,
+        num_negatives=args.num_negatives, init_from=None if args.init_from is None else str(args.init_from))
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -178,7 +183,7 @@ def _eval(args: argparse.Namespace) -> None:
     start = time.time()
     for category in CATEGORIES:
         data_dir = args.eval_dir / category
-        sequences = read_sequences(data_dir)
+        sequences = read_sequences(data_dir)[: args.max_eval_sequences]
         if not sequences:
             raise ValueError(f"no evaluation data in {data_dir}: run the eval-data step first")
         reader = FeatureReader(data_dir, stored_layer_ids(data_dir), drafter.config.target_layer_ids)

@@ -40,7 +40,9 @@ class TrainConfig:
     gamma: float | None = None  # None: default_gamma(block_size)
     validation_fraction: float = 0.0  # sequences held out of training (the tau evaluation uses its own prompts)
     checkpoint_every: int = 100
-    is_softmax_restricted: bool = True  # softmax over the tokens present in the data (see FrozenTargetHead)
+    is_softmax_restricted: bool = True  # sampled softmax: data tokens + random negatives (see FrozenTargetHead)
+    num_negatives: int = 8192
+    init_from: str | None = None  # a DFlash drafter folder to start from (same shape), instead of random weights
     seed: int = 0
 
 
@@ -76,26 +78,31 @@ def _rope_theta(target_config) -> float:
 class FrozenTargetHead:
     """The target's input embedding and LM head (frozen), the only target parts the drafter uses.
 
-    `restrict_softmax(token_ids)` makes the training softmax run over those tokens only (the tokens present in
-    the training data): the LM head is most of a step's cost on a CPU, and a token the target never produced in
-    the data is never a label. Evaluation and inference always use the full head.
+    Training softmax on a CPU: the LM head is most of a step's cost. With `restrict_softmax(token_ids,
+    num_negatives)` the softmax of each step runs over the tokens present in the training data (every label is
+    one) plus `num_negatives` other tokens drawn afresh every step (a sampled softmax). The negatives are needed: a
+    softmax over the data tokens alone never pushes the other ~45k logits down, and at inference (full head) those
+    untrained logits win the argmax (measured: 0% full-vocabulary accuracy). Evaluation and inference always use
+    the full head.
     """
 
     def __init__(self, target_model):
         self.embed_weight = target_model.get_input_embeddings().weight.detach()  # [V, H]
         self.lm_head_weight = target_model.get_output_embeddings().weight.detach()  # [V, H]
         self.vocab_size = self.lm_head_weight.shape[0]
-        self.softmax_weight = self.lm_head_weight  # [V', H]
-        self.label_to_row: torch.Tensor | None = None  # [V] row of each token in softmax_weight, -1 if absent
+        self.data_token_ids: torch.Tensor | None = None  # [V_data] sorted
+        self.other_token_ids: torch.Tensor | None = None  # [V - V_data]
+        self.num_negatives = 0
 
-    def restrict_softmax(self, token_ids: torch.Tensor | None) -> None:
+    def restrict_softmax(self, token_ids: torch.Tensor | None, num_negatives: int = 8192) -> None:
         if token_ids is None:
-            self.softmax_weight, self.label_to_row = self.lm_head_weight, None
+            self.data_token_ids = self.other_token_ids = None
             return
-        token_ids = torch.unique(token_ids)  # sorted
-        self.softmax_weight = self.lm_head_weight[token_ids].contiguous()
-        self.label_to_row = torch.full((self.vocab_size,), -1, dtype=torch.long)
-        self.label_to_row[token_ids] = torch.arange(token_ids.numel())
+        self.data_token_ids = torch.unique(token_ids)  # sorted
+        is_other = torch.ones(self.vocab_size, dtype=torch.bool)
+        is_other[self.data_token_ids] = False
+        self.other_token_ids = is_other.nonzero().squeeze(1)
+        self.num_negatives = min(num_negatives, self.other_token_ids.numel())
 
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(token_ids, self.embed_weight)
@@ -105,13 +112,16 @@ class FrozenTargetHead:
         return hidden @ self.lm_head_weight.T
 
     def training_logits(self, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits over the training softmax vocabulary [M, V'] and the labels as rows of it [M]."""
-        if self.label_to_row is None:
+        """Logits over this step's softmax vocabulary [M, V'] and the labels as columns of it [M]."""
+        if self.data_token_ids is None:
             return hidden @ self.lm_head_weight.T, labels
-        rows = self.label_to_row[labels]
-        if bool((rows < 0).any()):
-            raise ValueError("a label is outside the restricted softmax vocabulary")
-        return hidden @ self.softmax_weight.T, rows
+        pick = torch.randperm(self.other_token_ids.numel())[: self.num_negatives]
+        columns = torch.cat([self.data_token_ids, self.other_token_ids[pick]])  # [V']
+        label_columns = torch.searchsorted(self.data_token_ids, labels)
+        found = self.data_token_ids[label_columns.clamp(max=self.data_token_ids.numel() - 1)] == labels
+        if not bool(found.all()):
+            raise ValueError("a label is outside the training data's vocabulary")
+        return hidden @ self.lm_head_weight[columns].T, label_columns
 
 
 def block_loss(
@@ -188,10 +198,18 @@ def train(
 
     torch.manual_seed(train_config.seed)
     drafter = DFlashDraftModel(config)
-    with torch.no_grad():
-        # The drafter's output feeds the target's LM head: start it at the scale the head expects (the target's
-        # final norm) rather than unit scale, whose random logits start the loss near 40 instead of ~11.
-        drafter.norm.weight.copy_(target_final_norm)
+    if train_config.init_from is not None:
+        from ddtree.models.dflash import load_dflash
+
+        init_config, init_drafter = load_dflash(train_config.init_from)
+        if init_config.to_dict() | {"block_size": 0} != config.to_dict() | {"block_size": 0}:
+            raise ValueError(f"{train_config.init_from} has another shape than the drafter being trained")
+        drafter.load_state_dict(init_drafter.state_dict())
+    else:
+        with torch.no_grad():
+            # The drafter's output feeds the target's LM head: start at the scale the head expects (the target's
+            # final norm) rather than unit scale.
+            drafter.norm.weight.copy_(target_final_norm)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=train_config.lr, betas=(0.9, 0.95),
                                   weight_decay=train_config.weight_decay)
     step, seconds_trained, epoch = 0, 0.0, 0
@@ -229,7 +247,8 @@ def train(
         if not sequences:
             raise ValueError(f"no training sequences in {data_dir}")
         if train_config.is_softmax_restricted:
-            head.restrict_softmax(torch.tensor(sorted({t for s in sequences for t in s.token_ids})))
+            head.restrict_softmax(torch.tensor(sorted({t for s in sequences for t in s.token_ids})),
+                                  train_config.num_negatives)
         rng = random.Random(train_config.seed * 1_000_003 + epoch)
         rng.shuffle(sequences)
         for first in range(0, len(sequences) - train_config.batch_size + 1, train_config.batch_size):
