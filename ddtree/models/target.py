@@ -317,9 +317,12 @@ class TargetModel:
         ids = torch.tensor(token_ids, dtype=torch.int64, device=self.device)
         try:
             out = self._forward(ids, positions, batch, logits_rows)
-        finally:
+        except BaseException:
             for s in seq_ids:
-                self.kv.commit_all(s)
+                self.kv.commit(s, [])  # half-written entries never count as context
+            raise
+        for s in seq_ids:
+            self.kv.commit_all(s)
         return out
 
     def _forward(
