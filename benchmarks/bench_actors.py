@@ -10,8 +10,10 @@ work per round, and T=0, so that the outputs must be identical) by:
                (features passed target -> drafter by object reference)
 After a warm-up pass of each, the modes alternate for `--passes` measured passes (so that load from other jobs on
 the machine hits both alike); the table reports every measured round. The table shows the mean round time, the actor call
-overhead per round (wall time of the proxy calls minus the time the actors spent working), and tokens/s; below it,
-the bare cost of one actor round trip and of a features hand-off between two actors.
+overhead per round (wall time of the proxy calls minus the time the actors spent working), tokens/s, and the round
+split into the engine's stages (draft is timed around the drafter call, hops included; verify and accept inside the
+target; "other" is the rest: admission, the verify call's hop); last, the bare cost of one actor round trip and of a
+features hand-off between two actors.
 """
 
 from __future__ import annotations
@@ -32,6 +34,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
+# Engine stages (RoundTimings): draft is timed around the drafter call (hops included), verify and accept inside the
+# target worker (hops excluded).
+STAGES = ("prefill", "draft", "tree", "verify", "accept", "emit")
+
+
 @dataclass
 class Result:
     name: str
@@ -42,12 +49,14 @@ class Result:
     hop_calls: int = 0
     outputs: list[list[int]] = field(default_factory=list)
     tau: float | None = None
+    stage_seconds: dict[str, float] = field(default_factory=dict)  # engine.timings over the run
 
 
 def run_engine(engine, prompts, params, concurrency: int, name: str, hops=None) -> Result:
     from ddtree.scheduler import EngineFullError
 
     result = Result(name)
+    timings0 = engine.timings.as_dict()
     hop_s0, hop_c0 = (hops.seconds, hops.num_calls) if hops is not None else (0.0, 0)
     finals = {}
     order = []
@@ -68,6 +77,8 @@ def run_engine(engine, prompts, params, concurrency: int, name: str, hops=None) 
             if out.finished:
                 finals[out.request_id] = out
     result.seconds = time.perf_counter() - t0
+    timings1 = engine.timings.as_dict()
+    result.stage_seconds = {k: timings1[k] - timings0[k] for k in STAGES}
     for rid in order:
         result.outputs.append(finals[rid].token_ids)
         result.num_tokens += len(finals[rid].token_ids)
@@ -206,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
             total.hop_seconds += run.hop_seconds
             total.hop_calls += run.hop_calls
             total.outputs = run.outputs
+            for k, v in run.stage_seconds.items():
+                total.stage_seconds[k] = total.stage_seconds.get(k, 0.0) + v
             total.tau = run.tau
     noop, handoff = bare_hops(200, (8, 3 * 576))
     actors.kill()
@@ -222,6 +235,12 @@ def main(argv: list[str] | None = None) -> int:
               f"{1000 * statistics.median(r.round_seconds):>9.2f}{1000 * r.hop_seconds / n:>14.2f}"
               f"{r.hop_calls / n:>13.2f}{r.num_tokens / r.seconds:>10.1f}"
               f"{r.tau if r.tau is not None else float('nan'):>7.2f}")
+    print("per round, ms: " + "  ".join(f"{k:>8}" for k in STAGES) + "     other")
+    for r in (local, remote):
+        n = len(r.round_seconds)
+        staged = sum(r.stage_seconds.values())
+        print(f"{r.name:<12}  " + "  ".join(f"{1000 * r.stage_seconds[k] / n:>8.2f}" for k in STAGES)
+              + f"  {1000 * (sum(r.round_seconds) - staged) / n:>8.2f}")
     extra = statistics.fmean(remote.round_seconds) - statistics.fmean(local.round_seconds)
     print(f"actors - in-process: {1000 * extra:+.2f} ms per round "
           f"({100 * extra / statistics.fmean(local.round_seconds):+.1f}%)")
