@@ -9,6 +9,11 @@ Sample-and-match is lossless: the target's sample at the root is the first emitt
 if it matches a child, the walk continues at that child, whose own independent sample is drawn from the target's
 distribution given the path, and so on. Every emitted token is therefore a fresh sample from the target given
 everything emitted before it, exactly as autoregressive sampling; the draft's probabilities are never used.
+
+The noise of a sample is keyed by (request seed, position of the packed token): every node at the same position
+shares it, and only one of them (the one on the accepted path) ever decides an emitted token, so each position's
+token is still an independent sample. The emitted text is then a function of the seed alone: the same with any tree,
+any budget, or no speculation at all.
 """
 
 from __future__ import annotations
@@ -50,25 +55,29 @@ def target_tokens_greedy(logits: torch.Tensor) -> torch.Tensor:
 def target_tokens_sampled(
     logits: torch.Tensor,
     seq_index: torch.Tensor,
+    positions: torch.Tensor,
     temperature: torch.Tensor | Sequence[float],
     top_p: torch.Tensor | Sequence[float],
     top_k: torch.Tensor | Sequence[int],
-    generators: Sequence[torch.Generator | None],
+    seeds: Sequence[int],
 ) -> torch.Tensor:
     """[N, V] -> [N] int64: one independent sample per packed token from its request's filtered distribution.
 
-    seq_index [N] gives each token's request; temperature, top_p, top_k and generators have one entry per request.
+    seq_index [N] gives each token's request, positions [N] its position in the sequence; temperature, top_p, top_k
+    and seeds have one entry per request.
     Temperature 0 means greedy (argmax); top_k 0 and top_p 1.0 disable those filters (applied in that order, after
     the temperature; top-k keeps ties at the k-th logit, top-p keeps the most probable tokens until their mass
-    reaches top_p). A request's noise comes from its own generator (the default one for None), in packed order, so
-    a seeded request draws the same tokens whatever else is in the batch.
+    reaches top_p). The noise of a token is keyed by (its request's seed, its position): a seeded request draws the
+    same tokens whatever else is in the batch and whatever its tree looks like.
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
     num_tokens, vocab = logits.shape
-    num_requests = len(generators)
+    num_requests = len(seeds)
     if seq_index.shape != (num_tokens,):
         raise ValueError(f"seq_index must be [{num_tokens}], got shape {tuple(seq_index.shape)}")
+    if positions.shape != (num_tokens,):
+        raise ValueError(f"positions must be [{num_tokens}], got shape {tuple(positions.shape)}")
     temps = _per_request("temperature", temperature, num_requests, float)
     top_ps = _per_request("top_p", top_p, num_requests, float)
     top_ks = _per_request("top_k", top_k, num_requests, int)
@@ -86,21 +95,22 @@ def target_tokens_sampled(
     if not any(is_sampled_request):
         return logits.argmax(dim=-1)
     if all(is_sampled_request):
-        return _sample(logits, seq_index, temps, top_ps, top_ks, generators)
+        return _sample(logits, seq_index, positions, temps, top_ps, top_ks, seeds)
     # Mixed batch: sample only the rows of sampling requests, argmax elsewhere.
     tokens = logits.argmax(dim=-1)  # [N]
     rows = torch.tensor(is_sampled_request, device=device)[seq_index].nonzero().squeeze(1)
-    tokens[rows] = _sample(logits[rows], seq_index[rows], temps, top_ps, top_ks, generators)
+    tokens[rows] = _sample(logits[rows], seq_index[rows], positions[rows], temps, top_ps, top_ks, seeds)
     return tokens
 
 
 def _sample(
     logits: torch.Tensor,  # [n, V]
     seq_index: torch.Tensor,  # [n]
+    positions: torch.Tensor,  # [n]
     temps: list[float],
     top_ps: list[float],
     top_ks: list[int],
-    generators: Sequence[torch.Generator | None],
+    seeds: Sequence[int],
 ) -> torch.Tensor:
     device, vocab = logits.device, logits.shape[1]
     temp_t = torch.tensor([t if t > 0 else 1.0 for t in temps], dtype=torch.float32, device=device)  # [R]
@@ -120,32 +130,32 @@ def _sample(
         is_dropped = torch.zeros_like(is_dropped_sorted).scatter_(1, order, is_dropped_sorted)
         scores = scores.masked_fill(is_dropped, float("-inf"))
     # Exponential race (Gumbel-max): argmax_v p_v / E_v with E_v ~ Exp(1) i.i.d. is a sample from p.
-    noise = _exponential_noise(seq_index, vocab, generators)  # [n, V]
+    noise = _exponential_noise(seq_index, positions, vocab, seeds)  # [n, V]
     return (scores - noise.clamp_(min=torch.finfo(noise.dtype).tiny).log_()).argmax(dim=-1)
 
 
 def _exponential_noise(
-    seq_index: torch.Tensor, vocab: int, generators: Sequence[torch.Generator | None]
+    seq_index: torch.Tensor, positions: torch.Tensor, vocab: int, seeds: Sequence[int]
 ) -> torch.Tensor:
-    """[n, V] Exp(1) noise; request r's rows drawn from generators[r] in packed order (the default one for None)."""
+    """[n, V] Exp(1) noise; the row of a token is drawn from a generator seeded by (its request's seed, its position),
+    once per distinct (request, position) pair: a tree has at most L + 1 positions per request."""
     device = seq_index.device
-    counts = torch.bincount(seq_index, minlength=len(generators)).tolist()
-    # Requests without a generator share one draw from the default generator.
-    shared = torch.empty(sum(c for c, g in zip(counts, generators) if g is None), vocab, device=device).exponential_()
-    blocks: list[torch.Tensor] = []
-    offset = 0
-    for count, generator in zip(counts, generators):
-        if generator is None:
-            blocks.append(shared[offset : offset + count])
-            offset += count
-        elif count:
-            blocks.append(torch.empty(count, vocab, device=device).exponential_(generator=generator))
-    by_request = torch.cat(blocks)  # [n, V] rows grouped by request, each group in packed order
-    if bool((seq_index[1:] >= seq_index[:-1]).all()):  # already grouped, as in a PackedBatch
-        return by_request
-    noise = torch.empty_like(by_request)
-    noise[torch.argsort(seq_index, stable=True)] = by_request
-    return noise
+    keys = torch.stack([seq_index, positions], dim=1)  # [n, 2]
+    unique_keys, row_of_key = torch.unique(keys, dim=0, return_inverse=True)
+    rows = []
+    for r, position in unique_keys.tolist():
+        generator = torch.Generator(device=device).manual_seed(_mix_seed(seeds[r], position))
+        rows.append(torch.empty(vocab, device=device).exponential_(generator=generator))
+    return torch.stack(rows)[row_of_key]
+
+
+def _mix_seed(seed: int, position: int) -> int:
+    """A 64-bit generator seed from (request seed, position), SplitMix64 style: nearby inputs give unrelated seeds."""
+    mask = (1 << 64) - 1
+    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return z ^ (z >> 31)
 
 
 def accept(packed: PackedBatch, target_tokens: torch.Tensor) -> AcceptResult:

@@ -49,7 +49,7 @@ class TargetWorker:
         self._seq_ids: dict[str, int] = {}
         self._next_seq_id = 0
         self._params: dict[str, SamplingParams] = {}
-        self._generators: dict[str, torch.Generator | None] = {}
+        self._seeds: dict[str, int] = {}
         self._pending_features: dict[str, list[torch.Tensor]] = {}
 
     @property
@@ -64,10 +64,10 @@ class TargetWorker:
         self._next_seq_id += 1
         self._seq_ids[request_id] = seq_id
         self._params[request_id] = params
-        gen = None
-        if params.seed is not None and not params.is_greedy:
-            gen = torch.Generator(device=self.model.device).manual_seed(params.seed)
-        self._generators[request_id] = gen
+        # Sampling noise is keyed by (seed, position) (ddtree.accept): a seeded request's text depends on its seed
+        # only, never on the trees or the batch. Unseeded requests draw their seed from torch's global generator.
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        self._seeds[request_id] = seed
         self._pending_features[request_id] = []
         return True
 
@@ -79,7 +79,8 @@ class TargetWorker:
             for rid, f in zip(request_ids, features):
                 self._pending_features[rid].append(f)
         seq_index = torch.arange(len(request_ids), device=last_logits.device)
-        return self._target_tokens(request_ids, last_logits, seq_index).tolist()
+        last_positions = torch.tensor([len(p) - 1 for p in prompts], device=last_logits.device)
+        return self._target_tokens(request_ids, last_logits, seq_index, last_positions).tolist()
 
     def verify(self, request_ids: list[str], trees: list[DraftTree | None], root_token_ids: list[int]) -> VerifyResult:
         """One forward over every request's packed tree (None: root only, an autoregressive step), then the
@@ -92,7 +93,7 @@ class TargetWorker:
         packed = pack(trees, root_token_ids, num_cached, device=device)
         logits, features = self.model.verify(seq_ids, packed)  # [N, V], [N, F]
         t1 = time.perf_counter()
-        tokens = self._target_tokens(request_ids, logits, packed.seq_index)
+        tokens = self._target_tokens(request_ids, logits, packed.seq_index, packed.position_ids)
         result = accept(packed, tokens)  # the round's one host sync
         for r, (rid, seq_id) in enumerate(zip(request_ids, seq_ids)):
             start = packed.query_starts[r]
@@ -118,7 +119,7 @@ class TargetWorker:
         seq_id = self._seq_ids.pop(request_id, None)
         if seq_id is not None:
             self.model.free(seq_id)
-        for d in (self._params, self._generators, self._pending_features):
+        for d in (self._params, self._seeds, self._pending_features):
             d.pop(request_id, None)
 
     def measure_verify_cost(self, token_counts: list[int]) -> list[tuple[int, float]]:
@@ -126,17 +127,20 @@ class TargetWorker:
 
         return measure_verify_cost_curve(self.model, token_counts)
 
-    def _target_tokens(self, request_ids: list[str], logits: torch.Tensor, seq_index: torch.Tensor) -> torch.Tensor:
+    def _target_tokens(
+        self, request_ids: list[str], logits: torch.Tensor, seq_index: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
         params = [self._params[r] for r in request_ids]
         if all(p.is_greedy for p in params):
             return target_tokens_greedy(logits)
         return target_tokens_sampled(
             logits,
             seq_index,
+            positions,
             [p.temperature for p in params],
             [p.top_p for p in params],
             [p.top_k for p in params],
-            [self._generators[r] for r in request_ids],
+            [self._seeds[r] for r in request_ids],
         )
 
 

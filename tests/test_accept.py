@@ -209,10 +209,11 @@ def test_sampled_tokens_follow_the_filtered_distribution() -> None:
     tokens = target_tokens_sampled(
         logits,
         seq_index,
+        torch.arange(seq_index.numel()),  # a distinct position per row: independent samples
         temperature=[t for t, _, _ in params],
         top_k=[k for _, k, _ in params],
         top_p=[p for _, _, p in params],
-        generators=[torch.Generator().manual_seed(100 + r) for r in range(num_requests)],
+        seeds=[100 + r for r in range(num_requests)],
     )
     for r, (temperature, top_k, top_p) in enumerate(params):
         counts = torch.bincount(tokens[seq_index == r], minlength=vocab).tolist()
@@ -228,18 +229,21 @@ def test_seeded_requests_do_not_depend_on_the_rest_of_the_batch() -> None:
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(12, vocab, generator=g)
     alone = target_tokens_sampled(
-        logits[:5], torch.zeros(5, dtype=torch.long), [0.9], [1.0], [0], [torch.Generator().manual_seed(7)]
+        logits[:5], torch.zeros(5, dtype=torch.long), torch.arange(10, 15), [0.9], [1.0], [0], [7]
     )
     seq_index = torch.tensor([1, 0, 1, 0, 0, 2, 0, 3, 1, 2, 3, 0])  # request 0 at rows 1, 3, 4, 6, 11
+    positions = torch.arange(12)
+    positions[seq_index == 0] = torch.arange(10, 15)
     mixed_logits = torch.randn(12, vocab, generator=g)
     mixed_logits[seq_index == 0] = logits[:5]
     mixed = target_tokens_sampled(
         mixed_logits,
         seq_index,
+        positions,
         [0.9, 1.0, 0.7, 0.0],  # request 3 is greedy
         [1.0, 0.9, 1.0, 1.0],
         [0, 0, 5, 0],
-        [torch.Generator().manual_seed(7), None, torch.Generator().manual_seed(3), None],
+        [7, 11, 3, 5],
     )
     assert torch.equal(mixed[seq_index == 0], alone)
     assert torch.equal(mixed[seq_index == 3], mixed_logits[seq_index == 3].argmax(-1))
@@ -249,11 +253,13 @@ def test_sampling_input_validation() -> None:
     logits, seq = torch.zeros(3, 4), torch.zeros(3, dtype=torch.long)
     for temperature, top_p, top_k in ((-1.0, 1.0, 0), (1.0, 0.0, 0), (1.0, 1.5, 0), (1.0, 1.0, -2), (1.0, 1.0, 1.5)):
         with pytest.raises(ValueError):
-            target_tokens_sampled(logits, seq, [temperature], [top_p], [top_k], [None])
+            target_tokens_sampled(logits, seq, seq, [temperature], [top_p], [top_k], [0])
     with pytest.raises(ValueError):
-        target_tokens_sampled(logits, seq, [1.0, 1.0], [1.0], [0], [None])
+        target_tokens_sampled(logits, seq, seq, [1.0, 1.0], [1.0], [0], [0])
     with pytest.raises(ValueError):
-        target_tokens_sampled(logits, seq[:2], [1.0], [1.0], [0], [None])
+        target_tokens_sampled(logits, seq[:2], seq[:2], [1.0], [1.0], [0], [0])
+    with pytest.raises(ValueError):
+        target_tokens_sampled(logits, seq, seq[:2], [1.0], [1.0], [0], [0])
 
 
 # --- sample-and-match is lossless ---
@@ -310,13 +316,15 @@ def test_tree_covers_branches_and_depth_two() -> None:
 
 def test_sample_and_match_is_lossless() -> None:
     def sample(packed, logits):
+        # Nodes at the same depth share their noise (keyed by position): the test covers that design.
         return target_tokens_sampled(
             logits,
             packed.seq_index,
+            packed.position_ids,
             [1.0] * packed.num_requests,
             [1.0] * packed.num_requests,
             [0] * packed.num_requests,
-            [torch.Generator().manual_seed(2024)] + [None] * (packed.num_requests - 1),
+            [2024 + r for r in range(packed.num_requests)],
         )
 
     with torch.random.fork_rng():

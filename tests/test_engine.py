@@ -259,9 +259,13 @@ def test_sampling_matches_the_target_distribution(checkpoints, workers):
     assert _chi_square_p_value(wrong, expected, n) < 1e-6
 
 
-def test_seeded_sampling_is_reproducible(workers):
-    llm = make_llm(workers, speculation="ddtree", budget=8)
+def test_seeded_sampling_depends_on_the_seed_only(workers):
+    """Noise keyed by (seed, position): the same text with any tree, budget, batch, or no speculation at all."""
     p = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, seed=7, ignore_eos=True)
-    a = llm.generate(PROMPTS[:2], p)
-    b = llm.generate(PROMPTS[:2], p)
-    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    reference = make_llm(workers, speculation="off").generate(PROMPTS[:3], p)
+    for config in (dict(budget=8), dict(budget=64, max_num_seqs=1), dict(budget="auto"), dict(speculation="dflash")):
+        outputs = make_llm(workers, **{"speculation": "ddtree", **config}).generate(PROMPTS[:3], p)
+        assert [o.token_ids for o in outputs] == [r.token_ids for r in reference], config
+    other_seed = make_llm(workers, speculation="off").generate(PROMPTS[:3], SamplingParams(
+        temperature=0.8, top_p=0.9, max_tokens=20, seed=8, ignore_eos=True))
+    assert [o.token_ids for o in other_seed] != [r.token_ids for r in reference]
