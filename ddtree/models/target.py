@@ -20,6 +20,7 @@ Public API (engine side):
     runner.commit(seq_id, keep_local_indices)        keep root + accepted path (local indices in the segment)
     runner.free(seq_id) -> bool
     runner.embed(token_ids [n]) -> [n, H];  runner.project_logits(hidden [n, H]) -> [n, V]  (for the drafter)
+    runner.head() -> TargetHead      only the embedding and LM head, for a drafter living elsewhere
     runner.tokenizer                                 from the same source (loaded on first use)
     measure_verify_cost_curve(runner, token_counts) -> list[(num_tokens, seconds)]
 """
@@ -65,6 +66,37 @@ class _Batch:
     masks: list[torch.Tensor | None]  # per request [n_r, num_cached + n_r] bool; None = causal
     slots: torch.Tensor  # [N] pool slot of every packed token's new KV entry
     packed: PackedBatch | None = None  # for the flex backend
+
+
+@dataclass
+class TargetHead:
+    """What the DFlash drafter uses of the target: its config, the feature layers it is fed, the token embedding
+    and the LM head (no layers, no KV cache). A drafter on its own actor or GPU holds only these two matrices."""
+
+    config: TargetConfig
+    feature_layer_ids: list[int]
+    embed_tokens: torch.Tensor  # [V, H]
+    lm_head: torch.Tensor  # [H, V]
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.dtype
+
+    def to(self, device: torch.device | str) -> "TargetHead":
+        lm_head = self.lm_head.to(device)
+        is_tied = self.embed_tokens.data_ptr() == self.lm_head.data_ptr()
+        embed = lm_head.t() if is_tied else self.embed_tokens.to(device)  # tied: keep one copy
+        return TargetHead(self.config, list(self.feature_layer_ids), embed, lm_head)
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(token_ids, self.embed_tokens)  # [..., H]
+
+    def project_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden @ self.lm_head  # [..., V]
 
 
 class TargetModel:
@@ -136,15 +168,13 @@ class TargetModel:
         def opt(name: str) -> torch.Tensor | None:
             return get(name) if name in t else None
 
-        # Weights are [in, out] for `x @ W`. In float32/float64 they are stored row-major ([in, out] contiguous),
-        # which MKL ran 1.4x faster than F.linear's [out, in] at one row on this CPU (on par at 4-64); in bfloat16 the
-        # [out, in] storage is faster, so there W is the transposed view of a contiguous [out, in] matrix.
-        is_half = self.dtype in (torch.float16, torch.bfloat16)
-
         def in_out(*out_in: torch.Tensor) -> torch.Tensor:
-            """[in, sum(out)] from [out_i, in] matrices fused along out."""
+            """[in, sum(out)] for `x @ W`, from [out_i, in] matrices fused along out, stored as `_is_stored_out_in`
+            says (as the transposed view of a contiguous [out, in] matrix, or contiguous itself)."""
             fused = torch.cat(out_in, dim=0) if len(out_in) > 1 else out_in[0]
-            return fused.contiguous().t() if is_half else fused.t().contiguous()
+            if _is_stored_out_in(fused.shape[0], fused.shape[1], self.dtype):
+                return fused.contiguous().t()
+            return fused.t().contiguous()
 
         self.layers: list[LayerWeights] = []
         for i in range(cfg.num_hidden_layers):
@@ -210,6 +240,10 @@ class TargetModel:
     def project_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., H] already-normed hidden states -> [..., V] logits (the LM head only)."""
         return hidden @ self.lm_head
+
+    def head(self) -> TargetHead:
+        """The embedding and LM head (shared tensors, no copy) for a drafter."""
+        return TargetHead(self.config, list(self.feature_layer_ids), self.embed_tokens, self.lm_head)
 
     # ---- public operations ------------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -434,6 +468,16 @@ class TargetModel:
             return o[0].transpose(0, 1).reshape(num_tokens, nh * hd)
 
         return attend
+
+
+def _is_stored_out_in(out_features: int, in_features: int, dtype: torch.dtype) -> bool:
+    """Weight storage, measured with MKL/oneDNN on this CPU at one row (a decode step streams every weight once):
+    float32 `x @ W` ran at 14-22 GB/s with W stored [in, out] when out > in (q/k/v, gate/up, the LM head), but
+    only 8-12 GB/s for out <= in (o_proj, down_proj), where the [out, in] storage ran 20-40% faster; at 16-32
+    rows the two are on par. In bfloat16 the [out, in] storage is the faster one for every shape."""
+    if dtype in (torch.float16, torch.bfloat16):
+        return True
+    return out_features <= in_features
 
 
 def _causal_mask(n: int, num_cached: int, device) -> torch.Tensor:
