@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     need_drafter = args.speculation != "off"
     target, drafter, tokenizer = build_workers(
         args.model, args.drafter, device="cpu", dtype=None, need_drafter=need_drafter,
-        max_num_seqs=args.concurrency, kv_cache_bytes=None, attention="auto")
+        kv_cache_bytes=None, attention="auto")
     texts = [p for c in ("chat", "code", "math") for p in load_eval_prompts(c)][: args.num_prompts]
     prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
                                                   tokenize=True, return_dict=False)) for t in texts]

@@ -33,7 +33,7 @@ def main() -> None:
         from benchmarks.bench_actors import make_random_drafter
 
         args.drafter = str(make_random_drafter(args.model, Path("work/bench_fallback/random-drafter")))
-    target, drafter, tokenizer = build_workers(args.model, args.drafter, max_num_seqs=args.requests)
+    target, drafter, tokenizer = build_workers(args.model, args.drafter)
     # Drafting looks ruinous: the planner sends every request to fallback after its first probe.
     never_pays = CostModel([(1, 0.03), (2, 1.0), (4096, 100.0)], [(1, 10.0), (64, 10.0)])
     off = Engine(EngineConfig(speculation="off", max_num_seqs=args.requests), target, None, tokenizer,

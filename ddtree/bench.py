@@ -111,7 +111,6 @@ def run(args) -> int:
     budgets = [int(b) for b in args.budgets.split(",") if b]
     target, drafter, tokenizer = build_workers(
         args.model, args.drafter, device=args.device, dtype=args.dtype, need_drafter=True,
-        max_num_seqs=max(args.concurrency, 1),
     )
     messages = load_prompts(args)
     prompts = [

@@ -52,7 +52,6 @@ class LLM:
             device=device,
             dtype=dtype,
             need_drafter=speculation != "off",
-            max_num_seqs=max_num_seqs,
             kv_cache_bytes=kv_cache_bytes,
             attention=attention,
         )

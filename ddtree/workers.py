@@ -188,6 +188,58 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def resolve_drafter_path(model: str | None, drafter: str | None) -> Path:
+    """The drafter folder: the shipped one for the embedded default target, else the one given."""
+    if drafter is None:
+        if model is not None:
+            raise ValueError("a custom target model needs its own drafter (drafter=...), or speculation='off'")
+        path = DEFAULT_DRAFTER_DIR
+    else:
+        path = Path(drafter)
+    if not (path / "config.json").is_file():
+        raise ValueError(f"drafter {str(path)!r} is not a DFlash checkpoint folder (no config.json)")
+    return path
+
+
+def load_target_worker(
+    model: str | None,
+    drafter_path: Path | None,
+    *,
+    device: str = "cpu",
+    dtype: str | torch.dtype | None = None,
+    kv_cache_bytes: int | None = None,
+    attention: str = "auto",
+) -> TargetWorker:
+    """The target (model None: the embedded default), producing the features `drafter_path`'s drafter reads."""
+    from ddtree.models.target import TargetModel
+
+    feature_layer_ids: list[int] = []
+    if drafter_path is not None:
+        config = DFlashConfig.from_dict(json.loads((Path(drafter_path) / "config.json").read_text()))
+        feature_layer_ids = config.target_layer_ids
+    if attention == "auto":
+        attention = "flex" if str(device).startswith("cuda") else "sdpa"
+    target_model = TargetModel.load(
+        model if model is not None else "default",
+        device=device,
+        dtype=resolve_dtype(dtype, device),
+        feature_layer_ids=feature_layer_ids,
+        max_kv_bytes=kv_cache_bytes or DEFAULT_KV_CACHE_BYTES,
+        attention=attention,
+    )
+    return TargetWorker(target_model, keep_features=drafter_path is not None)
+
+
+def load_drafter_worker(
+    drafter_path: Path, head, *, device: str = "cpu", dtype: str | torch.dtype | None = None
+) -> DrafterWorker:
+    """The drafter, with the target's `TargetHead` (embedding + LM head; `TargetModel.head()`)."""
+    from ddtree.drafter import DFlashDrafter
+
+    head = head.to(device)
+    return DrafterWorker(DFlashDrafter.load(drafter_path, head, device=device, dtype=resolve_dtype(dtype, device)))
+
+
 def build_workers(
     model: str | None = None,
     drafter: str | None = None,
@@ -195,42 +247,17 @@ def build_workers(
     device: str = "cpu",
     dtype: str | torch.dtype | None = None,
     need_drafter: bool = True,
-    max_num_seqs: int = 16,
     kv_cache_bytes: int | None = None,
     attention: str = "auto",
 ) -> tuple[TargetWorker, DrafterWorker | None, object]:
-    """Load the target (and the drafter unless speculation is off) and wrap them in workers.
+    """Both workers in this process (sharing the target's embedding and LM head), and the tokenizer.
 
     model None: the embedded default SmolLM2-135M-Instruct; drafter None: the drafter shipped for it."""
-    from ddtree.models.target import TargetModel
-
-    torch_dtype = resolve_dtype(dtype, device)
-    if attention == "auto":
-        attention = "flex" if str(device).startswith("cuda") else "sdpa"
-    drafter_path = None
-    feature_layer_ids: list[int] = []
-    if need_drafter:
-        if drafter is None:
-            if model is not None:
-                raise ValueError("a custom target model needs its own drafter (drafter=...), or speculation='off'")
-            drafter_path = DEFAULT_DRAFTER_DIR
-        else:
-            drafter_path = Path(drafter)
-        if not (drafter_path / "config.json").is_file():
-            raise ValueError(f"drafter {str(drafter_path)!r} is not a DFlash checkpoint folder (no config.json)")
-        feature_layer_ids = DFlashConfig.from_dict(json.loads((drafter_path / "config.json").read_text())).target_layer_ids
-    target_model = TargetModel.load(
-        model if model is not None else "default",
-        device=device,
-        dtype=torch_dtype,
-        feature_layer_ids=feature_layer_ids,
-        max_kv_bytes=kv_cache_bytes or DEFAULT_KV_CACHE_BYTES,
-        attention=attention,
+    drafter_path = resolve_drafter_path(model, drafter) if need_drafter else None
+    target = load_target_worker(
+        model, drafter_path, device=device, dtype=dtype, kv_cache_bytes=kv_cache_bytes, attention=attention
     )
-    target = TargetWorker(target_model, keep_features=need_drafter)
     drafter_worker = None
-    if need_drafter:
-        from ddtree.drafter import DFlashDrafter
-
-        drafter_worker = DrafterWorker(DFlashDrafter.load(drafter_path, target_model, device=device, dtype=torch_dtype))
-    return target, drafter_worker, target_model.tokenizer
+    if drafter_path is not None:
+        drafter_worker = load_drafter_worker(drafter_path, target.model.head(), device=device, dtype=dtype)
+    return target, drafter_worker, target.model.tokenizer

@@ -40,53 +40,18 @@ def _set_torch_threads(spec: WorkerSpec) -> None:
         torch.set_num_threads(spec.torch_threads or len(os.sched_getaffinity(0)))
 
 
-@dataclass
-class TargetHead:
-    """What the DFlash drafter uses of the target (ddtree.drafter.DFlashDrafter reads `config`, `feature_layer_ids`,
-    `device`, `dtype`, `embed()` and `project_logits()`): the token embedding and the LM head, without the layers or
-    the KV cache, so that a drafter actor holds only these two matrices of the target."""
-
-    config: object  # ddtree.models.config.TargetConfig
-    feature_layer_ids: list[int]
-    embed_tokens: object  # [V, H]
-    lm_head: object  # [H, V]
-
-    @property
-    def device(self):
-        return self.lm_head.device
-
-    @property
-    def dtype(self):
-        return self.lm_head.dtype
-
-    def to(self, device) -> "TargetHead":
-        lm_head = self.lm_head.to(device)
-        # Tied embeddings: embed_tokens is a view of the LM head; keep one copy.
-        shared = self.embed_tokens.data_ptr() == self.lm_head.data_ptr()
-        embed = lm_head.t() if shared else self.embed_tokens.to(device)
-        return TargetHead(self.config, self.feature_layer_ids, embed, lm_head)
-
-    def embed(self, token_ids):
-        import torch.nn.functional as F
-
-        return F.embedding(token_ids, self.embed_tokens)  # [..., H]
-
-    def project_logits(self, hidden):
-        return hidden @ self.lm_head  # [..., V]
-
-
 class TargetActor:
     """Owns the target model and its KV cache."""
 
     def __init__(self, spec: WorkerSpec, need_drafter: bool) -> None:
-        from ddtree.workers import build_workers
+        from ddtree.workers import load_target_worker, resolve_drafter_path
 
         _set_torch_threads(spec)
-        # build_workers validates the pair and loads the target with the feature layers the drafter needs; the
-        # drafter it also builds here is dropped (the drafter actor builds its own).
-        self.worker, _, self.tokenizer = build_workers(
-            spec.model, spec.drafter, device=spec.device, dtype=spec.dtype, need_drafter=need_drafter,
-            max_num_seqs=spec.max_num_seqs, kv_cache_bytes=spec.kv_cache_bytes, attention=spec.attention)
+        drafter_path = resolve_drafter_path(spec.model, spec.drafter) if need_drafter else None
+        self.worker = load_target_worker(
+            spec.model, drafter_path, device=spec.device, dtype=spec.dtype, kv_cache_bytes=spec.kv_cache_bytes,
+            attention=spec.attention)
+        self.tokenizer = self.worker.model.tokenizer
 
     def describe(self) -> dict:
         """What the engine reads from the worker once, and the tokenizer it detokenizes with."""
@@ -94,9 +59,9 @@ class TargetActor:
         return {"max_model_len": w.max_model_len, "eos_token_ids": list(w.eos_token_ids),
                 "vocab_size": w.vocab_size, "tokenizer": self.tokenizer}
 
-    def head(self) -> TargetHead:
-        model = self.worker.model
-        return TargetHead(model.config, list(model.feature_layer_ids), model.embed_tokens, model.lm_head)
+    def head(self):
+        """The target's embedding and LM head (ddtree.models.target.TargetHead) for the drafter actor."""
+        return self.worker.model.head()
 
     def allocate(self, request_id, capacity, params):
         return _timed(self.worker.allocate, request_id, capacity, params)
@@ -123,15 +88,12 @@ class TargetActor:
 class DrafterActor:
     """Owns the DFlash drafter and its per-request context caches."""
 
-    def __init__(self, spec: WorkerSpec, head: TargetHead) -> None:
-        from ddtree.drafter import DFlashDrafter
-        from ddtree.workers import DEFAULT_DRAFTER_DIR, DrafterWorker, resolve_dtype
+    def __init__(self, spec: WorkerSpec, head) -> None:
+        from ddtree.workers import load_drafter_worker, resolve_drafter_path
 
         _set_torch_threads(spec)
-        path = spec.drafter if spec.drafter is not None else DEFAULT_DRAFTER_DIR
-        head = head.to(spec.device)
-        self.worker = DrafterWorker(DFlashDrafter.load(path, head, device=spec.device,
-                                                       dtype=resolve_dtype(spec.dtype, spec.device)))
+        path = resolve_drafter_path(spec.model, spec.drafter)
+        self.worker = load_drafter_worker(path, head, device=spec.device, dtype=spec.dtype)
 
     def block_len(self) -> int:
         return self.worker.block_len

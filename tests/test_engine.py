@@ -33,7 +33,7 @@ def checkpoints(tmp_path_factory):
 @pytest.fixture(scope="module")
 def workers(checkpoints):
     target, drafter = checkpoints
-    return build_workers(str(target), str(drafter), dtype="float64", max_num_seqs=8)
+    return build_workers(str(target), str(drafter), dtype="float64")
 
 
 def make_llm(workers, **config) -> LLM:

@@ -23,7 +23,7 @@ def workers(tmp_path_factory):
     root = tmp_path_factory.mktemp("loop_tiny")
     target = make_tiny_target(root / "target", logit_scale=8.0)
     drafter = make_tiny_drafter(root / "drafter", target)
-    return build_workers(str(target), str(drafter), dtype="float64", max_num_seqs=4)
+    return build_workers(str(target), str(drafter), dtype="float64")
 
 
 def make_engine(workers, **config) -> Engine:
