@@ -39,6 +39,19 @@ def median_ms(fns, sync, clock, min_repeats: int = 6, min_seconds: float = 0.5) 
     return statistics.median(times) * 1e3
 
 
+def heap_with_visibility(values: torch.Tensor, token_ids: torch.Tensor, budget: int):
+    """The per-request baseline of the issue: the Python heap plus its dense visibility matrix built node by node
+    (each row = the parent's row + itself), as a batch-size-1 implementation builds its verify mask."""
+    tree = build_tree_from_topk(values, token_ids, budget)
+    n = tree.num_nodes
+    visibility = torch.zeros(n + 1, n + 1, dtype=torch.bool)  # [1 + B, 1 + B], row 0 = the root
+    visibility[0, 0] = True
+    for i, parent in enumerate(tree.parents.tolist()):
+        visibility[i + 1] = visibility[parent + 1]
+        visibility[i + 1, i + 1] = True
+    return tree, visibility
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--vocab", type=int, default=49152)
@@ -66,7 +79,8 @@ def main() -> None:
         f"# V={args.vocab} L={args.positions} logits=randn*{args.scale:g} device={device} torch={torch.__version__} "
         f"threads={torch.get_num_threads()} (median ms of {args.clock} time)"
     )
-    header = ("R", "B", "top-K", "heap x R", "batched", "speedup", "pack", "nodes/req", "max depth")
+    header = ("R", "B", "top-K", "heap x R", "batched", "speedup", "pack", "heap+mask x R", "speedup vs batched+pack",
+              "nodes/req", "max depth")
     print("| " + " | ".join(header) + " |")
     print("|" + "|".join("---:" for _ in header) + "|")
     for num_requests in args.requests:
@@ -96,6 +110,16 @@ def main() -> None:
             batched_ms = median_ms(
                 [lambda v=v, i=i: build_trees_from_topk(v, i, budgets) for v, i in topks], sync, clock
             )
+            heap_mask_ms = median_ms(
+                [
+                    lambda v=v, i=i: [heap_with_visibility(v[r], i[r], budget) for r in range(num_requests)]
+                    for v, i in host_topks
+                ],
+                sync,
+                clock,
+                min_repeats=3,
+                min_seconds=0.3,
+            )
             all_trees = [build_trees_from_topk(v, i, budgets) for v, i in topks]
             roots, cached = [0] * num_requests, [100] * num_requests
             pack_ms = median_ms([lambda t=t: pack(t, roots, cached) for t in all_trees], sync, clock)
@@ -108,6 +132,8 @@ def main() -> None:
                 f"{batched_ms:.2f}",
                 f"{heap_ms / batched_ms:.1f}x",
                 f"{pack_ms:.2f}",
+                f"{heap_mask_ms:.2f}",
+                f"{heap_mask_ms / (batched_ms + pack_ms):.1f}x",
                 trees[0].num_nodes,
                 max(int(t.depths.max()) for t in trees if t.num_nodes),
             )
