@@ -107,7 +107,12 @@ def generate_responses(
                 input_ids[row, max_len - len(ids) :] = torch.tensor(ids)
                 attention_mask[row, max_len - len(ids) :] = 1
             captured: dict[int, list[torch.Tensor]] = {i: [] for i in stored_layer_ids}
-            hooks = [model.model.layers[i].register_forward_hook(_capture_into(captured[i])) for i in stored_layer_ids]
+            # Hugging Face's hidden_states[-1] is after the final norm: the last layer's feature is taken there
+            hooks = [
+                (model.model.norm if i == num_layers - 1 else model.model.layers[i]).register_forward_hook(
+                    _capture_into(captured[i]))
+                for i in stored_layer_ids
+            ]
             try:
                 sequences = model.generate(
                     input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
@@ -202,7 +207,8 @@ def generate_responses_continuous(
     model = TargetModel.load(source, feature_layer_ids=stored_layer_ids,
                              max_kv_bytes=_kv_bytes(source, batch_size, max_prompt_tokens + max_new_tokens))
     tokenizer = model.tokenizer
-    eos_ids = {tokenizer.eos_token_id}
+    # the tokenizer's end token and the checkpoint's (generation) end tokens, as in the hf engine
+    eos_ids = {tokenizer.eos_token_id} | set(_as_list(getattr(model.config, "eos_token_ids", None)))
     features_dir = data_dir / "features"
     features_dir.mkdir(parents=True, exist_ok=True)
     shard_index = len(list(features_dir.glob("*.safetensors")))
@@ -262,6 +268,8 @@ def generate_responses_continuous(
                 if len(finished) >= shard_size:
                     flush()
         if not active:
+            if is_out_of_time:
+                break
             continue
         seq_ids = list(active)
         logits, feats = model.decode(seq_ids, [active[s]["response_ids"][-1] for s in seq_ids])

@@ -38,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-prompts", type=int, default=None, help="stop after this many new responses")
     parser.add_argument("--max-seconds", type=float, default=None, help="stop generating/training after this long")
     parser.add_argument("--num-eval-prompts", type=int, default=40, help="per category")
+    parser.add_argument("--stored-layer-ids", type=int, nargs="+", default=None,
+                        help="target layers whose hidden states are cached (default: 1 4 8 14 20 24 27 28, for "
+                             "SmolLM2's 30 layers); --target-layer-ids must be among them")
     parser.add_argument("--engine", choices=("runner", "hf"), default="runner",
                         help="runner: the project's target runner with continuous batching; hf: transformers generate")
     # train
@@ -88,12 +91,14 @@ def _generate(args: argparse.Namespace, data_dir: Path) -> None:
         generate_responses_continuous,
     )
 
-    _update_manifest(data_dir, {"stored_layer_ids": list(DEFAULT_STORED_LAYER_IDS),
+    stored = tuple(args.stored_layer_ids or DEFAULT_STORED_LAYER_IDS)
+    _update_manifest(data_dir, {"stored_layer_ids": list(stored),
                                 "generation": {"batch_size": args.batch_size, "greedy": True,
                                                "max_new_tokens": args.max_new_tokens}})
     generate = generate_responses_continuous if args.engine == "runner" else generate_responses
     generate(data_dir, args.target, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                       max_prompts=args.max_prompts, num_threads=args.num_threads, max_seconds=args.max_seconds)
+                       max_prompts=args.max_prompts, stored_layer_ids=stored, num_threads=args.num_threads,
+                       max_seconds=args.max_seconds)
     _update_manifest(data_dir, {"generate_command": " ".join(sys.argv)})
 
 
