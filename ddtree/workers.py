@@ -125,6 +125,9 @@ class TargetWorker:
     def measure_verify_cost(self, token_counts: list[int]) -> list[tuple[int, float]]:
         from ddtree.models.target import measure_verify_cost_curve
 
+        # One untimed pass first: the first forwards pay one-off costs (allocations, kernel selection) that would
+        # otherwise land on the curve's first points.
+        measure_verify_cost_curve(self.model, [1, max(token_counts)], num_repeats=1)
         return measure_verify_cost_curve(self.model, token_counts)
 
     def _target_tokens(
