@@ -113,3 +113,18 @@ def test_measure_draft_cost(pair):
     curve = drafter.measure_draft_cost([1, 3], max_k=4, num_context_tokens=8, num_repeats=1)
     assert [b for b, _ in curve] == [1, 3] and all(s > 0 for _, s in curve)
     assert drafter.num_cache_bytes == 0
+
+
+def test_drafter_on_the_target_head_alone(pair):
+    """A drafter on its own actor holds only the target's embedding and LM head; its drafts are the same."""
+    target, drafter_dir = pair
+    head = target.head()
+    assert head.embed_tokens.data_ptr() == target.embed_tokens.data_ptr()  # shared, not copied
+    feats = torch.randn(5, 128, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    results = []
+    for t in (target, head):
+        drafter = DFlashDrafter.load(drafter_dir, t)
+        drafter.add_context("r", feats)
+        results.append(drafter.draft(["r"], [11], max_k=4))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=0)
+    assert torch.equal(results[0][1], results[1][1])
