@@ -84,6 +84,7 @@ class RequestBudgetState:
     calibration_num: float = 1.0  # EMA of observed accepted nodes
     calibration_den: float = 1.0  # EMA of predicted S(b)
     gain: float | None = None  # EMA of accepted nodes per speculative round; None until observed
+    nodes: float | None = None  # EMA of nodes verified per speculative round; None until observed
     is_fallback: bool = False
     rounds_until_probe: int = 0
     probe_interval: int = 0
@@ -183,7 +184,10 @@ class BudgetPolicy:
         return RoundPlan(speculative, autoregressive, [cap] * len(speculative))
 
     def _expected_nodes(self, s: RequestBudgetState) -> float:
-        # Nodes worth verifying grow with how much of the draft the target accepts; a crude prior for planning only.
+        """Nodes the request is expected to verify if it drafts: what the allocation gave it lately; before any
+        observation, a prior that grows with its expected gain."""
+        if s.nodes is not None:
+            return max(1.0, s.nodes)
         return min(self.budget_cap, max(1.0, 4.0 * self._gain(s)))
 
     def _enter_fallback(self, s: RequestBudgetState) -> None:
@@ -216,10 +220,14 @@ class BudgetPolicy:
             counts[i] += 1
         return counts
 
-    def observe(self, request_id: str, predicted: float, num_accepted_nodes: int) -> None:
-        """After a speculative round: `predicted` = S(b) of the verified nodes (uncalibrated)."""
+    def observe(
+        self, request_id: str, predicted: float, num_accepted_nodes: int, num_nodes: int | None = None
+    ) -> None:
+        """After a speculative round: `predicted` = S(b) of the `num_nodes` verified nodes (uncalibrated)."""
         s = self.states[request_id]
         w = self.config.ema_weight
+        if num_nodes is not None:
+            s.nodes = num_nodes if s.nodes is None else (1 - w) * s.nodes + w * num_nodes
         s.calibration_num = (1 - w) * s.calibration_num + w * num_accepted_nodes
         s.calibration_den = (1 - w) * s.calibration_den + w * predicted
         s.gain = num_accepted_nodes if s.gain is None else (1 - w) * s.gain + w * num_accepted_nodes

@@ -285,7 +285,7 @@ class Engine:
     def _observe(self, plan: RoundPlan, drafted: _DraftedTrees, result: VerifyResult) -> None:
         for i, rid in enumerate(plan.speculative_ids):
             num_accepted = len(result.accepted_token_ids[i])
-            self.budget.observe(rid, drafted.predicted[i], num_accepted)
+            self.budget.observe(rid, drafted.predicted[i], num_accepted, drafted.trees[i].num_nodes)
             stats = self.requests[rid].stats
             stats.acceptance_lengths.append(num_accepted + 1)
             stats.budgets.append(drafted.trees[i].num_nodes)
