@@ -203,9 +203,12 @@ def generate_responses_continuous(
     if not pending:
         return 0
     source = "default" if target == DEFAULT_TARGET else target
-    max_prompt_tokens = 1024
+    max_prompt_tokens = 512
+    # the KV pool is sized from the config: load once small to read it (a converted checkpoint loads in ~1 s)
+    config = TargetModel.load(source, max_kv_bytes=2**20).config
+    bytes_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4  # K+V fp32
     model = TargetModel.load(source, feature_layer_ids=stored_layer_ids,
-                             max_kv_bytes=_kv_bytes(source, batch_size, max_prompt_tokens + max_new_tokens))
+                             max_kv_bytes=batch_size * (max_prompt_tokens + max_new_tokens) * bytes_per_token)
     tokenizer = model.tokenizer
     # the tokenizer's end token and the checkpoint's (generation) end tokens, as in the hf engine
     eos_ids = {tokenizer.eos_token_id} | set(_as_list(getattr(model.config, "eos_token_ids", None)))
@@ -278,8 +281,3 @@ def generate_responses_continuous(
             active[seq_id]["features"].append(f.unsqueeze(0))
     flush()
     return num_written
-
-
-def _kv_bytes(source: str, batch_size: int, max_tokens: int) -> int:
-    # float32 K and V for every layer: 30 layers x 3 heads x 64 for SmolLM2 = 46 KB per token; sized generously
-    return max(2**30, batch_size * max_tokens * 2 * 4 * 64 * 1024)
