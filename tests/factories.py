@@ -61,27 +61,16 @@ def make_tiny_drafter(
     """A random DFlash drafter for the tiny target at `target_dir`, in the published checkpoint layout."""
     import json
 
-    from ddtree.models.dflash import DFlashConfig, DFlashDraftModel, save_dflash
+    from ddtree.models.config import TargetConfig
+    from ddtree.models.testing import write_random_dflash
 
-    t = json.loads((target_dir / "config.json").read_text())
-    hidden = t["hidden_size"]
-    config = DFlashConfig(
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=num_layers,
-        num_attention_heads=t["num_attention_heads"],
-        num_key_value_heads=t["num_key_value_heads"],
-        head_dim=t.get("head_dim") or hidden // t["num_attention_heads"],
-        rms_norm_eps=1e-6,
-        rope_theta=10000.0,
-        vocab_size=t["vocab_size"],
-        max_position_embeddings=t["max_position_embeddings"],
+    config = TargetConfig.from_hf_dict(json.loads((target_dir / "config.json").read_text()))
+    return write_random_dflash(
+        path,
+        config,
+        num_layers=num_layers,
         block_size=block_size,
-        num_target_layers=t["num_hidden_layers"],
+        target_layer_ids=target_layer_ids or [0, config.num_hidden_layers - 1],
         mask_token_id=0,  # <unk>: never produced by the char tokenizer
-        target_layer_ids=target_layer_ids or [0, t["num_hidden_layers"] - 1],
+        seed=seed,
     )
-    torch.manual_seed(seed)
-    model = DFlashDraftModel(config)
-    save_dflash(model, config, path, dtype=torch.float32)
-    return path
