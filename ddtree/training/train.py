@@ -224,6 +224,10 @@ def train(
         # a resumed run starts a fresh epoch: the data set may have grown, so the old order cannot be continued
         step, seconds_trained, epoch = state["step"], state["seconds_trained"], state["epoch"] + 1
         print(f"[train] resumed at step {step} ({seconds_trained / 3600:.2f} h trained)", flush=True)
+        log_path = out_dir / "log.jsonl"
+        if log_path.exists():  # steps logged after the last checkpoint are trained again: drop their lines
+            kept = [line for line in log_path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+            log_path.write_text("".join(line + "\n" for line in kept))
 
     reader = FeatureReader(data_dir, stored_layer_ids(data_dir), config.target_layer_ids)
     drafter.train()
