@@ -90,7 +90,7 @@ def run_hf(model_dir: str, prompts: list[list[int]], max_tokens: int, eos_token_
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     result = ModeResult("hf generate")
     t0 = time.perf_counter()
     for ids in prompts:
