@@ -28,7 +28,7 @@ from ddtree.detokenizer import Detokenizer, OutputState
 from ddtree.outputs import RequestOutput, RequestStats
 from ddtree.sampling_params import SamplingParams
 from ddtree.scheduler import EngineFullError, Scheduler
-from ddtree.tree import DraftTree, build_trees_from_topk
+from ddtree.tree import DraftTree, build_trees_from_topk, chain_trees_from_topk
 from ddtree.workers import DrafterWorker, TargetWorker, VerifyResult
 
 SPECULATION_MODES = ("ddtree", "dflash", "off")
@@ -352,16 +352,6 @@ class Engine:
             self.drafter.measure_draft_cost([1, 4, 16], cap) if self.drafter is not None else [(1, 1e-3)]
         )
         return CostModel(verify_points, draft_points)
-
-
-def chain_trees_from_topk(values: torch.Tensor, token_ids: torch.Tensor, lengths: list[int]) -> list[DraftTree]:
-    """Single-path DFlash: the drafter's argmax at each position, `lengths[i]` deep (at most L)."""
-    trees = []
-    for i, n in enumerate(lengths):
-        n = min(n, values.shape[1])
-        depths = torch.arange(1, n + 1, device=values.device)
-        trees.append(DraftTree(token_ids[i, :n, 0], depths - 2, depths, values[i, :n, 0].cumsum(0)))
-    return trees
 
 
 def _truncate(tree: DraftTree, num_nodes: int) -> DraftTree:

@@ -383,3 +383,13 @@ def _check_logprob_values(logprobs: torch.Tensor) -> None:
         raise ValueError(f"logprobs must be floating point, got {logprobs.dtype}")
     if bool(torch.isnan(logprobs).any()) or bool((logprobs > 0).any()):
         raise ValueError("logprobs must be log-probabilities: no NaN and none above 0")
+
+
+def chain_trees_from_topk(values: torch.Tensor, token_ids: torch.Tensor, lengths: list[int]) -> list[DraftTree]:
+    """Single-path DFlash: the drafter's argmax at each position, `lengths[i]` deep (at most L)."""
+    trees = []
+    for i, n in enumerate(lengths):
+        n = min(n, values.shape[1])
+        depths = torch.arange(1, n + 1, device=values.device)
+        trees.append(DraftTree(token_ids[i, :n, 0], depths - 2, depths, values[i, :n, 0].cumsum(0)))
+    return trees
