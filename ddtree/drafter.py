@@ -10,8 +10,14 @@ A draft is one forward for all requests: block position 0 holds the last committ
 tree, not yet in the target's KV cache) at position = context length, positions 1..L hold `mask_token_id`; the
 block is bidirectional and sees all of its request's context. Block positions 1..L give the top-K log-probs.
 
+With a draft vocabulary (`draft_vocab.json` in the drafter folder, see ddtree.models.dflash) the log-probs are
+over those tokens only: the LM head is the largest cost of a draft on a CPU, and the drafter never learned to
+propose tokens it did not see in training. Verification is untouched, so outputs stay exactly the target's.
+
 Public API:
-    DFlashDrafter.load(path, target, device=None, dtype=None) -> DFlashDrafter   (device/dtype default: target's)
+    DFlashDrafter.load(path, target, device=None, dtype=None, use_draft_vocab=True) -> DFlashDrafter
+                                                               (device/dtype default: the target's)
+    drafter.draft_token_ids                                    [Vd] target ids the drafter proposes, None: all
     drafter.block_len                                          L = block_size - 1 drafted positions
     drafter.add_request(seq_id)                                optional; add_context creates the request too
     drafter.add_context(seq_id, features [n, F], positions [n] | None)   None: continue after the last position
@@ -30,7 +36,7 @@ from typing import Hashable
 
 import torch
 
-from ddtree.models.dflash import DFlashConfig, DFlashDraftModel, load_dflash
+from ddtree.models.dflash import DFlashConfig, DFlashDraftModel, load_dflash, load_draft_vocab
 
 MIN_CONTEXT_CAPACITY = 64
 
@@ -43,7 +49,8 @@ class _Context:
 
 
 class DFlashDrafter:
-    def __init__(self, config: DFlashConfig, model: DFlashDraftModel, target, device=None, dtype=None):
+    def __init__(self, config: DFlashConfig, model: DFlashDraftModel, target, device=None, dtype=None,
+                 draft_token_ids: list[int] | None = None):
         device = torch.device(device) if device is not None else target.device
         dtype = dtype or target.dtype
         tc = target.config
@@ -65,13 +72,24 @@ class DFlashDrafter:
         self.dtype = dtype
         self.block_len = config.block_size - 1
         self._contexts: dict[Hashable, _Context] = {}
+        self.draft_token_ids: torch.Tensor | None = None  # [Vd] int64 target token ids; None: the full vocabulary
+        self._draft_lm_head: torch.Tensor | None = None  # [H, Vd], a copy of those columns of the target's head
+        if draft_token_ids is not None:
+            ids = torch.as_tensor(draft_token_ids, dtype=torch.int64)
+            if ids.dim() != 1 or ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= tc.vocab_size:
+                raise ValueError(f"draft_token_ids must be a non-empty list of ids in [0, {tc.vocab_size})")
+            self.draft_token_ids = ids.to(device)
+            self._draft_lm_head = target.lm_head[:, self.draft_token_ids].contiguous()
 
     @classmethod
-    def load(cls, path: str | Path, target, device=None, dtype=None) -> "DFlashDrafter":
+    def load(cls, path: str | Path, target, device=None, dtype=None, use_draft_vocab: bool = True
+             ) -> "DFlashDrafter":
+        """`use_draft_vocab=False` ignores the folder's draft vocabulary (drafts over the full vocabulary)."""
         device = torch.device(device) if device is not None else target.device
         dtype = dtype or target.dtype
         config, model = load_dflash(path, device=device, dtype=dtype)
-        return cls(config, model, target, device, dtype)
+        draft_token_ids = load_draft_vocab(path, target.config.vocab_size) if use_draft_vocab else None
+        return cls(config, model, target, device, dtype, draft_token_ids)
 
     # ---- per-request context -----------------------------------------------------------------------------------
     def add_request(self, seq_id: Hashable, capacity: int = MIN_CONTEXT_CAPACITY) -> None:
@@ -135,10 +153,16 @@ class DFlashDrafter:
         block_hidden = self.target.embed(ids.to(self.device)).to(self.dtype)  # [R, S, H]
         context_kv, mask = self._batch_context(contexts)
         h = self.model.forward_with_context_kv(block_hidden, context_kv, block_positions, mask)  # [R, S, H]
-        logits = self.target.project_logits(h[:, 1:].to(self.target.dtype)).float()  # [R, L, V]
+        hidden = h[:, 1:].to(self.target.dtype)  # [R, L, H]
+        if self._draft_lm_head is None:
+            logits = self.target.project_logits(hidden).float()  # [R, L, V]
+        else:
+            logits = (hidden @ self._draft_lm_head).float()  # [R, L, Vd]
         logprobs = torch.log_softmax(logits, dim=-1)
         top = torch.topk(logprobs, min(max_k, logprobs.shape[-1]), dim=-1)
-        return top.values, top.indices
+        if self.draft_token_ids is None:
+            return top.values, top.indices
+        return top.values, self.draft_token_ids[top.indices]  # draft-vocab positions -> target token ids
 
     def _batch_context(self, contexts: list[_Context]):
         """Per layer (k, v) [R, C_max, kv_heads, head_dim] and the mask [R, S, C_max + S] (None when nothing is

@@ -128,3 +128,38 @@ def test_drafter_on_the_target_head_alone(pair):
         results.append(drafter.draft(["r"], [11], max_k=4))
     torch.testing.assert_close(results[0][0], results[1][0], rtol=0, atol=0)
     assert torch.equal(results[0][1], results[1][1])
+
+
+def test_draft_vocabulary_restricts_the_head(pair, tmp_path):
+    """With draft_vocab.json the drafter proposes only those tokens, with the log-softmax over them: its top-k is
+    the full distribution's restricted and renormalised; without the file (or use_draft_vocab=False) the full one."""
+    import shutil
+
+    from ddtree.models.dflash import DRAFT_VOCAB_NAME, draft_vocab_from_counts, save_draft_vocab
+
+    target, drafter_dir = pair
+    folder = tmp_path / "with_vocab"
+    shutil.copytree(drafter_dir, folder)
+    vocab = draft_vocab_from_counts({7: 3, 3: 9, 40: 9, 11: 1, 90: 2}, max_size=4, required=(1,))
+    assert vocab == [3, 40, 7, 90, 1]  # by frequency, ties by id, required ones appended
+    save_draft_vocab(folder, vocab, source="test")
+    feats = torch.randn(6, 128, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    full = DFlashDrafter.load(folder, target, use_draft_vocab=False)
+    restricted = DFlashDrafter.load(folder, target)
+    assert full.draft_token_ids is None and restricted.draft_token_ids.tolist() == vocab
+    for d in (full, restricted):
+        d.add_context("r", feats)
+    full_values, full_ids = full.draft(["r"], [11], max_k=target.config.vocab_size)
+    values, ids = restricted.draft(["r"], [11], max_k=8)
+    assert ids.shape == (1, 4, 5)  # max_k is capped by the draft vocabulary's size
+    for pos in range(4):
+        in_vocab = [(v, t) for v, t in zip(full_values[0, pos].tolist(), full_ids[0, pos].tolist()) if t in vocab]
+        assert ids[0, pos].tolist() == [t for _, t in in_vocab]  # same order as the full distribution
+        expected = torch.tensor([v for v, _ in in_vocab], dtype=torch.float64)
+        torch.testing.assert_close(values[0, pos].double(), expected - torch.logsumexp(expected, 0),
+                                   rtol=1e-6, atol=1e-6)
+    (folder / DRAFT_VOCAB_NAME).write_text('{"token_ids": [1, 1]}')
+    with pytest.raises(ValueError, match="distinct"):
+        DFlashDrafter.load(folder, target)
+    with pytest.raises(ValueError, match="distinct"):
+        save_draft_vocab(folder, [2, 2])

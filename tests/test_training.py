@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ddtree.models.dflash import DFlashDraftModel, load_dflash
+from ddtree.models.dflash import DFlashDraftModel, load_dflash, load_draft_vocab
 from ddtree.training.evaluate import draft_topk_at_every_anchor, simulate_rounds
 
 SHIPPED = Path(__file__).resolve().parent.parent / "ddtree" / "assets" / "drafter" / "smollm2-135m-dflash"
@@ -51,14 +51,15 @@ def greedy_sequences(target):
     return out
 
 
-def chain_tau(drafter: DFlashDraftModel, target, greedy_sequences) -> float:
+def chain_tau(drafter: DFlashDraftModel, target, greedy_sequences, draft_token_ids=None) -> float:
     model, _ = target
     embed = model.get_input_embeddings().weight
     lm_head = model.get_output_embeddings().weight
     num_tokens = num_rounds = 0
     for token_ids, prompt_length, hidden_states in greedy_sequences:
         features = torch.cat([hidden_states[i + 1][0] for i in drafter.config.target_layer_ids], dim=-1)
-        values, ids = draft_topk_at_every_anchor(drafter, embed, lm_head, features, token_ids, prompt_length, 1)
+        values, ids = draft_topk_at_every_anchor(drafter, embed, lm_head, features, token_ids, prompt_length, 1,
+                                                  draft_token_ids=draft_token_ids)
         num_rounds += simulate_rounds(token_ids, prompt_length, ids, values, None)
         num_tokens += len(token_ids) - 1 - prompt_length
     return num_tokens / num_rounds
@@ -70,6 +71,8 @@ def test_shipped_drafter_is_in_dflash_layout():
     assert config.mask_token_id == 16 and config.vocab_size == 49152
     assert 10e6 < (SHIPPED / "model.safetensors").stat().st_size < 40e6
     assert (SHIPPED / "MANIFEST.json").is_file()
+    vocab = load_draft_vocab(SHIPPED, config.vocab_size)  # served with its draft vocabulary
+    assert vocab is not None and 1000 < len(vocab) <= 16384 and 2 in vocab  # EOS (<|im_end|>) can be drafted
 
 
 @pytest.mark.slow  # ~40 s alone (target load + two generations), 150 s on a busy 2-core machine
@@ -78,7 +81,8 @@ def test_shipped_drafter_beats_the_floor_a_random_drafter_cannot_reach(target, g
     torch.manual_seed(0)
     random_drafter = DFlashDraftModel(config).eval()
     random_tau = chain_tau(random_drafter, target, greedy_sequences)
-    shipped_tau = chain_tau(drafter, target, greedy_sequences)
+    vocab = torch.tensor(load_draft_vocab(SHIPPED, config.vocab_size))
+    shipped_tau = chain_tau(drafter, target, greedy_sequences, draft_token_ids=vocab)
     assert random_tau < 1.2
     print(f"chain tau: shipped {shipped_tau:.3f}, random {random_tau:.3f}")
     assert shipped_tau > TAU_FLOOR, f"shipped drafter chain tau {shipped_tau:.2f} (random {random_tau:.2f})"

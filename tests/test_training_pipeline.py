@@ -68,13 +68,16 @@ def test_cli_pipeline_end_to_end_on_a_tiny_target(tiny_target, tmp_path):
     assert main(common[:1] + ["prompts", "generate", "eval-data"] + common[1:] + [
         "--num-prompts-per-category", "3", "--max-new-tokens", "6", "--batch-size", "4",
         "--num-eval-prompts", "2", "--stored-layer-ids", "0", "1", "2"]) == 0
-    assert main(common[:1] + ["train", "eval"] + common[1:] + [
+    assert main(common[:1] + ["train", "vocab", "eval"] + common[1:] + [
         "--num-draft-layers", "1", "--block-size", "4", "--target-layer-ids", "0", "2", "--mask-token-id", "1",
         "--max-steps", "3", "--train-batch-size", "2", "--max-anchors", "3", "--budgets", "2", "4",
-        "--num-negatives", "8"]) == 0
+        "--num-negatives", "8", "--draft-vocab-size", "5"]) == 0
     config, drafter = load_dflash(tmp_path / "out" / "drafter")
     assert config.block_size == 4 and config.target_layer_ids == [0, 2] and config.hidden_size == 64
     tau = json.loads((tmp_path / "out" / "drafter" / "tau.json").read_text())
+    vocab = json.loads((tmp_path / "out" / "drafter" / "draft_vocab.json").read_text())
+    assert 5 <= len(vocab["token_ids"]) <= 6 and vocab["num_tokens"] == len(vocab["token_ids"])  # + EOS
+    assert tau["draft_vocab_size"] == len(vocab["token_ids"])  # evaluated over what serving drafts over
     assert [r["category"] for r in tau["results"]] == ["code", "math", "chat"]
     assert all(1.0 <= r["tau_chain"] <= r["tau_tree_B4"] + 1e-9 for r in tau["results"])
     log = [json.loads(line) for line in (tmp_path / "out" / "log.jsonl").read_text().splitlines()]

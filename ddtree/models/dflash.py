@@ -368,3 +368,50 @@ def load_dflash(
     model = DFlashDraftModel(config)
     model.load_state_dict(state)
     return config, model.to(device=device, dtype=dtype).eval()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Draft vocabulary (optional, next to the checkpoint)
+#
+# The drafter shares the target's LM head, and on a CPU that head is most of a draft's cost: for SmolLM2 it is a
+# [576, 49152] matrix (113 MB in float32) read for every drafted position. A drafter only learns to predict the
+# tokens it saw as labels in training, so computing its logits over those tokens alone loses (almost) nothing and
+# makes the head several times cheaper (the frequency-ranked draft vocabulary of FR-Spec / EAGLE-3's draft vocab).
+# It is a serving-time choice, not part of the DFlash layout: `draft_vocab.json` holds the target token ids in
+# decreasing training frequency, with where they came from; a folder without it drafts over the full vocabulary.
+
+DRAFT_VOCAB_NAME = "draft_vocab.json"
+
+
+def save_draft_vocab(path: str | Path, token_ids: list[int], **provenance) -> Path:
+    """Write `draft_vocab.json` into a drafter folder; `token_ids` must be distinct non-negative ints."""
+    token_ids = [int(t) for t in token_ids]
+    if not token_ids or len(set(token_ids)) != len(token_ids) or min(token_ids) < 0:
+        raise ValueError("a draft vocabulary needs distinct non-negative token ids")
+    out = Path(path) / DRAFT_VOCAB_NAME
+    out.write_text(json.dumps({"num_tokens": len(token_ids), **provenance, "token_ids": token_ids}) + "\n")
+    return out
+
+
+def load_draft_vocab(path: str | Path, vocab_size: int) -> list[int] | None:
+    """The draft vocabulary of a drafter folder (None when it has none), checked against the target's vocab."""
+    file = Path(path) / DRAFT_VOCAB_NAME
+    if not file.is_file():
+        return None
+    data = json.loads(file.read_text())
+    token_ids = data.get("token_ids")
+    if not isinstance(token_ids, list) or not token_ids:
+        raise ValueError(f"{file} has no 'token_ids' list")
+    if len(set(token_ids)) != len(token_ids) or not all(isinstance(t, int) and 0 <= t < vocab_size
+                                                        for t in token_ids):
+        raise ValueError(f"{file}: token ids must be distinct integers in [0, {vocab_size})")
+    return token_ids
+
+
+def draft_vocab_from_counts(counts: dict[int, int], max_size: int, required: tuple[int, ...] = ()) -> list[int]:
+    """The `max_size` most frequent tokens (ties by id), plus `required` ones (e.g. EOS) if they are missing."""
+    if max_size < 1:
+        raise ValueError(f"max_size must be >= 1, got {max_size}")
+    ranked = sorted(counts, key=lambda t: (-counts[t], t))[:max_size]
+    chosen = set(ranked)
+    return ranked + [t for t in required if t not in chosen]

@@ -54,9 +54,12 @@ def draft_topk_at_every_anchor(
     first_anchor: int,
     top_k: int,
     anchors_per_forward: int = 32,
+    draft_token_ids: torch.Tensor | None = None,  # [Vd] the draft vocabulary (as served); None: the full vocab
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k draft log-probs at every anchor a in [first_anchor, N - 2]: values, ids [A, L - 1, k]."""
     config = drafter.config
+    if draft_token_ids is not None:
+        lm_head_weight = lm_head_weight[draft_token_ids]  # [Vd, H]
     anchors = list(range(first_anchor, len(token_ids) - 1))
     values, ids = [], []
     context = drafter.project_context(features.unsqueeze(0))  # [1, C, H]
@@ -68,9 +71,9 @@ def draft_topk_at_every_anchor(
                          batch.attention_mask)  # [1, S, H]
         hidden = hidden.view(len(chunk), config.block_size, -1)[:, 1:]  # [A, L - 1, H]
         logprobs = torch.log_softmax((hidden @ lm_head_weight.T).float(), dim=-1)  # [A, L - 1, V]
-        v, i = logprobs.topk(top_k, dim=-1)
+        v, i = logprobs.topk(min(top_k, logprobs.shape[-1]), dim=-1)
         values.append(v)
-        ids.append(i)
+        ids.append(i if draft_token_ids is None else draft_token_ids[i])
     return torch.cat(values), torch.cat(ids)
 
 
@@ -119,6 +122,7 @@ def evaluate_tau(
     read_features,  # Sequence -> [N - 1, F]
     category: str,
     budgets: tuple[int, ...] = DEFAULT_BUDGETS,
+    draft_token_ids: torch.Tensor | None = None,
 ) -> TauResult:
     result = TauResult(category, num_rounds_tree={b: 0 for b in budgets})
     top_k = min(max(budgets, default=1), lm_head_weight.shape[0])
@@ -127,7 +131,8 @@ def evaluate_tau(
         if len(seq.token_ids) - 1 <= first_anchor:
             continue
         values, ids = draft_topk_at_every_anchor(drafter, embed_weight, lm_head_weight, read_features(seq),
-                                                 seq.token_ids, first_anchor, top_k)
+                                                 seq.token_ids, first_anchor, top_k,
+                                                 draft_token_ids=draft_token_ids)
         result.num_sequences += 1
         result.num_tokens += len(seq.token_ids) - 1 - first_anchor
         result.num_rounds_chain += simulate_rounds(seq.token_ids, first_anchor, ids, values, None)

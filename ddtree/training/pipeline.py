@@ -4,6 +4,7 @@
   generate   the target's greedy responses + hidden states, appended to <data-dir> (resumes where it stopped)
   eval-data  the same for the held-out evaluation prompts, under <eval-dir>/<category>/ (resumes too)
   train      train the drafter from <out-dir>/checkpoint.pt if present; exports <out-dir>/drafter/
+  vocab      the drafter's draft vocabulary: the most frequent response tokens of <data-dir> (draft_vocab.json)
   eval       offline tau (chain and DDTree budgets) of <out-dir>/drafter on <eval-dir>, table + tau.json
   ship       copy <out-dir>/drafter to <ship-dir> with MANIFEST.json (commands, data manifest, training, tau)
 """
@@ -17,7 +18,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-STEPS = ("prompts", "generate", "eval-data", "train", "eval", "ship")
+STEPS = ("prompts", "generate", "eval-data", "train", "vocab", "eval", "ship")
 DEFAULT_SHIP_DIR = Path(__file__).resolve().parent.parent / "assets" / "drafter" / "smollm2-135m-dflash"
 
 
@@ -59,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-negatives", type=int, default=8192,
                         help="sampled-softmax negatives per step (tokens outside the training data)")
     parser.add_argument("--init-from", type=Path, default=None, help="start from this DFlash drafter folder")
+    # vocab
+    parser.add_argument("--draft-vocab-size", type=int, default=16384,
+                        help="tokens in the draft vocabulary (the most frequent training labels)")
     # eval
     parser.add_argument("--drafter", type=Path, default=None, help="drafter folder to evaluate (default out/drafter)")
     parser.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 64, 128])
@@ -77,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
             _eval_data(args)
         elif step == "train":
             _train(args)
+        elif step == "vocab":
+            _vocab(args)
         elif step == "eval":
             _eval(args)
         elif step == "ship":
@@ -167,10 +173,37 @@ def _train(args: argparse.Namespace) -> None:
     print(f"[train] drafter -> {path}")
 
 
+def _vocab(args: argparse.Namespace) -> None:
+    """Count the response tokens (the drafter's training labels) and keep the most frequent as its draft vocab."""
+    from collections import Counter
+
+    from ddtree.models.dflash import draft_vocab_from_counts, save_draft_vocab
+    from ddtree.training.data import read_sequences
+    from ddtree.training.target import load_target_tokenizer
+
+    if args.draft_vocab_size < 1:
+        raise ValueError(f"--draft-vocab-size must be >= 1, got {args.draft_vocab_size}")
+    sequences = read_sequences(args.data_dir)
+    if not sequences:
+        raise ValueError(f"no responses in {args.data_dir}: run the generate step first")
+    counts = Counter(t for s in sequences for t in s.token_ids[s.prompt_length:])
+    tokenizer = load_target_tokenizer(args.target)
+    eos = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
+    token_ids = draft_vocab_from_counts(counts, args.draft_vocab_size, required=eos)
+    num_labels = sum(counts.values())
+    coverage = sum(counts[t] for t in token_ids) / num_labels
+    drafter_dir = args.drafter or args.out_dir / "drafter"
+    path = save_draft_vocab(drafter_dir, token_ids, command=" ".join(sys.argv), data_dir=str(args.data_dir),
+                            num_responses=len(sequences), num_label_tokens=num_labels,
+                            num_distinct_label_tokens=len(counts), label_coverage=round(coverage, 5))
+    print(f"[vocab] {len(token_ids)} tokens ({len(counts)} distinct in {num_labels} labels, "
+          f"coverage {coverage:.4f}) -> {path}")
+
+
 def _eval(args: argparse.Namespace) -> None:
     import torch
 
-    from ddtree.models.dflash import load_dflash
+    from ddtree.models.dflash import load_dflash, load_draft_vocab
     from ddtree.training.data import FeatureReader, read_sequences, stored_layer_ids
     from ddtree.training.evaluate import evaluate_tau, format_table, write_results
     from ddtree.training.prompts import CATEGORIES
@@ -183,6 +216,8 @@ def _eval(args: argparse.Namespace) -> None:
     embed = target_model.get_input_embeddings().weight.detach()
     lm_head = target_model.get_output_embeddings().weight.detach()
     del target_model
+    draft_vocab = load_draft_vocab(drafter_dir, lm_head.shape[0])  # evaluate what serving will draft over
+    draft_token_ids = None if draft_vocab is None else torch.tensor(draft_vocab)
     budgets = tuple(args.budgets)
     results = []
     start = time.time()
@@ -192,19 +227,22 @@ def _eval(args: argparse.Namespace) -> None:
         if not sequences:
             raise ValueError(f"no evaluation data in {data_dir}: run the eval-data step first")
         reader = FeatureReader(data_dir, stored_layer_ids(data_dir), drafter.config.target_layer_ids)
-        results.append(evaluate_tau(drafter, embed, lm_head, sequences, reader, category, budgets))
+        results.append(evaluate_tau(drafter, embed, lm_head, sequences, reader, category, budgets,
+                                    draft_token_ids=draft_token_ids))
         print(f"[eval] {results[-1].summary()}", flush=True)
     table = format_table(results, budgets)
     print(table)
     command = " ".join(sys.argv)
     write_results(drafter_dir / "tau.json", results,
-                  {"command": command, "eval_dir": str(args.eval_dir), "seconds": round(time.time() - start)})
+                  {"command": command, "eval_dir": str(args.eval_dir), "seconds": round(time.time() - start),
+                   "draft_vocab_size": None if draft_vocab is None else len(draft_vocab)})
     (drafter_dir / "tau.md").write_text(f"`{command}`\n\n{table}\n")
 
 
 def _ship(args: argparse.Namespace) -> None:
     import shutil
 
+    from ddtree.models.dflash import DRAFT_VOCAB_NAME
     from ddtree.training.data import read_sequences
 
     drafter_dir = args.drafter or args.out_dir / "drafter"
@@ -214,6 +252,11 @@ def _ship(args: argparse.Namespace) -> None:
     args.ship_dir.mkdir(parents=True, exist_ok=True)
     for name in ("config.json", "model.safetensors", "tau.md"):
         shutil.copy(drafter_dir / name, args.ship_dir / name)
+    vocab_path = drafter_dir / DRAFT_VOCAB_NAME
+    if vocab_path.exists():
+        shutil.copy(vocab_path, args.ship_dir / DRAFT_VOCAB_NAME)
+    else:  # a stale vocabulary must not outlive the drafter it was made for
+        (args.ship_dir / DRAFT_VOCAB_NAME).unlink(missing_ok=True)
     log = [json.loads(line) for line in (args.out_dir / "log.jsonl").read_text().splitlines() if line.strip()]
     last = log[-1]
     tail = log[-100:]

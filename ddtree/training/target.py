@@ -51,6 +51,14 @@ def load_target(target: str, dtype: torch.dtype = torch.float32):
     return model, tokenizer
 
 
+def load_target_tokenizer(target: str):
+    from transformers import AutoTokenizer
+
+    spec = resolve_target(target)
+    kwargs = {"gguf_file": spec.gguf_file} if spec.gguf_file else {}
+    return AutoTokenizer.from_pretrained(spec.directory, **kwargs)
+
+
 def chat_prompt_ids(tokenizer, user_message: str) -> list[int]:
     """Token ids of one user turn with the chat template and the assistant generation prompt."""
     text = tokenizer.apply_chat_template([{"role": "user", "content": user_message}], tokenize=False,
