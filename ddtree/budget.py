@@ -8,11 +8,36 @@ Per round:
 - `plan()` (before drafting): which requests speculate. Each request's expected gain from drafting is its EMA of
   accepted nodes per round; the requests are added in decreasing gain while the round's committed tokens per second
   improve (cost = drafter forward for the speculating requests + verify of all packed tokens). The others go
-  autoregressive, with no drafter call at all, and are probed again after `probe_interval` rounds (doubling while
-  the probe fails, so a request that never pays costs almost nothing).
+  autoregressive ("fallback"), with no drafter call at all, and are probed (drafted once) now and then so that a
+  request whose drafts start to pay comes back.
 - `allocate()` (after drafting): merges all speculating requests' nodes in decreasing calibrated value and keeps the
-  total that maximises expected committed tokens per second of the whole round.
-- `observe()` (after verify): updates the calibration and the gain of each request that speculated.
+  total that maximises expected committed tokens per second of the whole round. A probe's nodes are valued
+  uncalibrated (c_r = 1): its stale calibration would give it no nodes, and a probe with no nodes learns nothing.
+- `observe()` (after verify): updates the calibration and the gain of each request that speculated; a probe that
+  pays (drafting this request alone beats one autoregressive step) brings it back.
+
+What probes may cost. A request in fallback commits one token per round, and its share of the round's time is
+t = round seconds / expected committed tokens of the round. A probe adds
+    extra = (drafter seconds with it - without it) + (verify seconds with its nodes - without) - gain * t
+seconds (all from the CostModel, in the context of this round's plan; `gain` is an observed one, never the
+optimistic `initial_gain`), so probing it after every I autoregressive rounds costs it extra / (I * t) of its time.
+A probe is due when the rounds rested reach both
+- the backoff interval: `min_probe_interval`, doubling after each failed probe up to `max_probe_interval`, and
+- the cost bound: I >= extra / (max_probe_overhead * t).
+Summed over the fallback requests of a round, probes are then expected to cost at most `max_probe_overhead` of
+the round time (each probe is priced against the round without probes, which over-counts when the drafter batches
+several). A request that starts to pay again is picked up at its next probe: within max(max_probe_interval, the cost
+bound with gain 0 and a full tree) rounds. The cost bound can exceed `max_probe_interval` (a drafter much slower
+than a verify pass): the overhead is the promise, the pick-up delay follows from it.
+
+Two choices keep probes informative and the start cheap:
+- The EMAs age per round, not per observation: after k rounds unobserved the newest observation weighs
+  1 - (1 - ema_weight) ** k (the usual EMA for irregular samples), so one probe after a long rest mostly replaces
+  the stale estimate instead of moving it by `ema_weight`; a request that pays again comes back after one probe.
+- A new request's prior gain is the EMA of gains observed over all requests (`population_gain`); `initial_gain`
+  (optimistic, so that the drafter gets tried) applies only before anything has been observed. When the drafter
+  does not pay on this workload, a new request therefore starts in fallback and is first probed under the same
+  cost bound, instead of paying full-budget drafts at its start; when it pays, new requests draft from round one.
 """
 
 from __future__ import annotations
@@ -86,8 +111,8 @@ class RequestBudgetState:
     gain: float | None = None  # EMA of accepted nodes per speculative round; None until observed
     nodes: float | None = None  # EMA of nodes verified per speculative round; None until observed
     is_fallback: bool = False
-    rounds_until_probe: int = 0
-    probe_interval: int = 0
+    probe_interval: int = 0  # backoff: autoregressive rounds before the next probe (doubles while probes fail)
+    num_rounds_rested: int = 0  # autoregressive rounds since it last drafted (0 while it speculates)
 
     @property
     def calibration(self) -> float:
@@ -98,19 +123,37 @@ class RequestBudgetState:
 class BudgetConfig:
     fixed_budget: int | None = None  # None: adaptive ("auto"); an int: every speculating request gets exactly this
     max_budget: int = 64  # per-request cap in auto mode (and the top-K the drafter returns)
-    ema_weight: float = 0.3  # weight of the newest observation
-    initial_gain: float = 2.0  # optimistic prior so that every request drafts at first
-    min_probe_interval: int = 4
-    max_probe_interval: int = 64
+    ema_weight: float = 0.3  # weight of the newest observation after one round
+    initial_gain: float = 2.0  # prior gain before any request has been observed: optimistic, so the drafter is tried
+    min_probe_interval: int = 4  # backoff: first rest in fallback, in rounds
+    max_probe_interval: int = 64  # backoff cap, in rounds
+    max_probe_overhead: float = 0.03  # probes may cost at most this fraction of a fallback request's time
     allow_fallback: bool = True
 
     def __post_init__(self) -> None:
-        if self.fixed_budget is not None and (not isinstance(self.fixed_budget, int) or self.fixed_budget < 1):
-            raise ValueError(f"budget must be 'auto' or an integer >= 1, got {self.fixed_budget!r}")
-        if self.max_budget < 1:
-            raise ValueError(f"max_budget must be >= 1, got {self.max_budget!r}")
-        if not 0 < self.ema_weight <= 1:
+        def is_int(v) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        def is_number(v) -> bool:
+            return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+        if self.fixed_budget is not None and (not is_int(self.fixed_budget) or self.fixed_budget < 1):
+            raise ValueError(f"budget (fixed_budget) must be 'auto' or an integer >= 1, got {self.fixed_budget!r}")
+        if not is_int(self.max_budget) or self.max_budget < 1:
+            raise ValueError(f"max_budget must be an integer >= 1, got {self.max_budget!r}")
+        if not is_number(self.ema_weight) or not 0 < self.ema_weight <= 1:
             raise ValueError(f"ema_weight must be in (0, 1], got {self.ema_weight!r}")
+        if not is_number(self.initial_gain) or self.initial_gain < 0:
+            raise ValueError(f"initial_gain must be a finite number >= 0, got {self.initial_gain!r}")
+        if not is_int(self.min_probe_interval) or self.min_probe_interval < 1:
+            raise ValueError(f"min_probe_interval must be an integer >= 1, got {self.min_probe_interval!r}")
+        if not is_int(self.max_probe_interval) or self.max_probe_interval < self.min_probe_interval:
+            raise ValueError(
+                f"max_probe_interval must be an integer >= min_probe_interval ({self.min_probe_interval!r}), "
+                f"got {self.max_probe_interval!r}"
+            )
+        if not is_number(self.max_probe_overhead) or not 0 < self.max_probe_overhead <= 1:
+            raise ValueError(f"max_probe_overhead must be in (0, 1], got {self.max_probe_overhead!r}")
 
 
 @dataclass
@@ -125,6 +168,7 @@ class BudgetPolicy:
     config: BudgetConfig
     cost: CostModel
     states: dict[str, RequestBudgetState] = field(default_factory=dict)
+    population_gain: float | None = None  # EMA of accepted nodes per speculative round over all requests
 
     def add(self, request_id: str) -> None:
         self.states[request_id] = RequestBudgetState()
@@ -136,52 +180,92 @@ class BudgetPolicy:
     def budget_cap(self) -> int:
         return self.config.fixed_budget or self.config.max_budget
 
-    def _gain(self, s: RequestBudgetState) -> float:
-        return self.config.initial_gain if s.gain is None else s.gain
-
     def plan(self, request_ids: list[str]) -> RoundPlan:
         cap = self.budget_cap
         if not self.config.allow_fallback or self.config.fixed_budget is not None:
             return RoundPlan(list(request_ids), [], [cap] * len(request_ids))
-        probing, candidates, resting = [], [], []
-        for rid in request_ids:
-            s = self.states[rid]
-            if not s.is_fallback:
-                candidates.append(rid)
-            elif s.rounds_until_probe <= 0:
-                probing.append(rid)
-            else:
-                s.rounds_until_probe -= 1
-                resting.append(rid)
-        # Add candidates in decreasing expected gain while the round's tokens per second improve.
-        candidates.sort(key=lambda rid: -self._gain(self.states[rid]))
         num_requests = len(request_ids)
-        chosen = list(probing)
-        gain = sum(self._gain(self.states[r]) for r in chosen)
-        nodes = sum(self._expected_nodes(self.states[r]) for r in chosen)
-
-        def rate(num_spec: int, gain: float, nodes: float) -> float:
-            seconds = self.cost.draft_seconds(num_spec) + self.cost.verify_seconds(num_requests + round(nodes))
-            return (num_requests + gain) / seconds
-
-        best = rate(len(chosen), gain, nodes)
-        num_taken = 0
-        for rid in candidates:
-            s = self.states[rid]
-            g, n = gain + self._gain(s), nodes + self._expected_nodes(s)
-            r = rate(len(chosen) + 1, g, n)
-            if r < best:
-                break
-            best, gain, nodes = r, g, n
-            chosen.append(rid)
-            num_taken += 1
-        for rid in candidates[num_taken:]:
-            self._enter_fallback(self.states[rid])
-            resting.append(rid)
+        candidates = [rid for rid in request_ids if not self.states[rid].is_fallback]
+        resting = [rid for rid in request_ids if self.states[rid].is_fallback]
+        chosen, gain, nodes = self._choose_speculative(candidates, num_requests)
         chosen_set = set(chosen)
+        # Probes are priced against the round without them.
+        num_tokens_expected = num_requests + gain
+        probing = [
+            rid for rid in resting
+            if self._is_probe_due(self.states[rid], num_requests, len(chosen), nodes, num_tokens_expected)
+        ]
+        chosen_set.update(probing)
+        for rid in candidates:
+            if rid not in chosen_set:
+                self._enter_fallback(self.states[rid])
+        for rid in request_ids:
+            if rid not in chosen_set:
+                self.states[rid].num_rounds_rested += 1
         speculative = [rid for rid in request_ids if rid in chosen_set]
         autoregressive = [rid for rid in request_ids if rid not in chosen_set]
         return RoundPlan(speculative, autoregressive, [cap] * len(speculative))
+
+    def _choose_speculative(self, candidates: list[str], num_requests: int) -> tuple[list[str], float, float]:
+        """Candidates in decreasing expected gain while the round's tokens per second improve; returns them with
+        their summed expected gain and nodes."""
+        candidates = sorted(candidates, key=lambda rid: -self._gain(self.states[rid]))
+        chosen: list[str] = []
+        gain = nodes = 0.0
+        best = num_requests / self._round_seconds(num_requests, 0, 0.0)
+        for rid in candidates:
+            s = self.states[rid]
+            g, n = gain + self._gain(s), nodes + self._expected_nodes(s)
+            rate = (num_requests + g) / self._round_seconds(num_requests, len(chosen) + 1, n)
+            if rate < best:
+                break
+            best, gain, nodes = rate, g, n
+            chosen.append(rid)
+        return chosen, gain, nodes
+
+    def _is_probe_due(
+        self, s: RequestBudgetState, num_requests: int, num_speculative: int, num_nodes: float,
+        num_tokens_expected: float,
+    ) -> bool:
+        return s.num_rounds_rested >= max(
+            s.probe_interval,
+            self.probe_cost_interval(s, num_requests, num_speculative, num_nodes, num_tokens_expected),
+        )
+
+    def probe_cost_interval(
+        self, s: RequestBudgetState, num_requests: int, num_speculative: int, num_nodes: float,
+        num_tokens_expected: float,
+    ) -> int:
+        """Fewest autoregressive rounds between probes of `s` for which its probes' expected extra seconds stay
+        within `max_probe_overhead` of its time, in a round of `num_requests` requests of which `num_speculative`
+        draft `num_nodes` nodes in all and commit `num_tokens_expected` tokens (see the module docstring)."""
+        base_tokens = num_requests + round(num_nodes)
+        round_seconds = self._round_seconds(num_requests, num_speculative, num_nodes)
+        seconds_per_token = round_seconds / max(num_tokens_expected, 1e-9)
+        extra = (
+            self.cost.draft_seconds(num_speculative + 1) - self.cost.draft_seconds(num_speculative)
+            + self.cost.verify_seconds(base_tokens + round(self._expected_nodes(s)))
+            - self.cost.verify_seconds(base_tokens)
+            - self._observed_gain(s) * seconds_per_token
+        )
+        if extra <= 0:
+            return 0
+        return math.ceil(extra / (self.config.max_probe_overhead * seconds_per_token))
+
+    def _round_seconds(self, num_requests: int, num_speculative: int, num_nodes: float) -> float:
+        return self.cost.draft_seconds(num_speculative) + self.cost.verify_seconds(num_requests + round(num_nodes))
+
+    def _gain(self, s: RequestBudgetState) -> float:
+        if s.gain is not None:
+            return s.gain
+        return self.config.initial_gain if self.population_gain is None else self.population_gain
+
+    def _observed_gain(self, s: RequestBudgetState) -> float:
+        """The gain a probe is credited with: observed on this request or on the others, never the optimistic
+        `initial_gain` (which buys the drafter a try, not cheaper probes)."""
+        if s.gain is not None:
+            return s.gain
+        return 0.0 if self.population_gain is None else self.population_gain
 
     def _expected_nodes(self, s: RequestBudgetState) -> float:
         """Nodes the request is expected to verify if it drafts: what the allocation gave it lately; before any
@@ -195,7 +279,7 @@ class BudgetPolicy:
         s.probe_interval = min(
             self.config.max_probe_interval, max(self.config.min_probe_interval, 2 * s.probe_interval)
         )
-        s.rounds_until_probe = s.probe_interval
+        s.num_rounds_rested = 0
 
     def allocate(self, request_ids: list[str], path_probs: list[list[float]], num_autoregressive: int) -> list[int]:
         """Node count per speculating request. `path_probs[i]` are request i's node probabilities in pop order."""
@@ -203,7 +287,11 @@ class BudgetPolicy:
             return [min(self.config.fixed_budget, len(p)) for p in path_probs]
         values = []  # (calibrated value, request index); within a request values are non-increasing
         for i, (rid, probs) in enumerate(zip(request_ids, path_probs)):
-            c = self.states[rid].calibration
+            s = self.states[rid]
+            # A probe asks whether the drafter pays again, so its tree is sized by the draft's own probabilities:
+            # the stale calibration that put the request in fallback would give it no nodes, and it would learn
+            # nothing.
+            c = 1.0 if s.is_fallback else s.calibration
             values.extend((min(1.0, c * p), i) for p in probs)
         values.sort(key=lambda v: -v[0])  # stable: ties keep each request's pop order
         num_requests = len(request_ids) + num_autoregressive
@@ -225,15 +313,19 @@ class BudgetPolicy:
     ) -> None:
         """After a speculative round: `predicted` = S(b) of the `num_nodes` verified nodes (uncalibrated)."""
         s = self.states[request_id]
-        w = self.config.ema_weight
+        # The estimates aged over the rounds it rested: the newest observation weighs what those rounds would have.
+        w = 1.0 - (1.0 - self.config.ema_weight) ** (1 + s.num_rounds_rested)
         if num_nodes is not None:
             s.nodes = num_nodes if s.nodes is None else (1 - w) * s.nodes + w * num_nodes
         s.calibration_num = (1 - w) * s.calibration_num + w * num_accepted_nodes
         s.calibration_den = (1 - w) * s.calibration_den + w * predicted
         s.gain = num_accepted_nodes if s.gain is None else (1 - w) * s.gain + w * num_accepted_nodes
+        pw = self.config.ema_weight
+        pg = self.population_gain
+        self.population_gain = num_accepted_nodes if pg is None else (1 - pw) * pg + pw * num_accepted_nodes
         if s.is_fallback:  # this was a probe: stay out unless it paid
             if self.plan_would_keep(s):
-                s.is_fallback, s.probe_interval = False, 0
+                s.is_fallback, s.probe_interval, s.num_rounds_rested = False, 0, 0
             else:
                 self._enter_fallback(s)
 

@@ -1,3 +1,5 @@
+import math
+
 import pytest
 
 from ddtree.budget import BudgetConfig, BudgetPolicy, CostModel
@@ -56,7 +58,8 @@ def test_fixed_budget_always_drafts():
 
 
 def test_fallback_and_probe_and_recovery():
-    cfg = BudgetConfig(min_probe_interval=2, max_probe_interval=8)
+    # A generous overhead bound: the backoff alone decides when probes come.
+    cfg = BudgetConfig(min_probe_interval=2, max_probe_interval=8, max_probe_overhead=1.0)
     policy = BudgetPolicy(cfg, linear_cost(per_token=1.0, fixed=30.0, draft=20.0))
     policy.add("a")
     assert policy.plan(["a"]).speculative_ids == ["a"]  # optimistic prior
@@ -64,29 +67,143 @@ def test_fallback_and_probe_and_recovery():
     policy.observe("a", predicted=3.0, num_accepted_nodes=0)
     plan = policy.plan(["a"])
     assert plan.autoregressive_ids == ["a"] and plan.speculative_ids == []
-    # Rests for probe_interval rounds, then probes once.
-    modes = [bool(policy.plan(["a"]).speculative_ids) for _ in range(3)]
-    assert modes == [False, False, True]
-    # The probe succeeds big: back to speculation.
-    for _ in range(3):
-        policy.observe("a", predicted=5.0, num_accepted_nodes=8)
+    # Exactly probe_interval autoregressive rounds (this one included), then one probe.
+    modes = [bool(policy.plan(["a"]).speculative_ids) for _ in range(2)]
+    assert modes == [False, True]
+    # One probe that pays big is enough after a rest: the estimates aged while it rested.
+    policy.observe("a", predicted=5.0, num_accepted_nodes=8)
     assert not policy.states["a"].is_fallback
     assert policy.plan(["a"]).speculative_ids == ["a"]
 
 
 def test_failed_probes_back_off():
-    cfg = BudgetConfig(min_probe_interval=2, max_probe_interval=8)
+    cfg = BudgetConfig(min_probe_interval=2, max_probe_interval=8, max_probe_overhead=1.0)
     policy = BudgetPolicy(cfg, linear_cost(per_token=1.0, fixed=30.0, draft=20.0))
     policy.add("a")
     policy.observe("a", predicted=3.0, num_accepted_nodes=0)
-    policy.plan(["a"])
-    intervals = []
-    for _ in range(4):
-        while not policy.plan(["a"]).speculative_ids:
-            pass
-        policy.observe("a", predicted=3.0, num_accepted_nodes=0)
-        intervals.append(policy.states["a"].probe_interval)
-    assert intervals == sorted(intervals) and intervals[-1] == 8
+    modes = ""
+    for _ in range(40):
+        is_probe = bool(policy.plan(["a"]).speculative_ids)
+        modes += "S" if is_probe else "a"
+        if is_probe:
+            policy.observe("a", predicted=3.0, num_accepted_nodes=0)
+    # Autoregressive rounds between probes: the first rest, then doubling up to the cap.
+    assert [len(run) for run in modes.split("S")[:5]] == [2, 4, 8, 8, 8]
+
+
+# A drafter forward that costs five verify passes of one token (the case where backoff alone overspends).
+def slow_drafter_cost():
+    return CostModel([(1, 0.010), (64, 0.012), (1024, 0.05)], [(1, 0.050), (16, 0.060)])
+
+
+PATH_PROBS = [0.6, 0.5, 0.45, 0.4, 0.3, 0.3, 0.2, 0.2, 0.1, 0.1, 0.05, 0.05, 0.02, 0.02, 0.01, 0.01]
+
+
+def simulate(policy, arrivals, num_rounds, accepted):
+    """Rounds of plan -> allocate -> verify -> observe, priced by the policy's own cost model (never refreshed).
+    `arrivals[rid]` is the round a request joins; `accepted(rid, round, num_nodes)` its accepted nodes.
+    Returns per round: (seconds, the seconds of the same requests decoding autoregressively, speculative ids)."""
+    cost, rounds = policy.cost, []
+    for t in range(num_rounds):
+        for rid, start in arrivals.items():
+            if start == t:
+                policy.add(rid)
+        rids = [rid for rid, start in arrivals.items() if start <= t]
+        plan = policy.plan(rids)
+        counts = policy.allocate(plan.speculative_ids, [PATH_PROBS] * len(plan.speculative_ids),
+                                 len(plan.autoregressive_ids))
+        seconds = cost.draft_seconds(len(plan.speculative_ids)) + cost.verify_seconds(len(rids) + sum(counts))
+        for rid, n in zip(plan.speculative_ids, counts):
+            policy.observe(rid, predicted=sum(PATH_PROBS[:n]), num_accepted_nodes=accepted(rid, t, n), num_nodes=n)
+        rounds.append((seconds, cost.verify_seconds(len(rids)), plan.speculative_ids))
+    return rounds
+
+
+def never_pays(rid, t, n):
+    return 0
+
+
+def probe_overhead(rounds):
+    spent = sum(s for s, _, _ in rounds)
+    return (spent - sum(off for _, off, _ in rounds)) / spent
+
+
+@pytest.mark.parametrize("max_probe_overhead", [0.03, 0.01])
+def test_probes_of_a_request_that_never_pays_stay_within_the_bound(max_probe_overhead):
+    policy = BudgetPolicy(BudgetConfig(max_probe_overhead=max_probe_overhead), slow_drafter_cost())
+    rounds = simulate(policy, {"a": 0}, 6000, never_pays)
+    entered = next(t for t, (_, _, spec) in enumerate(rounds) if not spec)  # the optimistic start is over
+    after = rounds[entered:]
+    probes = [t for t, (_, _, spec) in enumerate(after) if spec]
+    assert len(probes) >= 5  # it keeps being probed
+    assert probe_overhead(after) <= max_probe_overhead
+    # Every probe cycle on its own, not only the average (the backoff's early short intervals included).
+    for prev, probe in zip([0] + probes, probes):
+        assert probe_overhead(after[prev + 1 if prev else 0 : probe + 1]) <= max_probe_overhead
+    # The backoff alone (a bound that never binds) spends more than that: the test sees the difference.
+    loose = BudgetPolicy(BudgetConfig(max_probe_overhead=1.0), slow_drafter_cost())
+    loose_rounds = simulate(loose, {"a": 0}, 6000, never_pays)
+    assert probe_overhead(loose_rounds[entered:]) > 0.05
+
+
+def test_probes_of_many_fallback_requests_stay_within_the_bound_of_the_round():
+    policy = BudgetPolicy(BudgetConfig(max_probe_overhead=0.03), slow_drafter_cost())
+    arrivals = {f"r{k}": 37 * k for k in range(4)}  # staggered, so their probes do not share drafter calls
+    rounds = simulate(policy, arrivals, 8000, never_pays)
+    after = rounds[200:]
+    assert sum(1 for _, _, spec in after if spec) >= 10
+    assert probe_overhead(after) <= 0.03
+
+
+def test_a_request_that_pays_again_is_picked_up_within_the_bound():
+    cfg = BudgetConfig(max_probe_overhead=0.03)
+    cost = slow_drafter_cost()
+    policy = BudgetPolicy(cfg, cost)
+    switch = 3000
+
+    def pays_after_switch(rid, t, n):
+        return 0 if t < switch else min(n, 8)
+
+    rounds = simulate(policy, {"a": 0}, switch + 400, pays_after_switch)
+    assert sum(1 for _, _, spec in rounds[:switch] if spec) < 30  # it was in fallback, probed now and then
+    # The longest the bound may make it wait: a full tree, no expected gain, priced alone (its round).
+    v1 = cost.verify_seconds(1)
+    extra = cost.draft_seconds(1) + cost.verify_seconds(1 + cfg.max_budget) - v1
+    max_wait = max(cfg.max_probe_interval, math.ceil(extra / (cfg.max_probe_overhead * v1)))
+    back = next(t for t in range(switch, len(rounds) - 20) if all(rounds[u][2] for u in range(t, t + 20)))
+    assert back - switch <= max_wait + 1
+    assert not policy.states["a"].is_fallback
+
+
+def test_new_requests_start_from_the_gain_observed_over_all_requests():
+    cost = linear_cost(per_token=1.0, fixed=30.0, draft=20.0)  # the optimistic prior pays here: "a" drafts at first
+    weak = BudgetPolicy(BudgetConfig(), cost)
+    rounds = simulate(weak, {"a": 0}, 50, never_pays)
+    assert rounds[0][2] == ["a"]
+    weak.add("b")
+    assert weak.plan(["a", "b"]).speculative_ids == []  # "b" starts in fallback: the drafter does not pay here
+    strong = BudgetPolicy(BudgetConfig(), cost)
+    simulate(strong, {"a": 0}, 50, lambda rid, t, n: min(n, 10))
+    strong.add("b")
+    assert "b" in strong.plan(["a", "b"]).speculative_ids
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("max_probe_overhead", 0.0),
+        ("max_probe_overhead", 1.5),
+        ("max_probe_overhead", float("nan")),
+        ("min_probe_interval", 0),
+        ("max_probe_interval", 2),  # below min_probe_interval (4)
+        ("max_budget", 0),
+        ("ema_weight", 0.0),
+        ("initial_gain", -1.0),
+    ],
+)
+def test_invalid_config_names_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        BudgetConfig(**{field: value})
 
 
 def test_invalid_budget_config():
