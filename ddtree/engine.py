@@ -49,6 +49,9 @@ class EngineConfig:
     max_waiting: int = 1024  # queued requests before add_request answers EngineFullError
     max_model_len: int | None = None  # None: the model's own context window
     allow_fallback: bool = True  # auto mode: requests whose drafts do not pay decode autoregressively
+    # Two request groups in flight: draft one while the target verifies the other (pays when the drafter has its
+    # own device and the verify pass is compute-bound; see docs/serving.md for measurements)
+    pipeline: bool = False
 
     def __post_init__(self) -> None:
         if self.speculation not in SPECULATION_MODES:
@@ -57,6 +60,8 @@ class EngineConfig:
             raise ValueError(f"budget must be 'auto' or a positive integer, got {self.budget!r}")
         if isinstance(self.budget, int) and self.budget < 1:
             raise ValueError(f"budget must be 'auto' or a positive integer, got {self.budget!r}")
+        if not isinstance(self.pipeline, bool):
+            raise ValueError(f"pipeline must be a bool, got {self.pipeline!r}")
         for name in ("max_budget", "max_num_seqs", "max_waiting"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
@@ -78,7 +83,8 @@ class RoundTimings:
     verify: float = 0.0  # target forward
     accept: float = 0.0  # target tokens, walk and KV compaction
     emit: float = 0.0
-    num_rounds: int = 0
+    num_rounds: int = 0  # verify passes
+    num_draft_calls: int = 0  # drafter forwards
     num_speculative_request_rounds: int = 0
     num_autoregressive_request_rounds: int = 0
 
@@ -100,6 +106,26 @@ class _Request:
 class _DraftedTrees:
     trees: list[DraftTree] = field(default_factory=list)
     predicted: list[float] = field(default_factory=list)  # S(b) of the kept nodes, uncalibrated
+
+
+@dataclass
+class _DraftedGroup:
+    """Pipelined mode: speculative requests whose trees were drafted last phase and wait for their verify."""
+
+    plan: RoundPlan  # speculative_ids and max_budgets (no autoregressive ids)
+    drafted: _DraftedTrees
+
+
+def _without(group: _DraftedGroup, request_ids: set[str]) -> _DraftedGroup | None:
+    """The group minus some requests (aborted while in flight); None when nothing is left."""
+    if not request_ids:
+        return group
+    keep = [i for i, rid in enumerate(group.plan.speculative_ids) if rid not in request_ids]
+    if not keep:
+        return None
+    plan = RoundPlan([group.plan.speculative_ids[i] for i in keep], [], [group.plan.max_budgets[i] for i in keep])
+    drafted = _DraftedTrees([group.drafted.trees[i] for i in keep], [group.drafted.predicted[i] for i in keep])
+    return _DraftedGroup(plan, drafted)
 
 
 class Engine:
@@ -139,6 +165,7 @@ class Engine:
         self.requests: dict[str, _Request] = {}
         self.timings = RoundTimings()
         self._ids = itertools.count()
+        self._drafted_group: _DraftedGroup | None = None  # pipelined mode: drafted, waiting for its verify
 
     # ----------------------------------------------------------------------------------------------------------
     # Requests in and out
@@ -203,15 +230,62 @@ class Engine:
     # The round
 
     def step(self) -> list[RequestOutput]:
+        if self.config.pipeline and self.drafter is not None:
+            return self._pipelined_step()
         outputs = self._admit_and_prefill()
-        running = [rid for rid in self.scheduler.running if self.requests[rid].root_token_id is not None]
+        running = self._ready_requests(busy=set())
         if not running:
             return outputs
         plan = self._plan(running)
-        drafted = self._draft_trees(plan)
-        result = self._verify(plan, drafted)
+        drafted = self._collect_draft(plan, self._submit_draft(plan))
+        result = self._collect_verify(plan, self._submit_verify(plan, drafted))
         self._observe(plan, drafted, result)
         return outputs + self._emit(plan, result)
+
+    def _pipelined_step(self) -> list[RequestOutput]:
+        """One phase with two request groups in flight: the target verifies the trees drafted in the previous phase
+        while the drafter drafts the requests that phase verified (their new roots are known).
+
+        Requests planned autoregressive need no draft, so they join the current verify pass at once. The drafting
+        group is capped at half of all speculating requests (the rest decode one token this phase instead), so the
+        two groups stay balanced as requests join and leave. With one speculating request the phases alternate
+        draft / verify, which is the sequential round. In one process (`Completed` calls) the phases run one after
+        the other; with the workers on two actors (deployments/) the draft and the verify run concurrently."""
+        outputs = self._admit_and_prefill()
+        in_verify, self._drafted_group = self._drafted_group, None
+        if in_verify is not None:
+            in_verify = _without(in_verify, set(in_verify.plan.speculative_ids) - self.requests.keys())  # aborted
+        busy = set(in_verify.plan.speculative_ids) if in_verify is not None else set()
+        ready = self._ready_requests(busy)
+        plan = self._plan(ready) if ready else RoundPlan([], [], [])
+        max_drafting = (len(plan.speculative_ids) + len(busy) + 1) // 2
+        if len(plan.speculative_ids) > max_drafting:
+            plan = RoundPlan(plan.speculative_ids[:max_drafting],
+                             plan.autoregressive_ids + plan.speculative_ids[max_drafting:],
+                             plan.max_budgets[:max_drafting])
+        verify_plan = RoundPlan(in_verify.plan.speculative_ids if in_verify is not None else [],
+                                plan.autoregressive_ids,
+                                in_verify.plan.max_budgets if in_verify is not None else [])
+        verify_drafted = in_verify.drafted if in_verify is not None else _DraftedTrees()
+        # Submission order matters on actors: the drafting requests' features are taken from the target before
+        # the verify is queued behind them (inside _submit_draft), so the draft does not wait for the verify.
+        pending_draft = self._submit_draft(plan)
+        pending_verify = None
+        if verify_plan.speculative_ids or verify_plan.autoregressive_ids:
+            pending_verify = self._submit_verify(verify_plan, verify_drafted)
+        if plan.speculative_ids:  # the next group's trees are built while the target verifies
+            drafted = self._collect_draft(plan, pending_draft)
+            self._drafted_group = _DraftedGroup(RoundPlan(plan.speculative_ids, [], plan.max_budgets), drafted)
+        if pending_verify is not None:
+            result = self._collect_verify(verify_plan, pending_verify)
+            self._observe(verify_plan, verify_drafted, result)
+            outputs += self._emit(verify_plan, result)
+        return outputs
+
+    def _ready_requests(self, busy: set[str]) -> list[str]:
+        """Running requests whose next root token is known and that are not waiting for a verify."""
+        return [rid for rid in self.scheduler.running
+                if rid not in busy and self.requests[rid].root_token_id is not None]
 
     def _admit_and_prefill(self) -> list[RequestOutput]:
         def try_allocate(rid: str) -> bool:
@@ -239,16 +313,23 @@ class Engine:
             return RoundPlan([], list(running), [])
         return self.budget.plan(running)
 
-    def _draft_trees(self, plan: RoundPlan) -> _DraftedTrees:
-        drafted = _DraftedTrees()
+    def _submit_draft(self, plan: RoundPlan):
+        """Start the drafter forward for the plan's speculative requests (None when there are none)."""
         if not plan.speculative_ids:
-            return drafted
-        t0 = time.perf_counter()
+            return None
         roots = [self.requests[r].root_token_id for r in plan.speculative_ids]
         # Target features of tokens committed since each request last drafted (several rounds after a fallback):
         # they go from the target worker to the drafter worker; the drafter extends its context cache with them.
         features = self.target.take_features(plan.speculative_ids)
-        topk_logprobs, topk_token_ids = self.drafter.draft(plan.speculative_ids, roots, features, self.max_budget)
+        return self.drafter.draft_async(plan.speculative_ids, roots, features, self.max_budget)
+
+    def _collect_draft(self, plan: RoundPlan, pending) -> _DraftedTrees:
+        """The drafter's top-K as trees, cut to the round's global node allocation."""
+        drafted = _DraftedTrees()
+        if pending is None:
+            return drafted
+        topk_logprobs, topk_token_ids = pending.result()
+        draft_seconds = pending.seconds
         t1 = time.perf_counter()
         if self.config.speculation == "dflash":
             trees = chain_trees_from_topk(topk_logprobs, topk_token_ids, plan.max_budgets)
@@ -263,17 +344,20 @@ class Engine:
         counts = self.budget.allocate(plan.speculative_ids, path_probs, len(plan.autoregressive_ids))
         drafted.trees = [_truncate(t, n) for t, n in zip(trees, counts)]
         drafted.predicted = [sum(p[:n]) for p, n in zip(path_probs, counts)]
-        t2 = time.perf_counter()
-        self.timings.draft += t1 - t0
-        self.timings.tree += t2 - t1
-        self.budget.cost.observe_draft(len(plan.speculative_ids), t1 - t0)
+        self.timings.draft += draft_seconds
+        self.timings.num_draft_calls += 1
+        self.timings.tree += time.perf_counter() - t1
+        self.budget.cost.observe_draft(len(plan.speculative_ids), draft_seconds)
         return drafted
 
-    def _verify(self, plan: RoundPlan, drafted: _DraftedTrees) -> VerifyResult:
+    def _submit_verify(self, plan: RoundPlan, drafted: _DraftedTrees):
         request_ids = plan.speculative_ids + plan.autoregressive_ids
         trees = drafted.trees + [None] * len(plan.autoregressive_ids)
         roots = [self.requests[r].root_token_id for r in request_ids]
-        result = self.target.verify(request_ids, trees, roots)
+        return self.target.verify_async(request_ids, trees, roots)
+
+    def _collect_verify(self, plan: RoundPlan, pending) -> VerifyResult:
+        result = pending.result()
         self.timings.verify += result.forward_seconds
         self.timings.accept += result.accept_seconds
         self.timings.num_rounds += 1

@@ -27,6 +27,20 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30
 DEFAULT_DRAFTER_DIR = Path(__file__).parent / "assets" / "drafter" / "smollm2-135m-dflash"
 
 
+class Completed:
+    """A worker call already done, in this process. The engine submits the round's two big calls (draft, verify)
+    with `*_async` and reads them with `.result()`, so that the actor proxies (deployments/actors.py) can run them
+    concurrently on two actors; in one process they simply run one after the other, here."""
+
+    def __init__(self, fn, *args) -> None:
+        t0 = time.perf_counter()
+        self.value = fn(*args)
+        self.seconds = time.perf_counter() - t0  # spent inside the worker
+
+    def result(self):
+        return self.value
+
+
 @dataclass
 class VerifyResult:
     accepted_token_ids: list[list[int]]  # per request: tokens of the accepted tree nodes (bonus excluded)
@@ -106,6 +120,10 @@ class TargetWorker:
             result.accepted_token_ids, result.bonus_token_ids, packed.num_tokens, t1 - t0, t2 - t1
         )
 
+    def verify_async(self, request_ids: list[str], trees: list[DraftTree | None], root_token_ids: list[int]
+                     ) -> Completed:
+        return Completed(self.verify, request_ids, trees, root_token_ids)
+
     def take_features(self, request_ids: list[str]) -> list[torch.Tensor]:
         """Features [n_i, F] of every token committed since the request's last draft (the drafter's new context)."""
         out = []
@@ -171,6 +189,10 @@ class DrafterWorker:
             if feats.shape[0]:
                 self.drafter.add_context(rid, feats)
         return self.drafter.draft(request_ids, root_token_ids, max_k)
+
+    def draft_async(self, request_ids: list[str], root_token_ids: list[int], new_features: list[torch.Tensor],
+                    max_k: int) -> Completed:
+        return Completed(self.draft, request_ids, root_token_ids, new_features, max_k)
 
     def free(self, request_id: str) -> None:
         if request_id in self._known:

@@ -186,22 +186,23 @@ def test_abort_frees_the_request(workers):
 
 
 def test_fallback_skips_the_drafter_and_recovers(workers):
-    # A verify pass that costs much more per token than the drafter returns: everything falls back.
+    # A drafter forward that costs five one-token verify passes never pays: requests decode autoregressively with
+    # no drafter call at all, and within 3% of their time (BudgetConfig.max_probe_overhead) not even a probe fits.
     expensive = CostModel([(1, 0.010), (2, 0.030), (64, 1.0)], [(1, 0.050), (16, 0.060)])
     target, drafter, tok = workers
     engine = Engine(EngineConfig(speculation="ddtree", budget="auto"), target, drafter, tok, cost=expensive)
-    reference = make_llm(workers, speculation="off").generate(PROMPTS[:2], greedy(40))
-    outputs = LLM.from_engine(engine).generate(PROMPTS[:2], greedy(40))
-    assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
-    stats = [o.stats for o in outputs]
-    assert all(s.num_autoregressive_rounds > s.num_speculative_rounds for s in stats)
-    assert all(s.num_speculative_rounds >= 2 for s in stats)  # probed again after falling back
-    # Cheap verify tokens: requests come back from fallback once probes pay.
+    reference = make_llm(workers, speculation="off").generate(PROMPTS[:2], greedy(60))
+    ids = [engine.add_request(p, greedy(60)) for p in PROMPTS[:2]]
+    finals = {}
+    for _ in range(10):
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    assert engine.timings.num_speculative_request_rounds == 0 and engine.timings.num_draft_calls == 0
+    # The drafter becomes cheap (say, it moved to its own GPU): probes come and the requests speculate again.
     engine.budget.cost = CostModel([(1, 0.010), (1024, 0.011)], [(1, 0.0001)])
-    for s in engine.budget.states.values():
-        s.gain = 5.0
-    outputs = LLM.from_engine(engine).generate(PROMPTS[:2], greedy(40))
-    assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
+    while engine.has_unfinished_requests():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    assert [finals[i].token_ids for i in ids] == [r.token_ids for r in reference]
+    assert all(finals[i].stats.num_speculative_rounds >= 2 for i in ids)
 
 
 def _chi_square_p_value(observed: Counter, expected_probs: dict, n: int) -> float:
@@ -269,3 +270,75 @@ def test_seeded_sampling_depends_on_the_seed_only(workers):
     other_seed = make_llm(workers, speculation="off").generate(PROMPTS[:3], SamplingParams(
         temperature=0.8, top_p=0.9, max_tokens=20, seed=8, ignore_eos=True))
     assert [o.token_ids for o in other_seed] != [r.token_ids for r in reference]
+
+
+# ---- two request groups in flight (pipeline=True) ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("config", [dict(budget=8), dict(budget="auto"), dict(speculation="dflash")],
+                         ids=["fixed", "auto", "dflash"])
+def test_pipelined_t0_equals_off_with_requests_joining(workers, config):
+    """Two groups alternate drafting and verifying; requests join every other phase and finish at different
+    lengths: every output is still exactly `off`'s."""
+    lengths = [8 + 5 * i for i in range(len(PROMPTS))]
+    reference = {p: o.token_ids for p, o in zip(PROMPTS, make_llm(workers, speculation="off").generate(
+        PROMPTS, [greedy(n) for n in lengths]))}
+    config = {"speculation": "ddtree", **config}
+    engine = make_llm(workers, pipeline=True, max_num_seqs=4, **config).engine
+    ids, finals, pending, steps = {}, {}, list(zip(PROMPTS, lengths)), 0
+    max_in_flight = 0
+    while pending or engine.has_unfinished_requests():
+        if pending and steps % 2 == 0:
+            p, n = pending.pop(0)
+            ids[engine.add_request(p, greedy(n))] = p
+        for out in engine.step():
+            if out.finished:
+                finals[ids[out.request_id]] = out.token_ids
+        group = engine._drafted_group
+        max_in_flight = max(max_in_flight, len(group.plan.speculative_ids) if group else 0)
+        steps += 1
+    assert finals == reference
+    assert max_in_flight >= 1 and engine._drafted_group is None
+    assert engine.timings.num_speculative_request_rounds > 0
+
+
+def test_pipelined_groups_stay_balanced(workers):
+    """With four speculating requests, each phase drafts two while the other two are verified."""
+    engine = make_llm(workers, pipeline=True, speculation="ddtree", budget=4, max_num_seqs=4).engine
+    for p in PROMPTS[:4]:
+        engine.add_request(p, greedy(40))
+    engine.step()  # admits all four: two draft, two decode one token autoregressively
+    assert len(engine._drafted_group.plan.speculative_ids) == 2
+    for _ in range(6):
+        before = set(engine._drafted_group.plan.speculative_ids)
+        engine.step()
+        after = set(engine._drafted_group.plan.speculative_ids)
+        assert len(after) == 2 and not before & after  # the groups alternate
+
+
+def test_pipelined_abort_of_a_request_in_flight(workers):
+    engine = make_llm(workers, pipeline=True, speculation="ddtree", budget=8, max_num_seqs=4).engine
+    kv_before = engine.target.num_kv_bytes_used
+    keep = engine.add_request("hello world", greedy(20))
+    gone = engine.add_request("the cat sat on", greedy(50))
+    engine.step()
+    engine.step()
+    in_flight = engine._drafted_group.plan.speculative_ids
+    victim = in_flight[0]
+    engine.abort_request(victim)
+    finals = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+    survivor = keep if victim == gone else gone
+    assert list(finals) == [survivor] and finals[survivor].finish_reason == "length"
+    assert engine.target.num_kv_bytes_used == kv_before
+    expected = make_llm(workers, speculation="off").generate(
+        "hello world" if survivor == keep else "the cat sat on", greedy(20 if survivor == keep else 50))[0]
+    assert finals[survivor].token_ids == expected.token_ids
+
+
+def test_pipeline_config_is_validated():
+    with pytest.raises(ValueError, match="pipeline"):
+        EngineConfig(pipeline="yes")
