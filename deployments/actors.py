@@ -2,7 +2,10 @@
 
 The engine calls its workers only through a handful of methods (allocate, prefill, verify, take_features, free,
 measure_verify_cost / draft, free, measure_draft_cost), so each proxy method is one plain actor call:
-`ray.get(actor.method.remote(...))`. Serve handles never appear in the per-round loop.
+`ray.get(actor.method.remote(...))`. Serve handles never appear in the per-round loop. The round's two big calls
+also come as `verify_async` / `draft_async`, which submit and return a `PendingCall`: with `pipeline=True` the
+engine keeps two request groups in flight and the drafter actor drafts one while the target actor verifies the
+other (ddtree/engine.py `_pipelined_step`).
 
 Target features go from the target actor to the drafter actor by object reference: `TargetProxy.take_features`
 returns the ObjectRef un-fetched and `DrafterProxy.draft` passes it as an argument of the drafter's call, so Ray
@@ -126,6 +129,27 @@ class HopTimes:
         self.num_calls += 1
 
 
+class PendingCall:
+    """An actor call in flight (the engine's draft and verify, submitted so that they can overlap); `.result()`
+    waits for it. The hop time booked is the wall time from submission to result minus the time inside the actor,
+    so it is an upper bound when the caller reads the result late."""
+
+    def __init__(self, hops: HopTimes, method, *args) -> None:
+        self.hops = hops
+        self.start = time.perf_counter()
+        self.ref = method.remote(*args)
+        self.seconds = 0.0  # inside the actor, known after result()
+        self._value = None
+        self._is_done = False
+
+    def result(self):
+        if not self._is_done:
+            self._value, self.seconds = ray.get(self.ref)
+            self.hops.add(time.perf_counter() - self.start, self.seconds)
+            self._is_done = True
+        return self._value
+
+
 def _call(hops: HopTimes, method, *args):
     t0 = time.perf_counter()
     result, inside = ray.get(method.remote(*args))
@@ -154,6 +178,9 @@ class TargetProxy:
     def verify(self, request_ids, trees, roots):
         return _call(self.hops, self.actor.verify, request_ids, trees, roots)
 
+    def verify_async(self, request_ids, trees, roots) -> PendingCall:
+        return PendingCall(self.hops, self.actor.verify, request_ids, trees, roots)
+
     def take_features(self, request_ids):
         # Un-fetched on purpose: the drafter actor resolves it (see the module docstring).
         return self.actor.take_features.remote(request_ids)
@@ -178,6 +205,9 @@ class DrafterProxy:
 
     def draft(self, request_ids, roots, features_ref, max_k):
         return _call(self.hops, self.actor.draft, request_ids, roots, features_ref, max_k)
+
+    def draft_async(self, request_ids, roots, features_ref, max_k) -> PendingCall:
+        return PendingCall(self.hops, self.actor.draft, request_ids, roots, features_ref, max_k)
 
     def free(self, request_id):
         return _call(self.hops, self.actor.free, request_id)

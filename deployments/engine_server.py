@@ -35,6 +35,7 @@ class DDTreeEngine:
             max_waiting=self.args.max_waiting,
             max_model_len=self.args.max_model_len,
             allow_fallback=self.args.allow_fallback,
+            pipeline=self.args.pipeline,
         )
         target = self.actors.target_proxy
         self.engine = Engine(config, target, self.actors.drafter_proxy, target.tokenizer)
@@ -76,6 +77,7 @@ class DDTreeEngine:
         def read(engine) -> dict:
             return {
                 "speculation": engine.config.speculation,
+                "pipeline": engine.config.pipeline,
                 "max_model_len": engine.max_model_len,
                 "max_budget": engine.max_budget,
                 "num_running": engine.num_running,

@@ -348,3 +348,34 @@ def test_engine_reports_timings_and_metrics_without_errors(served):
     assert info["timings"]["num_rounds"] > 0
     assert info["actor_hop_calls"] > 0 and info["actor_hop_seconds"] > 0
     assert info["num_metrics_errors"] == 0
+
+
+# ---- two request groups in flight on the worker actors ----------------------------------------------------------
+
+
+def test_pipelined_engine_on_worker_actors_equals_offline_off(served, app_args, checkpoints):
+    """pipeline=True through the actor proxies (draft_async / verify_async as pending actor calls, features taken
+    before the verify is queued): T=0 outputs equal the offline engine with speculation off."""
+    from ddtree import LLM, SamplingParams
+    from ddtree.budget import CostModel
+    from ddtree.engine import Engine, EngineConfig
+    from deployments.actors import start_worker_actors
+    from deployments.config import ActorPlace, WorkerSpec, parse_args
+
+    args = parse_args({**app_args, "pipeline": True})
+    assert args.pipeline is True
+    place_target, place_drafter = ActorPlace(0, 0.0, 0.0), ActorPlace(0, 0.0, 0.0)  # the app holds the CPUs
+    actors = start_worker_actors(WorkerSpec.from_args(args), place_target, place_drafter)
+    try:
+        config = EngineConfig(speculation="ddtree", budget=8, max_budget=16, max_num_seqs=4, pipeline=True)
+        cost = CostModel([(1, 0.010), (64, 0.012), (1024, 0.05)], [(1, 0.002), (16, 0.003)])
+        engine = Engine(config, actors.target_proxy, actors.drafter_proxy, actors.target_proxy.tokenizer, cost=cost)
+        prompts = ["hello world", "the cat sat on", "12 + 7 =", "why is the sky blue?", "a"]
+        params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+        outputs = LLM.from_engine(engine).generate(prompts, params)
+        reference = LLM(str(checkpoints["target"]), str(checkpoints["drafter"]), dtype="float64",
+                        speculation="off").generate(prompts, params)
+        assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
+        assert engine.timings.num_draft_calls > 0 and actors.hops.num_calls > engine.timings.num_draft_calls
+    finally:
+        actors.kill()
