@@ -252,6 +252,23 @@ class BudgetPolicy:
             return 0
         return math.ceil(extra / (self.config.max_probe_overhead * seconds_per_token))
 
+    def pipeline_speedup(self, request_ids: list[str]) -> float:
+        """Predicted speed of two request groups in flight over one round for all, for these running requests.
+
+        Sequential: draft(S) + verify(T) for S speculating requests and T packed tokens. Pipelined: the round's work
+        in two phases, each costing the larger of drafting half the speculating requests and verifying half the
+        tokens (drafter and target work at the same time on separate devices); 1.0 below two speculating
+        requests, where the phases would just alternate draft and verify."""
+        is_speculating = self.config.fixed_budget is not None or not self.config.allow_fallback
+        speculating = [r for r in request_ids if is_speculating or not self.states[r].is_fallback]
+        if len(speculating) < 2:
+            return 1.0
+        num_tokens = len(request_ids) + round(sum(self._expected_nodes(self.states[r]) for r in speculating))
+        sequential = self.cost.draft_seconds(len(speculating)) + self.cost.verify_seconds(num_tokens)
+        phase = max(self.cost.draft_seconds((len(speculating) + 1) // 2),
+                    self.cost.verify_seconds((num_tokens + 1) // 2))
+        return sequential / (2 * phase)
+
     def _round_seconds(self, num_requests: int, num_speculative: int, num_nodes: float) -> float:
         return self.cost.draft_seconds(num_speculative) + self.cost.verify_seconds(num_requests + round(num_nodes))
 

@@ -53,6 +53,8 @@ class VerifyResult:
 class TargetWorker:
     """The target model, its KV cache, per-request sampling state, and features waiting for the drafter."""
 
+    is_remote = False  # in the engine's process: its calls cannot overlap the drafter's (the actor proxies can)
+
     def __init__(self, model, keep_features: bool) -> None:
         self.model = model
         self.keep_features = keep_features and model.feature_dim > 0
@@ -167,6 +169,8 @@ class TargetWorker:
 
 class DrafterWorker:
     """The DFlash drafter and its per-request context caches."""
+
+    is_remote = False
 
     def __init__(self, drafter) -> None:
         self.drafter = drafter

@@ -160,6 +160,8 @@ def _call(hops: HopTimes, method, *args):
 class TargetProxy:
     """Looks like a TargetWorker to the Engine; every method is one actor call."""
 
+    is_remote = True  # its calls run on the actor, concurrently with the drafter actor's (pipeline="auto")
+
     def __init__(self, actor, hops: HopTimes) -> None:
         self.actor = actor
         self.hops = hops
@@ -197,6 +199,8 @@ class TargetProxy:
 
 class DrafterProxy:
     """Looks like a DrafterWorker to the Engine."""
+
+    is_remote = True
 
     def __init__(self, actor, hops: HopTimes) -> None:
         self.actor = actor

@@ -51,10 +51,11 @@ class AppArgs(BaseModel):
     attention: str = Field("auto", description="Attention backend of the workers ('auto', 'sdpa', 'flex').")
     allow_fallback: bool = Field(
         True, description="In 'auto' budget mode, requests whose drafts do not pay decode autoregressively.")
-    pipeline: bool = Field(
+    pipeline: bool | Literal["auto"] = Field(
         False, description="Two request groups in flight: the drafter actor drafts one while the target actor "
                            "verifies the other. Pays when the drafter has its own device and verify passes are "
-                           "compute-bound (large batches); see docs/serving.md.")
+                           "compute-bound (large batches); 'auto' decides each phase from the cost model; see "
+                           "docs/serving.md.")
     placement: Literal["cpu", "gpu-per-worker", "shared-gpu"] = Field(
         "cpu", description="Where an engine replica's target and drafter actors run (see module docstring).")
     engine_num_cpus: float = Field(0.5, gt=0, description="CPUs reserved for the engine replica (scheduler loop).")

@@ -209,3 +209,18 @@ def test_invalid_config_names_the_field(field, value):
 def test_invalid_budget_config():
     with pytest.raises(ValueError, match="budget"):
         BudgetConfig(fixed_budget=0)
+
+
+def test_pipeline_speedup_follows_the_cost_model():
+    """Two groups pay when the drafter is costly and the verify grows with its tokens (compute-bound); they lose
+    when the verify costs the same for any token count (bandwidth-bound) and the drafter is cheap."""
+    compute_bound = CostModel([(1, 0.01), (1000, 1.0)], [(1, 0.05), (16, 0.8)])
+    bandwidth_bound = CostModel([(1, 0.04), (1000, 0.05)], [(1, 0.002), (16, 0.004)])
+    ids = [f"r{i}" for i in range(8)]
+    for cost, low, high in ((compute_bound, 1.2, 2.0), (bandwidth_bound, 0.0, 0.8)):
+        policy = BudgetPolicy(BudgetConfig(fixed_budget=16), cost)
+        for rid in ids:
+            policy.add(rid)
+            policy.observe(rid, predicted=2.0, num_accepted_nodes=2, num_nodes=16)
+        assert low < policy.pipeline_speedup(ids) < high
+        assert policy.pipeline_speedup(ids[:1]) == 1.0  # one speculating request: nothing to overlap

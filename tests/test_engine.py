@@ -3,6 +3,7 @@ stops, budgets, fallback, sampling statistics, input validation."""
 
 from __future__ import annotations
 
+import copy
 import math
 from collections import Counter
 
@@ -39,7 +40,9 @@ def workers(checkpoints):
 def make_llm(workers, **config) -> LLM:
     target, drafter, tokenizer = workers
     config = EngineConfig(**config)
-    engine = Engine(config, target, drafter if config.speculation != "off" else None, tokenizer, cost=FLAT_COST)
+    # Engines refresh their cost model from live timings: each gets its own copy.
+    engine = Engine(config, target, drafter if config.speculation != "off" else None, tokenizer,
+                    cost=copy.deepcopy(FLAT_COST))
     return LLM.from_engine(engine)
 
 
@@ -134,14 +137,15 @@ def test_eos_and_context_length(workers, checkpoints):
     eos_target = free.token_ids[3]
     target.eos_token_ids.append(eos_target)  # pretend that token is EOS for a moment
     try:
-        engine = Engine(EngineConfig(speculation="ddtree", budget=16), target, drafter, tok, cost=FLAT_COST)
+        engine = Engine(EngineConfig(speculation="ddtree", budget=16), target, drafter, tok,
+                        cost=copy.deepcopy(FLAT_COST))
         out = LLM.from_engine(engine).generate(PROMPTS[0], SamplingParams(max_tokens=40))[0]
         first = free.token_ids.index(eos_target)
         assert out.finish_reason == "stop" and out.token_ids == free.token_ids[: first + 1]
     finally:
         target.eos_token_ids.remove(eos_target)
     short = Engine(EngineConfig(speculation="ddtree", budget=16, max_model_len=20), target, drafter, tok,
-                   cost=FLAT_COST)
+                   cost=copy.deepcopy(FLAT_COST))
     out = LLM.from_engine(short).generate(PROMPTS[0], greedy(100))[0]
     prompt_len = len(tok.encode(PROMPTS[0], add_special_tokens=False))
     assert out.finish_reason == "length" and len(out.token_ids) == 20 - prompt_len
@@ -342,3 +346,44 @@ def test_pipelined_abort_of_a_request_in_flight(workers):
 def test_pipeline_config_is_validated():
     with pytest.raises(ValueError, match="pipeline"):
         EngineConfig(pipeline="yes")
+
+
+def test_pipeline_auto_follows_the_cost_model_and_needs_concurrent_workers(workers):
+    """pipeline="auto": never in one process (the calls could not overlap); with workers that run concurrently
+    (actor proxies say is_remote) it pipelines while the cost model predicts a gain, and goes back to one group
+    (verifying the group in flight first) when it does not. Outputs stay exactly `off`'s throughout."""
+    target, drafter, tok = workers
+    compute_bound = CostModel([(1, 0.01), (1000, 1.0)], [(1, 0.05), (16, 0.8)])
+    bandwidth_bound = CostModel([(1, 0.04), (1000, 0.05)], [(1, 0.002), (16, 0.004)])
+    config = EngineConfig(speculation="ddtree", budget=8, max_num_seqs=4, pipeline="auto")
+    reference = make_llm(workers, speculation="off").generate(PROMPTS[:4], greedy(30))
+
+    local = Engine(config, target, drafter, tok, cost=copy.deepcopy(compute_bound))
+    assert [o.token_ids for o in LLM.from_engine(local).generate(PROMPTS[:4], greedy(30))] == \
+        [r.token_ids for r in reference]
+    assert local._drafted_group is None and local.timings.num_rounds == local.timings.num_draft_calls
+
+    class RemoteTarget(type(target)):  # the same worker, declared concurrent as the actor proxies are
+        is_remote = True
+
+    class RemoteDrafter(type(drafter)):
+        is_remote = True
+
+    target.__class__, drafter.__class__ = RemoteTarget, RemoteDrafter
+    try:
+        engine = Engine(config, target, drafter, tok, cost=copy.deepcopy(compute_bound))
+        ids = [engine.add_request(p, greedy(30)) for p in PROMPTS[:4]]
+        finals, was_pipelined = {}, False
+        for _ in range(4):
+            finals.update({o.request_id: o for o in engine.step() if o.finished})
+            was_pipelined |= engine._drafted_group is not None
+        assert was_pipelined
+        engine.budget.cost = copy.deepcopy(bandwidth_bound)  # now one group is faster: it drains and stays out
+        engine.step()
+        assert engine._drafted_group is None
+        while engine.has_unfinished_requests():
+            finals.update({o.request_id: o for o in engine.step() if o.finished})
+            assert engine._drafted_group is None
+        assert [finals[i].token_ids for i in ids] == [r.token_ids for r in reference]
+    finally:
+        target.__class__, drafter.__class__ = RemoteTarget.__base__, RemoteDrafter.__base__
