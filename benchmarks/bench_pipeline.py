@@ -4,12 +4,15 @@ when the target and the drafter run on separate Ray actors (as an engine replica
     python benchmarks/bench_pipeline.py                                   # shipped drafter, concurrency 1 2 4 8
     python benchmarks/bench_pipeline.py --drafter random --concurrency 2 4 --budget 16
 
-For each concurrency the same prompts are decoded at T=0 with a fixed budget (no fallback, so both modes do the same
-work per request round) by two engines on the SAME two actors: `sequential` (pipeline=False: draft all, then verify
-all) and `pipelined` (pipeline=True: phases where the drafter actor drafts group A while the target actor verifies
-group B). The modes alternate for `--passes` passes so that load from other jobs hits both alike. The table reports
-tokens/s of each, their ratio, the mean phase / round time, and the engine's own split (seconds inside the drafter
-and inside the target per committed token): overlap can at best hide the smaller of the two.
+For each concurrency the same prompts are decoded at T=0 with a fixed budget (no fallback, so every mode does the
+same work per request round) by three engines on the SAME two actors: `sequential` (pipeline=False: draft all, then
+verify all), `pipelined` (pipeline=True: phases where the drafter actor drafts group A while the target actor
+verifies group B) and `auto` (pipeline="auto": the engine chooses from its cost model each phase). The modes
+alternate for `--passes` passes so that load from other jobs hits them alike. The table reports tokens/s of each,
+the ratios to sequential, the speedup the cost model predicts for two groups (`BudgetPolicy.pipeline_speedup`, from
+the sequential engine's live cost curves; auto pipelines above 1.15), the mean round / phase time, and the engine's
+own split (seconds inside the drafter and inside the target per committed token): overlap can at best hide the
+smaller of the two.
 
 The two groups split the verify pass in two, so the target reads its weights twice as often: pipelining pays when
 the drafter's time is comparable to the verify's and the verify is compute-bound (large packed batches), and loses
@@ -32,6 +35,18 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks.bench_actors import Result, make_random_drafter, run_engine  # noqa: E402
+
+
+def predicted_speedup(engine, concurrency: int, budget: int) -> float:
+    """What the engine's cost model predicts for two groups of `concurrency` requests verifying `budget` nodes each."""
+    from ddtree.budget import BudgetConfig, BudgetPolicy
+
+    policy = BudgetPolicy(BudgetConfig(fixed_budget=budget), engine.budget.cost)
+    ids = [f"r{i}" for i in range(concurrency)]
+    for rid in ids:
+        policy.add(rid)
+        policy.states[rid].nodes = float(budget)
+    return policy.pipeline_speedup(ids)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, cost = [], None
     for concurrency in args.concurrency:
         engines = {}
-        for name, pipeline in (("sequential", False), ("pipelined", True)):
+        for name, pipeline in (("sequential", False), ("pipelined", True), ("auto", "auto")):
             config = EngineConfig(speculation="ddtree", budget=args.budget, max_budget=args.budget,
                                   max_num_seqs=concurrency, allow_fallback=False, pipeline=pipeline)
             engine = Engine(config, actors.target_proxy, actors.drafter_proxy, tokenizer,
@@ -95,22 +110,25 @@ def main(argv: list[str] | None = None) -> int:
                 total.tau = run.tau
                 for k, v in run.stage_seconds.items():
                     total.stage_seconds[k] = total.stage_seconds.get(k, 0.0) + v
-        seq, pipe = totals["sequential"], totals["pipelined"]
-        rows.append((concurrency, seq, pipe, seq.outputs == pipe.outputs))
+        seq, pipe, auto = totals["sequential"], totals["pipelined"], totals["auto"]
+        predicted = predicted_speedup(engines["sequential"], concurrency, args.budget)
+        rows.append((concurrency, seq, pipe, auto, predicted, seq.outputs == pipe.outputs == auto.outputs))
     actors.kill()
     ray.shutdown()
 
     print(f"\nbudget={args.budget} (fixed), max_tokens={args.max_tokens}, 2 x concurrency prompts, "
           f"{args.passes} passes, drafter={args.drafter or 'shipped'}, actors: {args.threads} torch thread(s) each")
-    print(f"{'conc':>5}{'seq tok/s':>11}{'pipe tok/s':>12}{'pipe/seq':>10}{'seq round ms':>14}{'pipe phase ms':>15}"
-          f"{'draft ms/tok':>14}{'verify ms/tok':>15}{'tau seq':>9}{'tau pipe':>10}{'identical':>11}")
-    for concurrency, seq, pipe, same in rows:
+    print(f"{'conc':>5}{'seq tok/s':>11}{'pipe tok/s':>12}{'auto tok/s':>12}{'pipe/seq':>10}{'auto/seq':>10}"
+          f"{'predicted':>11}{'seq round ms':>14}{'pipe phase ms':>15}{'draft ms/tok':>14}{'verify ms/tok':>15}"
+          f"{'identical':>11}")
+    for concurrency, seq, pipe, auto, predicted, same in rows:
         draft = 1000 * seq.stage_seconds["draft"] / seq.num_tokens
         verify = 1000 * (seq.stage_seconds["verify"] + seq.stage_seconds["accept"]) / seq.num_tokens
-        print(f"{concurrency:>5}{seq.num_tokens / seq.seconds:>11.1f}{pipe.num_tokens / pipe.seconds:>12.1f}"
-              f"{(pipe.num_tokens / pipe.seconds) / (seq.num_tokens / seq.seconds):>10.3f}"
-              f"{1000 * statistics.fmean(seq.round_seconds):>14.1f}{1000 * statistics.fmean(pipe.round_seconds):>15.1f}"
-              f"{draft:>14.2f}{verify:>15.2f}{seq.tau:>9.2f}{pipe.tau:>10.2f}{str(same):>11}")
+        rate = {r.name: r.num_tokens / r.seconds for r in (seq, pipe, auto)}
+        print(f"{concurrency:>5}{rate['sequential']:>11.1f}{rate['pipelined']:>12.1f}{rate['auto']:>12.1f}"
+              f"{rate['pipelined'] / rate['sequential']:>10.3f}{rate['auto'] / rate['sequential']:>10.3f}"
+              f"{predicted:>11.2f}{1000 * statistics.fmean(seq.round_seconds):>14.1f}"
+              f"{1000 * statistics.fmean(pipe.round_seconds):>15.1f}{draft:>14.2f}{verify:>15.2f}{str(same):>11}")
     return 0 if all(same for *_, same in rows) else 1
 
 

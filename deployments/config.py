@@ -52,7 +52,7 @@ class AppArgs(BaseModel):
     allow_fallback: bool = Field(
         True, description="In 'auto' budget mode, requests whose drafts do not pay decode autoregressively.")
     pipeline: bool | Literal["auto"] = Field(
-        False, description="Two request groups in flight: the drafter actor drafts one while the target actor "
+        "auto", description="Two request groups in flight: the drafter actor drafts one while the target actor "
                            "verifies the other. Pays when the drafter has its own device and verify passes are "
                            "compute-bound (large batches); 'auto' decides each phase from the cost model; see "
                            "docs/serving.md.")
