@@ -120,7 +120,7 @@ class _DraftedGroup:
 
 def _without(group: _DraftedGroup, request_ids: set[str]) -> _DraftedGroup | None:
     """The group minus some requests (aborted while in flight); None when nothing is left."""
-    if not request_ids:
+    if request_ids.isdisjoint(group.plan.speculative_ids):
         return group
     keep = [i for i, rid in enumerate(group.plan.speculative_ids) if rid not in request_ids]
     if not keep:
@@ -268,9 +268,7 @@ class Engine:
         draft / verify, which is the sequential round. In one process (`Completed` calls) the phases run one after
         the other; with the workers on two actors (deployments/) the draft and the verify run concurrently."""
         outputs = self._admit_and_prefill()
-        in_verify, self._drafted_group = self._drafted_group, None
-        if in_verify is not None:
-            in_verify = _without(in_verify, set(in_verify.plan.speculative_ids) - self.requests.keys())  # aborted
+        in_verify, self._drafted_group = self._drafted_group, None  # (`_finish` took aborted requests out of it)
         busy = set(in_verify.plan.speculative_ids) if in_verify is not None else set()
         ready = self._ready_requests(busy)
         plan = self._plan(ready) if ready else RoundPlan([], [], [])
@@ -417,6 +415,9 @@ class Engine:
 
     def _finish(self, req: _Request, new_text: str, new_token_ids: list[int]) -> RequestOutput:
         rid = req.request_id
+        if self._drafted_group is not None:
+            # Aborted while its tree waits for a verify: drop the tree now, before the id can be reused.
+            self._drafted_group = _without(self._drafted_group, {rid})
         self.scheduler.remove(rid)
         self.budget.remove(rid)
         self.target.free(rid)

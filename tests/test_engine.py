@@ -387,3 +387,21 @@ def test_pipeline_auto_follows_the_cost_model_and_needs_concurrent_workers(worke
         assert [finals[i].token_ids for i in ids] == [r.token_ids for r in reference]
     finally:
         target.__class__, drafter.__class__ = RemoteTarget.__base__, RemoteDrafter.__base__
+
+
+def test_pipelined_abort_then_reuse_of_the_request_id(workers):
+    """A request aborted while its tree is in flight, then a new request with the same id: the stale tree must not
+    be verified for the newcomer (it may still be waiting, with no KV cache and no root token)."""
+    engine = make_llm(workers, pipeline=True, speculation="ddtree", budget=8, max_num_seqs=2).engine
+    engine.add_request("hello world", greedy(20), request_id="x")
+    engine.add_request("the cat sat on", greedy(20), request_id="y")
+    engine.step()  # both admitted: x drafts, y decodes one token
+    assert engine._drafted_group.plan.speculative_ids == ["x"]
+    engine.abort_request("x")
+    engine.add_request("12 + 7 =", greedy(20), request_id="z")  # takes the free seat first
+    engine.add_request("a", greedy(20), request_id="x")  # waits
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    expected = make_llm(workers, speculation="off").generate(["the cat sat on", "12 + 7 =", "a"], greedy(20))
+    assert [finals[r].token_ids for r in ("y", "z", "x")] == [e.token_ids for e in expected]
