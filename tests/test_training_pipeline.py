@@ -88,3 +88,14 @@ def test_cli_pipeline_end_to_end_on_a_tiny_target(tiny_target, tmp_path):
         "--max-steps", "4", "--train-batch-size", "2", "--max-anchors", "3", "--num-negatives", "8"]) == 0
     log = [json.loads(line) for line in (tmp_path / "out" / "log.jsonl").read_text().splitlines()]
     assert log[-1]["step"] == 4
+    # ship: the draft vocabulary travels with the drafter, and only with a tau measured over that vocabulary
+    ship = common[:1] + ["ship"] + common[1:] + ["--ship-dir", str(tmp_path / "ship")]
+    assert main(ship) == 0
+    assert json.loads((tmp_path / "ship" / "draft_vocab.json").read_text()) == vocab
+    assert main(common[:1] + ["vocab"] + common[1:] + ["--draft-vocab-size", "3"]) == 0  # tau.json is now stale
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        main(ship)
+    assert json.loads((tmp_path / "ship" / "draft_vocab.json").read_text()) == vocab  # nothing was half-shipped
+    assert main(common[:1] + ["eval"] + common[1:] + ["--budgets", "2", "4"]) == 0
+    assert main(ship) == 0
+    assert len(json.loads((tmp_path / "ship" / "draft_vocab.json").read_text())["token_ids"]) <= 4

@@ -249,10 +249,17 @@ def _ship(args: argparse.Namespace) -> None:
     tau_path = drafter_dir / "tau.json"
     if not tau_path.exists():
         raise ValueError(f"{drafter_dir} has no tau.json: run the eval step before shipping")
+    vocab_path = drafter_dir / DRAFT_VOCAB_NAME
+    # The shipped tau must describe what serving drafts over: a vocabulary made (or removed) after the eval step
+    # would ship with a tau measured over another one.
+    num_vocab = len(json.loads(vocab_path.read_text())["token_ids"]) if vocab_path.exists() else None
+    num_vocab_evaluated = json.loads(tau_path.read_text()).get("draft_vocab_size")
+    if num_vocab != num_vocab_evaluated:
+        raise ValueError(f"{tau_path} was measured over a draft vocabulary of {num_vocab_evaluated} tokens (None: the "
+                         f"full vocabulary) but {drafter_dir} has {num_vocab}: run the eval step again")
     args.ship_dir.mkdir(parents=True, exist_ok=True)
     for name in ("config.json", "model.safetensors", "tau.md"):
         shutil.copy(drafter_dir / name, args.ship_dir / name)
-    vocab_path = drafter_dir / DRAFT_VOCAB_NAME
     if vocab_path.exists():
         shutil.copy(vocab_path, args.ship_dir / DRAFT_VOCAB_NAME)
     else:  # a stale vocabulary must not outlive the drafter it was made for
