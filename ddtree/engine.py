@@ -168,6 +168,7 @@ class Engine:
         self.timings = RoundTimings()
         self._ids = itertools.count()
         self._drafted_group: _DraftedGroup | None = None  # pipelined mode: drafted, waiting for its verify
+        self._is_pipelining = False  # the last step's choice (pipeline="auto" hysteresis)
 
     # ----------------------------------------------------------------------------------------------------------
     # Requests in and out
@@ -232,7 +233,7 @@ class Engine:
     # The round
 
     def step(self) -> list[RequestOutput]:
-        is_pipelining = self._should_pipeline()
+        is_pipelining = self._is_pipelining = self._should_pipeline()
         if is_pipelining or self._drafted_group is not None:  # (a group still in flight is verified first)
             return self._pipelined_step(is_pipelining)
         outputs = self._admit_and_prefill()
@@ -247,15 +248,16 @@ class Engine:
 
     def _should_pipeline(self) -> bool:
         """pipeline=True: always; "auto": while the cost model predicts two groups faster than one, with a margin
-        to enter (it ignores the actor hops and the second verify pass's fixed costs: on this CPU a predicted
-        1.12x measured 0.91x), and only when the workers can work at the same time (actors, `is_remote`)."""
+        to enter (it ignores the actor hops and the second verify pass's fixed costs: in benchmarks/bench_pipeline.py
+        runs its predictions were 2-7% above the measured ratio), staying while above 1x, and only when the workers
+        can work at the same time (actors, `is_remote`)."""
         if self.drafter is None or self.config.pipeline is False:
             return False
         if self.config.pipeline is True:
             return True
         if not (getattr(self.target, "is_remote", False) and getattr(self.drafter, "is_remote", False)):
             return False
-        threshold = 1.0 if self._drafted_group is not None else PIPELINE_ENTER_SPEEDUP
+        threshold = 1.0 if self._is_pipelining else PIPELINE_ENTER_SPEEDUP
         return self.budget.pipeline_speedup(self.scheduler.running) > threshold
 
     def _pipelined_step(self, is_pipelining: bool = True) -> list[RequestOutput]:
