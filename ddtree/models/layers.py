@@ -53,12 +53,19 @@ class Rotary:
         self.head_dim = head_dim
         self.inv_freq64 = rope_inv_freq(head_dim, rope_theta, rope_scaling)  # [head_dim // 2]
         self.inv_freq32 = self.inv_freq64.to(torch.float32)
+        # copies on other devices, made once: a blocking host-to-device copy in every forward would make the host
+        # wait for the device each time
+        self._inv_freq_on: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin of shape positions.shape + [head_dim] in `dtype`."""
         angle_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-        inv_freq = self.inv_freq64 if angle_dtype == torch.float64 else self.inv_freq32
-        freqs = positions.to(angle_dtype).unsqueeze(-1) * inv_freq.to(positions.device)  # [..., head_dim // 2]
+        key = (positions.device, angle_dtype)
+        inv_freq = self._inv_freq_on.get(key)
+        if inv_freq is None:
+            inv_freq = (self.inv_freq64 if angle_dtype == torch.float64 else self.inv_freq32).to(positions.device)
+            self._inv_freq_on[key] = inv_freq
+        freqs = positions.to(angle_dtype).unsqueeze(-1) * inv_freq  # [..., head_dim // 2]
         emb = torch.cat((freqs, freqs), dim=-1)  # [..., head_dim]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -31,6 +31,13 @@ class BlockBatch:
     labels: torch.Tensor  # [B, S] token at a + k, IGNORE_INDEX at k = 0, past the sequence end and in padding
     loss_weights: torch.Tensor  # [B, S] exp(-(k - 1) / gamma) where labelled, else 0
     block_offsets: torch.Tensor  # [B, S] k, the position inside the block
+    # [M] flat indices (into B * S) of the labelled positions, found on the host when the batch is built: boolean
+    # indexing on a GPU would wait for the device every step to learn M
+    labelled_rows: torch.Tensor
+
+    def to(self, device: torch.device | str) -> "BlockBatch":
+        """The same batch with every tensor on `device` (itself when already there)."""
+        return BlockBatch(**{f.name: getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)})
 
 
 def default_gamma(block_size: int) -> float:
@@ -95,5 +102,6 @@ def build_block_batch(
             labels[b, first : first + num_labelled] = tokens[a + 1 : a + 1 + num_labelled]
             loss_weights[b, first : first + num_labelled] = position_weights[1 : 1 + num_labelled]
     context_positions = torch.arange(c).unsqueeze(0).expand(num_seqs, c).contiguous()  # [B, C]
+    labelled_rows = (labels.view(-1) != IGNORE_INDEX).nonzero().squeeze(1)  # [M]
     return BlockBatch(block_token_ids, block_positions, context_positions, attention_mask, labels, loss_weights,
-                      offsets.unsqueeze(0).expand(num_seqs, s).contiguous())
+                      offsets.unsqueeze(0).expand(num_seqs, s).contiguous(), labelled_rows)

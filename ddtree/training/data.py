@@ -41,15 +41,18 @@ def stored_layer_ids(data_dir: Path) -> list[int]:
 
 
 class FeatureReader:
-    """Target features of one sequence, [num_tokens - 1, len(layer_ids) * hidden] float32, from the shards."""
+    """Target features of one sequence, [num_tokens - 1, len(layer_ids) * hidden] in `dtype` (float32 by default;
+    bfloat16 is the stored precision, so it loses nothing), from the shards."""
 
-    def __init__(self, data_dir: Path, stored_layer_ids: list[int], layer_ids: list[int], max_open: int = 64):
+    def __init__(self, data_dir: Path, stored_layer_ids: list[int], layer_ids: list[int], max_open: int = 64,
+                 dtype: torch.dtype = torch.float32):
         missing = [i for i in layer_ids if i not in stored_layer_ids]
         if missing:
             raise ValueError(f"target layers {missing} were not stored (stored: {stored_layer_ids})")
         self.features_dir = data_dir / "features"
         self.columns = torch.tensor([stored_layer_ids.index(i) for i in layer_ids])
         self.max_open = max_open
+        self.dtype = dtype
         self._open: OrderedDict[str, object] = OrderedDict()
 
     def __call__(self, seq: Sequence) -> torch.Tensor:
@@ -64,7 +67,7 @@ class FeatureReader:
         stored = handle.get_tensor(seq.prompt_id)  # [N - 1, num_stored, H] bf16
         if stored.shape[0] != len(seq.token_ids) - 1:
             raise ValueError(f"features of {seq.prompt_id} have {stored.shape[0]} rows for {len(seq.token_ids)} tokens")
-        return stored.index_select(1, self.columns).flatten(1).float()  # [N - 1, F]
+        return stored.index_select(1, self.columns).flatten(1).to(self.dtype)  # [N - 1, F]
 
 
 def pad_features(features: list[torch.Tensor]) -> torch.Tensor:

@@ -6,6 +6,9 @@ leading drafted tokens equal to the target's, a DDTree of budget B accepts the d
 the target's continuation, and the round commits 1 + accepted tokens (the target's bonus token included). At T=0
 the target's token after an accepted prefix is the greedy continuation's, so the simulation needs only one target
 forward per sequence (its features) and one drafter forward at every anchor. tau = committed tokens / rounds.
+
+The drafter forwards run where the drafter's weights are (a GPU with `--device cuda`); the top-k drafts come back
+to the CPU once per sequence for the round simulation (a Python walk).
 """
 
 from __future__ import annotations
@@ -56,16 +59,18 @@ def draft_topk_at_every_anchor(
     anchors_per_forward: int = 32,
     draft_token_ids: torch.Tensor | None = None,  # [Vd] the draft vocabulary (as served); None: the full vocab
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k draft log-probs at every anchor a in [first_anchor, N - 2]: values, ids [A, L - 1, k]."""
+    """Top-k draft log-probs at every anchor a in [first_anchor, N - 2]: values, ids [A, L - 1, k], on the
+    drafter's device (features may come from the CPU)."""
     config = drafter.config
+    weight = next(drafter.parameters())
     if draft_token_ids is not None:
         lm_head_weight = lm_head_weight[draft_token_ids]  # [Vd, H]
     anchors = list(range(first_anchor, len(token_ids) - 1))
     values, ids = [], []
-    context = drafter.project_context(features.unsqueeze(0))  # [1, C, H]
+    context = drafter.project_context(features.to(weight.device, weight.dtype).unsqueeze(0))  # [1, C, H]
     for start in range(0, len(anchors), anchors_per_forward):
         chunk = anchors[start : start + anchors_per_forward]
-        batch = build_block_batch([token_ids], [chunk], config.block_size, config.mask_token_id)
+        batch = build_block_batch([token_ids], [chunk], config.block_size, config.mask_token_id).to(weight.device)
         block_hidden = torch.nn.functional.embedding(batch.block_token_ids, embed_weight)  # [1, S, H]
         hidden = drafter(block_hidden, context, batch.block_positions, batch.context_positions,
                          batch.attention_mask)  # [1, S, H]
@@ -133,6 +138,7 @@ def evaluate_tau(
         values, ids = draft_topk_at_every_anchor(drafter, embed_weight, lm_head_weight, read_features(seq),
                                                  seq.token_ids, first_anchor, top_k,
                                                  draft_token_ids=draft_token_ids)
+        values, ids = values.cpu(), ids.cpu()  # one copy per sequence; the simulation walks them in Python
         result.num_sequences += 1
         result.num_tokens += len(seq.token_ids) - 1 - first_anchor
         result.num_rounds_chain += simulate_rounds(seq.token_ids, first_anchor, ids, values, None)

@@ -10,6 +10,9 @@ Layout of a data directory:
 The hidden states come from the generation itself (forward hooks on the stored layers): the step that produces token t ran the
 target on token t-1, so its hidden state is exactly the drafter's context feature of position t-1. This saves a
 second target forward per sequence.
+
+Both engines run the target on `device` in `dtype` (on a GPU: bfloat16, as DFlash/SpecForge run it); the stored
+features are bfloat16 CPU tensors whatever the device, so data made on a GPU trains anywhere.
 """
 
 from __future__ import annotations
@@ -68,19 +71,23 @@ def generate_responses(
     stored_layer_ids: tuple[int, ...] = DEFAULT_STORED_LAYER_IDS,
     num_threads: int = 1,
     max_seconds: float | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> int:
     """Generate greedy responses for the pending prompts; returns the number of responses written."""
     from safetensors.torch import save_file
 
-    from ddtree.training.target import chat_prompt_ids, load_target
+    from ddtree.training.target import chat_prompt_ids, load_target, resolve_device
 
     if batch_size <= 0 or max_new_tokens <= 0:
         raise ValueError("batch_size and max_new_tokens must be positive")
+    device = resolve_device(device)
     torch.set_num_threads(num_threads)
     pending = _pending(data_dir)[:max_prompts]
     if not pending:
         return 0
-    model, tokenizer = load_target(target)
+    model, tokenizer = load_target(target, dtype=dtype)
+    model.to(device)
     num_layers = model.config.num_hidden_layers
     if any(not 0 <= i < num_layers for i in stored_layer_ids):
         raise ValueError(f"stored_layer_ids {stored_layer_ids} outside the target's {num_layers} layers")
@@ -115,19 +122,20 @@ def generate_responses(
             ]
             try:
                 sequences = model.generate(
-                    input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=max_new_tokens,
+                    input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                    max_new_tokens=max_new_tokens,
                     do_sample=False, pad_token_id=pad_id, temperature=None, top_p=None, top_k=None,
                 )
             finally:
                 for hook in hooks:
                     hook.remove()
-            new_tokens = sequences[:, max_len:]  # [B, N]
+            new_tokens = sequences[:, max_len:].cpu()  # [B, N]
             # one captured output per forward: the first covers the whole (padded) prompt, later ones a token each
             stacked = [
                 torch.stack([captured[i][step] for i in stored_layer_ids], dim=2)  # [B, T, Ls, H]
                 for step in range(len(captured[stored_layer_ids[0]]))
             ]
-            all_features = torch.cat(stacked, dim=1)  # [B, P + N - 1, Ls, H]
+            all_features = torch.cat(stacked, dim=1).cpu()  # [B, P + N - 1, Ls, H], stored from the CPU
             shard_name = f"{shard_index:06d}.safetensors"
             tensors, records = {}, []
             for row, p in enumerate(batch):
@@ -186,6 +194,8 @@ def generate_responses_continuous(
     num_threads: int = 1,
     max_seconds: float | None = None,
     shard_size: int = 32,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> int:
     """Like `generate_responses`, on the project's target runner with continuous batching: a finished request
     leaves the decode batch at once and a new prompt takes its place (HF `generate` keeps computing finished rows
@@ -194,20 +204,22 @@ def generate_responses_continuous(
     from safetensors.torch import save_file
 
     from ddtree.models.target import TargetModel
-    from ddtree.training.target import DEFAULT_TARGET, chat_prompt_ids
+    from ddtree.training.target import DEFAULT_TARGET, chat_prompt_ids, resolve_device
 
     if batch_size <= 0 or max_new_tokens <= 0:
         raise ValueError("batch_size and max_new_tokens must be positive")
+    device = resolve_device(device)
     torch.set_num_threads(num_threads)
     pending = _pending(data_dir)[:max_prompts]
     if not pending:
         return 0
     source = "default" if target == DEFAULT_TARGET else target
     max_prompt_tokens = 512
-    # the KV pool is sized from the config: load once small to read it (a converted checkpoint loads in ~1 s)
-    config = TargetModel.load(source, max_kv_bytes=2**20).config
-    bytes_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 4  # K+V fp32
-    model = TargetModel.load(source, feature_layer_ids=stored_layer_ids,
+    # the KV pool is sized from the config, read alone (loading the weights twice would cost an 8B target minutes)
+    config = _runner_config(source)
+    bytes_per_token = (2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+                       * torch.empty((), dtype=dtype).element_size())  # K + V
+    model = TargetModel.load(source, device=device, dtype=dtype, feature_layer_ids=stored_layer_ids,
                              max_kv_bytes=batch_size * (max_prompt_tokens + max_new_tokens) * bytes_per_token)
     tokenizer = model.tokenizer
     # the tokenizer's end token and the checkpoint's (generation) end tokens, as in the hf engine
@@ -256,7 +268,7 @@ def generate_responses_continuous(
             for seq_id, (p, ids), row, feats in zip(new_ids, new_prompts, logits.argmax(-1).tolist(),
                                                     prompt_features):
                 active[seq_id] = {"prompt": p, "prompt_ids": ids, "response_ids": [row],
-                                  "features": [feats.to(torch.bfloat16)]}
+                                  "features": [feats.to(torch.bfloat16).cpu()]}
         # requests whose last token ends them leave before the decode step
         for seq_id in list(active):
             a = active[seq_id]
@@ -276,8 +288,30 @@ def generate_responses_continuous(
             continue
         seq_ids = list(active)
         logits, feats = model.decode(seq_ids, [active[s]["response_ids"][-1] for s in seq_ids])
-        for seq_id, token, f in zip(seq_ids, logits.argmax(-1).tolist(), feats.to(torch.bfloat16)):
+        # the argmax already waits for the step: one small copy of all rows' features to the host joins it
+        for seq_id, token, f in zip(seq_ids, logits.argmax(-1).tolist(), feats.to(torch.bfloat16).cpu()):
             active[seq_id]["response_ids"].append(token)
             active[seq_id]["features"].append(f.unsqueeze(0))
     flush()
     return num_written
+
+
+def _runner_config(source: str):
+    """The target runner's config without its weights: config.json of a folder, the header of a GGUF file."""
+    from ddtree.models.config import TargetConfig
+    from ddtree.models.loader import read_gguf_config, resolve_source
+
+    if source == "default":
+        from ddtree.models.default import default_target_dir
+
+        path = default_target_dir()
+    else:
+        path = resolve_source(source)
+    if path.is_dir() and (path / "config.json").is_file():
+        return TargetConfig.from_hf_dict(json.loads((path / "config.json").read_text()))
+    ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else [path] if path.suffix == ".gguf" else []
+    if len(ggufs) != 1:
+        raise ValueError(f"{path} is neither a checkpoint folder nor a .gguf file")
+    import gguf
+
+    return read_gguf_config(gguf.GGUFReader(str(ggufs[0])))

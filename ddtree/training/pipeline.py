@@ -7,6 +7,9 @@
   vocab      the drafter's draft vocabulary: the most frequent response tokens of <data-dir> (draft_vocab.json)
   eval       offline tau (chain and DDTree budgets) of <out-dir>/drafter on <eval-dir>, table + tau.json
   ship       copy <out-dir>/drafter to <ship-dir> with MANIFEST.json (commands, data manifest, training, tau)
+
+`--device cuda` runs generate, eval-data, train and eval on a GPU with the same commands (docs/drafter.md,
+"Training on GPUs"); the device is checked before the first step runs.
 """
 
 from __future__ import annotations
@@ -31,6 +34,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out-dir", type=Path, default=Path("work/drafter_train"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-threads", type=int, default=1, help="torch threads (leave cores for others)")
+    parser.add_argument("--device", default="cpu",
+                        help="where generate, eval-data, train and eval run: cpu, cuda or cuda:N")
+    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                        help="generate/eval-data/eval: the target's (and drafter's) weights; train: the autocast "
+                             "compute dtype and the frozen embedding/LM head (parameters and optimiser stay "
+                             "float32). Default: float32 on cpu, bfloat16 on cuda")
     # prompts
     parser.add_argument("--num-prompts-per-category", type=int, default=4000)
     # generate / eval-data
@@ -72,6 +81,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ddtree.training.target import resolve_device, resolve_dtype
+
+    # before any step: a run meant for a GPU must not start writing data (or spend hours) on the CPU
+    args.device = resolve_device(args.device)
+    args.dtype = resolve_dtype(args.dtype, args.device)
     for step in args.steps:
         if step == "prompts":
             _prompts(args, args.data_dir)
@@ -100,11 +114,12 @@ def _generate(args: argparse.Namespace, data_dir: Path) -> None:
     stored = tuple(args.stored_layer_ids or DEFAULT_STORED_LAYER_IDS)
     _update_manifest(data_dir, {"stored_layer_ids": list(stored),
                                 "generation": {"batch_size": args.batch_size, "greedy": True,
-                                               "max_new_tokens": args.max_new_tokens}})
+                                               "max_new_tokens": args.max_new_tokens, "device": str(args.device),
+                                               "dtype": _dtype_name(args.dtype)}})
     generate = generate_responses_continuous if args.engine == "runner" else generate_responses
     generate(data_dir, args.target, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                       max_prompts=args.max_prompts, stored_layer_ids=stored, num_threads=args.num_threads,
-                       max_seconds=args.max_seconds)
+             max_prompts=args.max_prompts, stored_layer_ids=stored, num_threads=args.num_threads,
+             max_seconds=args.max_seconds, device=args.device, dtype=args.dtype)
     _update_manifest(data_dir, {"generate_command": " ".join(sys.argv)})
 
 
@@ -168,8 +183,10 @@ def _train(args: argparse.Namespace) -> None:
     from ddtree.training.train import train
 
     config = _train_config(args)
-    path = train(args.data_dir, args.target, config, num_threads=args.num_threads, max_seconds=args.max_seconds)
-    _update_manifest(args.out_dir, {"train_command": " ".join(sys.argv), "train_config": asdict(config)})
+    path = train(args.data_dir, args.target, config, num_threads=args.num_threads, max_seconds=args.max_seconds,
+                 device=args.device, dtype=args.dtype)
+    _update_manifest(args.out_dir, {"train_command": " ".join(sys.argv), "train_config": asdict(config),
+                                    "train_device": str(args.device), "train_dtype": _dtype_name(args.dtype)})
     print(f"[train] drafter -> {path}")
 
 
@@ -211,13 +228,14 @@ def _eval(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.num_threads)
     drafter_dir = args.drafter or args.out_dir / "drafter"
-    _, drafter = load_dflash(drafter_dir)
-    target_model, _ = load_target(args.target)
-    embed = target_model.get_input_embeddings().weight.detach()
-    lm_head = target_model.get_output_embeddings().weight.detach()
+    # the drafter in the dtype it is served in (bfloat16 on a GPU), with the target's frozen embedding and head
+    _, drafter = load_dflash(drafter_dir, device=args.device, dtype=args.dtype)
+    target_model, _ = load_target(args.target, dtype=args.dtype)
+    embed = target_model.get_input_embeddings().weight.detach().to(args.device)
+    lm_head = target_model.get_output_embeddings().weight.detach().to(args.device)
     del target_model
     draft_vocab = load_draft_vocab(drafter_dir, lm_head.shape[0])  # evaluate what serving will draft over
-    draft_token_ids = None if draft_vocab is None else torch.tensor(draft_vocab)
+    draft_token_ids = None if draft_vocab is None else torch.tensor(draft_vocab, device=args.device)
     budgets = tuple(args.budgets)
     results = []
     start = time.time()
@@ -235,7 +253,8 @@ def _eval(args: argparse.Namespace) -> None:
     command = " ".join(sys.argv)
     write_results(drafter_dir / "tau.json", results,
                   {"command": command, "eval_dir": str(args.eval_dir), "seconds": round(time.time() - start),
-                   "draft_vocab_size": None if draft_vocab is None else len(draft_vocab)})
+                   "draft_vocab_size": None if draft_vocab is None else len(draft_vocab),
+                   "device": str(args.device), "dtype": _dtype_name(args.dtype)})
     (drafter_dir / "tau.md").write_text(f"`{command}`\n\n{table}\n")
 
 
@@ -284,6 +303,10 @@ def _ship(args: argparse.Namespace) -> None:
     }
     (args.ship_dir / "MANIFEST.json").write_text(json.dumps(manifest, indent=1) + "\n")
     print(f"[ship] {drafter_dir} -> {args.ship_dir}")
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _update_manifest(data_dir: Path, fields: dict) -> None:

@@ -1,4 +1,5 @@
-"""Loading the frozen target model (Hugging Face transformers) for data generation, features and evaluation."""
+"""Loading the frozen target model (Hugging Face transformers) for data generation, features and evaluation, and
+where the `train-drafter` steps run (`--device`, `--dtype`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,37 @@ import torch
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_TARGET = "smollm2-135m-instruct"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """The torch device named by `--device` (cpu, cuda, cuda:N), or a ValueError saying why it cannot be used here.
+
+    Checked before any step runs, so a run meant for a GPU never silently falls back to hours of CPU work."""
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"--device {device!r} is not a torch device (use cpu, cuda or cuda:N)") from e
+    if resolved.type == "cpu":
+        return resolved
+    if resolved.type != "cuda":
+        raise ValueError(f"--device {device!r}: train-drafter runs on cpu or cuda only")
+    if not torch.cuda.is_available():
+        raise ValueError(f"--device {device!r}: CUDA is not available here (torch.cuda.is_available() is False; "
+                         f"torch {torch.__version__} sees no GPU, or is a CPU-only build)")
+    if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {device!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    return resolved
+
+
+def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    """`--dtype` by name; None picks float32 on a CPU (bfloat16 is slower there without AMX, see
+    docs/runtime_benchmark.md) and bfloat16 on a GPU (what DFlash/SpecForge run the target and drafter in)."""
+    if dtype is None:
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
 
 
 @dataclass

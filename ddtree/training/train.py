@@ -3,10 +3,18 @@
 Per step: a few sequences, many random anchors each (all blocks of a sequence in one forward, see blocks.py),
 cross-entropy of the frozen target lm_head's logits against the token at each block position k >= 1, weighted
 exp(-(k - 1) / gamma) and normalised. AdamW, linear warmup then cosine decay, gradient clipping.
+
+Device and precision: the drafter, the frozen embedding / LM head and each batch live on `device`. Parameters,
+gradients and the AdamW state are float32; with `dtype` bfloat16 the forward runs under autocast (bf16 matmuls,
+float32 softmax / cross-entropy) and the frozen embedding / head are stored in bf16. That is SpecForge's DFlash
+recipe in single-device form: bf16 compute (FSDP MixedPrecision param_dtype bf16) over float32 master weights and
+optimiser (its BF16Optimizer), target in bf16. A step waits for the device once, to log its statistics.
+Checkpoints hold CPU tensors, so a run resumes (or `init_from` starts) on any device.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import random
@@ -18,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ddtree.models.dflash import DFlashConfig, DFlashDraftModel, save_dflash
-from ddtree.training.blocks import IGNORE_INDEX, BlockBatch, build_block_batch, default_gamma, sample_anchors
+from ddtree.training.blocks import BlockBatch, build_block_batch, default_gamma, sample_anchors
 from ddtree.training.data import FeatureReader, Sequence, is_validation, pad_features, read_sequences, stored_layer_ids
 
 
@@ -86,9 +94,13 @@ class FrozenTargetHead:
     the full head.
     """
 
-    def __init__(self, target_model):
-        self.embed_weight = target_model.get_input_embeddings().weight.detach()  # [V, H]
-        self.lm_head_weight = target_model.get_output_embeddings().weight.detach()  # [V, H]
+    def __init__(self, target_model, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        embed = target_model.get_input_embeddings().weight.detach()  # [V, H]
+        lm_head = target_model.get_output_embeddings().weight.detach()  # [V, H]
+        is_tied = lm_head.data_ptr() == embed.data_ptr() and lm_head.shape == embed.shape
+        self.embed_weight = embed.to(self.device)
+        self.lm_head_weight = self.embed_weight if is_tied else lm_head.to(self.device)  # tied: one copy
         self.vocab_size = self.lm_head_weight.shape[0]
         self.data_token_ids: torch.Tensor | None = None  # [V_data] sorted
         self.other_token_ids: torch.Tensor | None = None  # [V - V_data]
@@ -98,8 +110,8 @@ class FrozenTargetHead:
         if token_ids is None:
             self.data_token_ids = self.other_token_ids = None
             return
-        self.data_token_ids = torch.unique(token_ids)  # sorted
-        is_other = torch.ones(self.vocab_size, dtype=torch.bool)
+        self.data_token_ids = torch.unique(token_ids.to(self.device))  # sorted
+        is_other = torch.ones(self.vocab_size, dtype=torch.bool, device=self.device)
         is_other[self.data_token_ids] = False
         self.other_token_ids = is_other.nonzero().squeeze(1)
         self.num_negatives = min(num_negatives, self.other_token_ids.numel())
@@ -115,36 +127,40 @@ class FrozenTargetHead:
         """Logits over this step's softmax vocabulary [M, V'] and the labels as columns of it [M]."""
         if self.data_token_ids is None:
             return hidden @ self.lm_head_weight.T, labels
-        pick = torch.randperm(self.other_token_ids.numel())[: self.num_negatives]
+        pick = torch.randperm(self.other_token_ids.numel(), device=self.device)[: self.num_negatives]
         columns = torch.cat([self.data_token_ids, self.other_token_ids[pick]])  # [V']
         label_columns = torch.searchsorted(self.data_token_ids, labels)
         found = self.data_token_ids[label_columns.clamp(max=self.data_token_ids.numel() - 1)] == labels
-        if not bool(found.all()):
-            raise ValueError("a label is outside the training data's vocabulary")
+        if labels.device.type == "cpu":
+            if not bool(found.all()):
+                raise ValueError("a label is outside the training data's vocabulary")
+        else:  # checked on the device: reading `found` back would stall every step
+            torch._assert_async(found.all(), "a label is outside the training data's vocabulary")
         return hidden @ self.lm_head_weight[columns].T, label_columns
 
 
 def block_loss(
     drafter: DFlashDraftModel, head: FrozenTargetHead, features: torch.Tensor, batch: BlockBatch
-) -> tuple[torch.Tensor, dict]:
-    """Weighted cross-entropy over the labelled block positions, and accuracy statistics."""
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Weighted cross-entropy over the labelled block positions, and accuracy statistics as 0-d tensors on the
+    batch's device (`loss`, `acc`, `acc_k1`: read them back together, once; nothing here waits for the device)."""
     context = drafter.project_context(features)  # [B, C, H]
     hidden = drafter(head.embed(batch.block_token_ids), context, batch.block_positions, batch.context_positions,
                      batch.attention_mask)  # [B, S, H]
-    is_labelled = batch.labels != IGNORE_INDEX  # [B, S]
+    rows = batch.labelled_rows  # [M]
     # only where there is a label: the LM head dominates the cost
-    logits, labels = head.training_logits(hidden[is_labelled], batch.labels[is_labelled])  # [M, V'], [M]
-    weights = batch.loss_weights[is_labelled]
+    logits, labels = head.training_logits(hidden.flatten(0, 1).index_select(0, rows),
+                                          batch.labels.reshape(-1).index_select(0, rows))  # [M, V'], [M]
+    weights = batch.loss_weights.reshape(-1).index_select(0, rows)  # [M]
     ce = F.cross_entropy(logits, labels, reduction="none")  # [M]
     loss = (ce * weights).sum() / weights.sum()
     with torch.no_grad():
-        is_correct = logits.argmax(-1) == labels
-        offsets = batch.block_offsets[is_labelled]
+        is_correct = logits.argmax(-1) == labels  # [M]
+        is_k1 = batch.block_offsets.reshape(-1).index_select(0, rows) == 1  # [M]
         stats = {
-            "loss": float(loss),
-            "acc": float(is_correct.float().mean()),
-            "acc_k1": float(is_correct[offsets == 1].float().mean()) if bool((offsets == 1).any()) else 0.0,
-            "num_labels": int(labels.numel()),
+            "loss": loss.detach().float(),
+            "acc": is_correct.float().mean(),
+            "acc_k1": (is_correct & is_k1).sum() / is_k1.sum().clamp(min=1),  # 0 when no block position 1
         }
     return loss, stats
 
@@ -156,6 +172,24 @@ def make_batch(sequences: list[Sequence], reader: FeatureReader, config: DFlashC
     batch = build_block_batch([s.token_ids for s in sequences], anchors, config.block_size, config.mask_token_id,
                               gamma)
     return features, batch
+
+
+def compute_precision(device: torch.device, dtype: torch.dtype):
+    """The context of a training forward: autocast to `dtype` (float32 master weights), or plain float32."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def to_cpu(value):
+    """Tensors (in dicts, lists, tuples) moved to the CPU: checkpoints load on any device."""
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, dict):
+        return {k: to_cpu(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_cpu(v) for v in value)
+    return value
 
 
 def lr_factor(progress: float, warmup_fraction: float) -> float:
@@ -180,24 +214,30 @@ def train(
     train_config: TrainConfig,
     num_threads: int = 1,
     max_seconds: float | None = None,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype = torch.float32,
 ) -> Path:
-    """Train (or resume) a drafter; writes out_dir/checkpoint.pt, out_dir/log.jsonl and out_dir/drafter/."""
+    """Train (or resume) a drafter on `device`, computing in `dtype` (see the module docstring); writes
+    out_dir/checkpoint.pt, out_dir/log.jsonl and out_dir/drafter/."""
     from tqdm import tqdm
 
-    from ddtree.training.target import load_target
+    from ddtree.training.target import load_target, resolve_device
 
+    device = resolve_device(device)
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
     torch.set_num_threads(num_threads)
     out_dir = Path(train_config.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    target_model, _ = load_target(target)
-    head = FrozenTargetHead(target_model)
+    target_model, _ = load_target(target, dtype=dtype)
+    head = FrozenTargetHead(target_model, device)
     config = drafter_config_for(target_model.config, train_config)
-    target_final_norm = target_model.model.norm.weight.detach().clone()  # [H]
+    target_final_norm = target_model.model.norm.weight.detach().float().clone()  # [H]
     del target_model
     gamma = train_config.gamma if train_config.gamma is not None else default_gamma(train_config.block_size)
 
     torch.manual_seed(train_config.seed)
-    drafter = DFlashDraftModel(config)
+    drafter = DFlashDraftModel(config)  # made on the CPU: the same initial weights on every device
     if train_config.init_from is not None:
         from ddtree.models.dflash import load_dflash
 
@@ -210,17 +250,18 @@ def train(
             # The drafter's output feeds the target's LM head: start at the scale the head expects (the target's
             # final norm) rather than unit scale.
             drafter.norm.weight.copy_(target_final_norm)
+    drafter.to(device)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=train_config.lr, betas=(0.9, 0.95),
                                   weight_decay=train_config.weight_decay)
     step, seconds_trained, epoch = 0, 0.0, 0
     checkpoint_path = out_dir / "checkpoint.pt"
     if checkpoint_path.exists():
-        state = torch.load(checkpoint_path, weights_only=False)
+        state = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
         budget = {k: state["train_config"][k] for k in ("max_steps", "max_hours")}
         if state["train_config"] != asdict(train_config) | budget:
             raise ValueError(f"{checkpoint_path} was trained with another configuration: {state['train_config']}")
-        drafter.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
+        drafter.load_state_dict(state["model"])  # copied onto the device
+        optimizer.load_state_dict(state["optimizer"])  # moves the moments to the parameters' device
         # a resumed run starts a fresh epoch: the data set may have grown, so the old order cannot be continued
         step, seconds_trained, epoch = state["step"], state["seconds_trained"], state["epoch"] + 1
         print(f"[train] resumed at step {step} ({seconds_trained / 3600:.2f} h trained)", flush=True)
@@ -229,16 +270,41 @@ def train(
             kept = [line for line in log_path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
             log_path.write_text("".join(line + "\n" for line in kept))
 
-    reader = FeatureReader(data_dir, stored_layer_ids(data_dir), config.target_layer_ids)
+    # off the CPU, features travel as the stored bf16 (half the bytes) and become float32 on the device
+    reader = FeatureReader(data_dir, stored_layer_ids(data_dir), config.target_layer_ids,
+                           dtype=torch.float32 if device.type == "cpu" else torch.bfloat16)
     drafter.train()
     start = time.time()
     progress = tqdm(total=train_config.max_steps, initial=step, desc="train", dynamic_ncols=True)
     log_file = open(out_dir / "log.jsonl", "a")
     running: dict[str, float] = {}
+    # The last step's log record, its statistics still on the device: they are read back after the next step is
+    # queued, so on a GPU the host builds the next batch while the device computes (the only wait is for a step
+    # that has already finished). On a CPU it changes nothing but when the line is written.
+    pending: tuple[dict, list[torch.Tensor]] | None = None
+
+    def write_pending_log() -> None:
+        nonlocal pending
+        if pending is None:
+            return
+        record, values = pending
+        pending = None
+        loss_value, acc, acc_k1, grad_norm_value = torch.stack(values).tolist()  # the one wait for the device
+        stats = {"loss": loss_value, "acc": acc, "acc_k1": acc_k1, "num_labels": record.pop("num_labels")}
+        for key in ("loss", "acc", "acc_k1"):
+            running[key] = stats[key] if key not in running else 0.98 * running[key] + 0.02 * stats[key]
+        progress.update(1)
+        progress.set_postfix(loss=f"{running['loss']:.3f}", acc=f"{running['acc']:.3f}",
+                             acc1=f"{running['acc_k1']:.3f}", ep=record["epoch"], n=record["num_sequences"])
+        log_file.write(json.dumps({"step": record["step"], "epoch": record["epoch"],
+                                   "num_sequences": record["num_sequences"], "lr": record["lr"],
+                                   "grad_norm": grad_norm_value, "hours": record["hours"], **stats}) + "\n")
+        log_file.flush()
 
     def save_checkpoint() -> None:
+        write_pending_log()  # a checkpoint's log holds every step it has trained
         tmp = checkpoint_path.with_suffix(".tmp")
-        torch.save({"model": drafter.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+        torch.save({"model": to_cpu(drafter.state_dict()), "optimizer": to_cpu(optimizer.state_dict()), "step": step,
                     "epoch": epoch, "seconds_trained": seconds_trained + time.time() - start,
                     "train_config": asdict(train_config), "drafter_config": config.to_dict()}, tmp)
         tmp.replace(checkpoint_path)
@@ -264,21 +330,19 @@ def train(
                 group["lr"] = train_config.lr * lr_factor(progress_done, train_config.warmup_fraction)
             features, batch = make_batch(sequences[first : first + train_config.batch_size], reader, config,
                                          train_config.max_anchors, rng, gamma)
-            loss, stats = block_loss(drafter, head, features, batch)
+            features, batch = features.to(device, non_blocking=True).float(), batch.to(device)
+            with compute_precision(device, dtype):
+                loss, stats = block_loss(drafter, head, features, batch)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), train_config.grad_clip)
             optimizer.step()
             step += 1
-            for key in ("loss", "acc", "acc_k1"):
-                running[key] = stats[key] if key not in running else 0.98 * running[key] + 0.02 * stats[key]
-            progress.update(1)
-            progress.set_postfix(loss=f"{running['loss']:.3f}", acc=f"{running['acc']:.3f}",
-                                 acc1=f"{running['acc_k1']:.3f}", ep=epoch, n=len(sequences))
-            log_file.write(json.dumps({"step": step, "epoch": epoch, "num_sequences": len(sequences),
-                                       "lr": optimizer.param_groups[0]["lr"], "grad_norm": float(grad_norm),
-                                       "hours": (seconds_trained + time.time() - start) / 3600, **stats}) + "\n")
-            log_file.flush()
+            write_pending_log()  # the previous step's, finished while this step's batch was built
+            pending = ({"step": step, "epoch": epoch, "num_sequences": len(sequences),
+                        "lr": optimizer.param_groups[0]["lr"], "hours": (seconds_trained + time.time() - start) / 3600,
+                        "num_labels": int(batch.labelled_rows.numel())},
+                       [stats["loss"], stats["acc"], stats["acc_k1"], grad_norm.float()])
             if step % train_config.checkpoint_every == 0:
                 save_checkpoint()
         else:
