@@ -1,0 +1,53 @@
+"""One draft forward of the shipped drafter over the full vocabulary vs its draft vocabulary (draft_vocab.json).
+
+    python benchmarks/bench_draft.py                 # batch sizes 1 4 16, top-K 64, 128 context tokens, 1 thread
+
+The drafter shares the target's LM head ([576, 49152] for SmolLM2); over the draft vocabulary it computes the logits
+of those tokens only. Both variants run on the same loaded weights, alternating, best of `--repeats`
+(DFlashDrafter.measure_draft_cost); the table prints ms per draft forward and the ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--drafter", default=None, help="drafter folder (default: the shipped one)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--top-k", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+
+    import torch
+
+    from ddtree.drafter import DFlashDrafter
+    from ddtree.workers import load_target_worker, resolve_drafter_path
+
+    torch.set_num_threads(args.threads)
+    path = resolve_drafter_path(None, args.drafter)
+    head = load_target_worker(None, path).model.head()
+    drafters = {"full vocabulary": DFlashDrafter.load(path, head, use_draft_vocab=False),
+                "draft vocabulary": DFlashDrafter.load(path, head)}
+    if drafters["draft vocabulary"].draft_token_ids is None:
+        raise ValueError(f"{path} has no draft_vocab.json")
+    best = {name: {b: float("inf") for b in args.batch_sizes} for name in drafters}
+    for _ in range(args.repeats):  # alternate, so that load from other jobs hits both alike
+        for name, drafter in drafters.items():
+            for b, seconds in drafter.measure_draft_cost(args.batch_sizes, args.top_k, num_repeats=1):
+                best[name][b] = min(best[name][b], seconds)
+    vocab_size = drafters["draft vocabulary"].draft_token_ids.numel()
+    print(f"\n{path.name}: draft vocabulary {vocab_size} of {head.config.vocab_size} tokens; top-K {args.top_k}, "
+          f"{args.threads} thread(s), best of {args.repeats}")
+    print(f"{'requests':>9}{'full ms':>10}{'draft vocab ms':>16}{'ratio':>8}")
+    for b in args.batch_sizes:
+        full, restricted = 1000 * best["full vocabulary"][b], 1000 * best["draft vocabulary"][b]
+        print(f"{b:>9}{full:>10.1f}{restricted:>16.1f}{full / restricted:>8.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
