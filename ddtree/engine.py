@@ -87,6 +87,7 @@ class RoundTimings:
     emit: float = 0.0
     num_rounds: int = 0  # verify passes
     num_draft_calls: int = 0  # drafter forwards
+    num_pipelined_phases: int = 0  # steps run with two request groups in flight (pipeline=True or "auto")
     num_speculative_request_rounds: int = 0
     num_autoregressive_request_rounds: int = 0
 
@@ -270,6 +271,7 @@ class Engine:
         draft / verify, which is the sequential round. In one process (`Completed` calls) the phases run one after
         the other; with the workers on two actors (deployments/) the draft and the verify run concurrently."""
         outputs = self._admit_and_prefill()
+        self.timings.num_pipelined_phases += int(is_pipelining)
         in_verify, self._drafted_group = self._drafted_group, None  # (`_finish` took aborted requests out of it)
         busy = set(in_verify.plan.speculative_ids) if in_verify is not None else set()
         ready = self._ready_requests(busy)

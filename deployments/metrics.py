@@ -10,10 +10,12 @@ deployment, replica and application). Recorded once per round from the engine lo
     ddtree_running_requests                  Gauge      requests being decoded
     ddtree_queue_depth                       Gauge      requests waiting for admission
     ddtree_kv_cache_bytes_used               Gauge      target KV cache bytes in use (refreshed every `kv_every_s`)
-    ddtree_round_seconds                     Histogram  wall time of one engine round
+    ddtree_round_seconds                     Histogram  wall time of one engine round (a phase when pipelined)
+    ddtree_pipelined                         Gauge      1 when the last round ran two request groups in flight
     ddtree_stage_seconds_total{stage}        Counter    time per stage: prefill, draft, tree, verify, accept, emit,
                                                         other (the rest of the round's wall time); they add up to
-                                                        the rounds' wall time
+                                                        the rounds' wall time, except when pipelined: draft and
+                                                        verify then overlap and "other" is not recorded
     ddtree_actor_hop_seconds_total           Counter    time in actor calls beyond the actors' own work (overlaps
                                                         the stages: prefill and draft are timed around the call,
                                                         verify and accept inside the target actor, so a verify's
@@ -55,6 +57,7 @@ class EngineMetrics:
         self.kv_bytes = Gauge("ddtree_kv_cache_bytes_used", "Target KV cache bytes in use.")
         self.round_seconds = Histogram("ddtree_round_seconds", "Wall time of one engine round.",
                                        boundaries=_ROUND_BOUNDARIES)
+        self.pipelined = Gauge("ddtree_pipelined", "1 when the last round ran two request groups in flight.")
         self.stage_seconds = Counter("ddtree_stage_seconds_total", "Seconds per round stage.", tag_keys=("stage",))
         self.hop_seconds = Counter("ddtree_actor_hop_seconds_total", "Actor call overhead (overlaps stages).")
         self._last_timings = engine.timings.as_dict()
@@ -92,6 +95,7 @@ class EngineMetrics:
         self.running.set(report.num_running)
         self.queue_depth.set(report.num_waiting)
         self.round_seconds.observe(report.wall_seconds)
+        self.pipelined.set(1 if delta["num_pipelined_phases"] else 0)
 
         hop_seconds = self.hops.seconds - self._last_hop_seconds
         self._last_hop_seconds = self.hops.seconds
@@ -103,7 +107,7 @@ class EngineMetrics:
         if hop_seconds > 0:
             self.hop_seconds.inc(hop_seconds)
         other = report.wall_seconds - staged
-        if other > 0:
+        if other > 0 and not delta["num_pipelined_phases"]:
             self.stage_seconds.inc(other, tags={"stage": "other"})
 
         if self.kv_cache_stats is not None and now - self._last_kv_time >= self.kv_every_s:
