@@ -50,6 +50,7 @@ class EngineConfig:
     max_waiting: int = 1024  # queued requests before add_request answers EngineFullError
     max_model_len: int | None = None  # None: the model's own context window
     allow_fallback: bool = True  # auto mode: requests whose drafts do not pay decode autoregressively
+    max_probe_overhead: float = 0.03  # fallback probes may cost at most this fraction of a request's time
     # Two request groups in flight: draft one while the target verifies the other (pays when the drafter has its
     # own device and the verify pass is compute-bound; docs/serving.md has measurements). "auto": when the cost
     # model predicts it faster and the workers run concurrently (on actors).
@@ -62,6 +63,9 @@ class EngineConfig:
             raise ValueError(f"budget must be 'auto' or a positive integer, got {self.budget!r}")
         if isinstance(self.budget, int) and self.budget < 1:
             raise ValueError(f"budget must be 'auto' or a positive integer, got {self.budget!r}")
+        if isinstance(self.max_probe_overhead, bool) or not isinstance(self.max_probe_overhead, (int, float)) \
+                or not 0 < self.max_probe_overhead <= 1:
+            raise ValueError(f"max_probe_overhead must be in (0, 1], got {self.max_probe_overhead!r}")
         if not isinstance(self.pipeline, bool) and self.pipeline != "auto":
             raise ValueError(f"pipeline must be true, false or 'auto', got {self.pipeline!r}")
         for name in ("max_budget", "max_num_seqs", "max_waiting"):
@@ -161,6 +165,7 @@ class Engine:
                 fixed_budget=fixed_budget,
                 max_budget=max(1, self.max_budget),
                 allow_fallback=config.allow_fallback,
+                max_probe_overhead=config.max_probe_overhead,
             ),
             cost,
         )

@@ -18,6 +18,8 @@ class LLM:
     or a hub id where a network allows; None means the embedded default. `speculation`: "ddtree" (draft trees),
     "dflash" (the drafter's argmax chain, the single-path baseline) or "off" (plain autoregressive decoding).
     `budget`: "auto" (adaptive per request and per round) or a fixed node count per speculative request.
+    `allow_fallback` (auto budget): requests whose drafts do not pay decode autoregressively, probed again at most
+    `max_probe_overhead` of their time (docs/engine.md, "Budgets and fallback").
     """
 
     def __init__(
@@ -35,6 +37,7 @@ class LLM:
         kv_cache_bytes: int | None = None,
         attention: str = "auto",
         allow_fallback: bool = True,
+        max_probe_overhead: float = 0.03,
     ) -> None:
         from ddtree.workers import build_workers
 
@@ -45,6 +48,7 @@ class LLM:
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
             allow_fallback=allow_fallback,
+            max_probe_overhead=max_probe_overhead,
         )
         target, drafter_worker, tokenizer = build_workers(
             model,

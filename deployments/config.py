@@ -51,6 +51,8 @@ class AppArgs(BaseModel):
     attention: str = Field("auto", description="Attention backend of the workers ('auto', 'sdpa', 'flex').")
     allow_fallback: bool = Field(
         True, description="In 'auto' budget mode, requests whose drafts do not pay decode autoregressively.")
+    max_probe_overhead: float = Field(
+        0.03, gt=0, le=1, description="Fallback probes may cost at most this fraction of a request's time.")
     pipeline: bool | Literal["auto"] = Field(
         "auto", description="Two request groups in flight: the drafter actor drafts one while the target actor "
                            "verifies the other. Pays when the drafter has its own device and verify passes are "

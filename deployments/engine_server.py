@@ -35,6 +35,7 @@ class DDTreeEngine:
             max_waiting=self.args.max_waiting,
             max_model_len=self.args.max_model_len,
             allow_fallback=self.args.allow_fallback,
+            max_probe_overhead=self.args.max_probe_overhead,
             pipeline=self.args.pipeline,
         )
         target = self.actors.target_proxy

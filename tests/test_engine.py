@@ -343,9 +343,12 @@ def test_pipelined_abort_of_a_request_in_flight(workers):
     assert finals[survivor].token_ids == expected.token_ids
 
 
-def test_pipeline_config_is_validated():
+def test_pipeline_and_probe_config_are_validated():
     with pytest.raises(ValueError, match="pipeline"):
         EngineConfig(pipeline="yes")
+    for bad in (0, 1.5, "0.1", True):
+        with pytest.raises(ValueError, match="max_probe_overhead"):
+            EngineConfig(max_probe_overhead=bad)
 
 
 def test_pipeline_auto_follows_the_cost_model_and_needs_concurrent_workers(workers):
