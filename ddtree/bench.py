@@ -42,7 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter", default=None, help="DFlash drafter (default: the shipped one)")
     parser.add_argument("--prompts", default=None, help="a .jsonl file of {prompt} or {messages} (default: built-in sets)")
     parser.add_argument("--categories", default="code,math,chat", help="built-in sets to use")
-    parser.add_argument("--num-prompts", type=int, default=4, help="prompts per category")
+    parser.add_argument("--num-prompts", type=int, default=4,
+                        help="prompts per category (with --prompts: the first N of the file, 0 for all)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--budgets", default="8,16,32,64,128", help="fixed DDTree budgets to run")
     parser.add_argument("--modes", default="hf,off,dflash,ddtree,auto", help="which modes to run")

@@ -12,7 +12,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="target: folder, .gguf or hub id (default: embedded SmolLM2)")
     parser.add_argument("--drafter", default=None, help="DFlash drafter folder (default: the shipped one)")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16", "float64"])
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "float64"],
+                        help="weights dtype (default: float32 on cpu, bfloat16 on cuda)")
     parser.add_argument("--speculation", default="ddtree", choices=["ddtree", "dflash", "off"])
     parser.add_argument("--budget", default="auto", help="'auto' or a fixed node count per round")
     parser.add_argument("--max-tokens", type=int, default=256)

@@ -73,7 +73,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-vocab-size", type=int, default=16384,
                         help="tokens in the draft vocabulary (the most frequent training labels)")
     # eval
-    parser.add_argument("--drafter", type=Path, default=None, help="drafter folder to evaluate (default out/drafter)")
+    parser.add_argument("--drafter", type=Path, default=None,
+                        help="drafter folder of the vocab, eval and ship steps (default: <out-dir>/drafter)")
     parser.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 64, 128])
     parser.add_argument("--max-eval-sequences", type=int, default=None, help="per category (a quick check)")
     # ship
