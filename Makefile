@@ -1,13 +1,18 @@
 # Two-command quick start: `make serve` and `make test`. Each creates .venv and installs what it needs.
-# CPU machines: torch==2.13.0 is the CPU build. GPU machines: see README ("Installing on GPU machines"), e.g.
+# torch stays CPU-only on machines without an NVIDIA driver: where pip's own sources hold the CPU wheel (this
+# project's development machines: 2.13.0+cpu) `torch==2.13.0` resolves to it; elsewhere PyPI's Linux wheel is the
+# CUDA build, so without nvidia-smi the CPU index is used whenever it is reachable. GPU machines: see README
+# ("Installing on GPU machines"), e.g.
 #   make install TORCH_SPEC=torch==2.13.0 TORCH_INDEX=--index-url=https://download.pytorch.org/whl/cu128
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
-TORCH_INDEX ?=
+CPU_TORCH_INDEX := https://download.pytorch.org/whl/cpu
+TORCH_INDEX ?= $(shell command -v nvidia-smi >/dev/null 2>&1 || ! curl -sfI -m 5 $(CPU_TORCH_INDEX)/torch/ \
+	>/dev/null 2>&1 || echo --index-url=$(CPU_TORCH_INDEX))
 BIN := $(VENV)/bin
 
-.PHONY: install serve test bench clean-venv
+.PHONY: install serve test clean-venv
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
