@@ -36,7 +36,8 @@ class AppArgs(BaseModel):
     device: str | None = Field(
         None, description="Torch device of the workers: 'cpu' or 'cuda'. None: 'cpu' for placement 'cpu', "
         "'cuda' otherwise (each actor sees only the GPU Ray gave it).")
-    dtype: str | None = Field(None, description="Weights dtype (float32, bfloat16, float16). None: model default.")
+    dtype: str | None = Field(
+        None, description="Weights dtype (float32, bfloat16, float16, float64). None: float32 on CPU, bfloat16 on CUDA.")
     speculation: Literal["ddtree", "dflash", "off"] = Field(
         "ddtree", description="'ddtree': draft trees; 'dflash': the drafter's argmax chain; 'off': autoregressive.")
     budget: Literal["auto"] | PositiveInt = Field(

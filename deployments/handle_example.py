@@ -4,7 +4,7 @@
     python -m deployments.handle_example --connect    # calls an app already running (`serve run ray_config.yaml`)
 
 `serve.get_app_handle(name)` returns the ingress deployment's handle; its `generate` answers the final
-`ddtree.RequestOutput` (text, token_ids, finish_reason, stats with the acceptance lengths) and `generate_stream`,
+`ddtree.outputs.RequestOutput` (text, token_ids, finish_reason, stats with the acceptance lengths) and `generate_stream`,
 called through `handle.options(stream=True)`, yields the incremental outputs (`new_text`, `new_token_ids`).
 """
 

@@ -23,7 +23,8 @@ from ddtree.sampling_params import SamplingParams
 from deployments import protocol
 from deployments.config import AppArgs, parse_args
 from deployments.engine_request import EngineRequest
-from deployments.errors import APIError, bad_request, internal_error, model_not_found, unauthorized, unwrap
+from deployments.errors import (APIError, bad_request, internal_error, model_not_found, not_found, unauthorized,
+                                unwrap)
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +48,10 @@ async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResp
 
 @api.exception_handler(StarletteHTTPException)
 async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-    error = APIError(exc.status_code, str(exc.detail) if exc.status_code != 404 else f"No route {request.url.path}",
-                     "invalid_request_error", None, None)
+    if exc.status_code == 404:
+        error = not_found(request.url.path)
+    else:
+        error = APIError(exc.status_code, str(exc.detail), "invalid_request_error", None, None)
     return JSONResponse(error.body(), status_code=exc.status_code)
 
 
