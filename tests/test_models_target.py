@@ -79,10 +79,12 @@ def make_verify_case(runner, gen, num_requests=3, vocab=97):
     return seq_ids, prompts, trees, roots, packed
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_verify_matches_hf_on_every_path(checkpoints, family):
     hf = hf_model(checkpoints[family])
     runner = TargetModel.load(checkpoints[family], feature_layer_ids=FEATURE_LAYERS, max_kv_bytes=2**22)
+    # float32 on CPU: forwards of several tokens run on the oneDNN-packed weights (the path checked here)
+    assert (runner.packed_layers is not None) == torch.backends.mkldnn.is_available()
     seq_ids, prompts, trees, roots, packed = make_verify_case(runner, torch.Generator().manual_seed(1))
     logits, feats = runner.verify(seq_ids, packed)
     assert logits.shape == (packed.num_tokens, 97) and feats.shape == (packed.num_tokens, 2 * 64)

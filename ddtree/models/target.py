@@ -57,6 +57,17 @@ class LayerWeights:
 
 
 @dataclass
+class PackedLayerWeights:
+    """oneDNN-packed copies of a layer's matrices, used for forwards of more than one token on CPUs (see
+    `TargetModel.pack_gemm_weights`): opaque tensors for `torch.ops.mkldnn._linear_pointwise`."""
+
+    w_qkv: torch.Tensor
+    w_o: torch.Tensor
+    w_gate_up: torch.Tensor
+    w_down: torch.Tensor
+
+
+@dataclass
 class _Batch:
     """Where each request's packed queries are and what they may see; built once per forward."""
 
@@ -110,8 +121,15 @@ class TargetModel:
         max_kv_bytes: int = 2**30,
         attention: str = "sdpa",
         source_path: Path | None = None,
+        pack_gemm_weights: bool = True,
     ):
-        """Build from Hugging Face-named tensors ([out, in] as in transformers)."""
+        """Build from Hugging Face-named tensors ([out, in] as in transformers).
+
+        `pack_gemm_weights` (CPU, float32): also keep oneDNN-packed copies of the layer matrices and the LM head for
+        forwards of several tokens (verify, prefill, batched decode). torch's default CPU GEMM (MKL) streams the
+        weights well for one token but runs far below both the bandwidth and the compute bound for 2-64 rows
+        (benchmarks/bench_gemm.py); oneDNN's packed kernels are 2x faster there. Costs a second copy of the
+        weights; one-token decode keeps the plain matrices (MKL's GEMV is the faster there)."""
         if attention not in ATTENTION_BACKENDS:
             raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {attention!r}")
         self.config = config
@@ -125,6 +143,10 @@ class TargetModel:
                 raise ValueError(f"feature layer id {i} out of range for {config.num_hidden_layers} layers")
         self.feature_dim = len(self.feature_layer_ids) * config.hidden_size
         self._load_weights(tensors)
+        self.packed_layers: list[PackedLayerWeights] | None = None
+        self.packed_lm_head: torch.Tensor | None = None
+        if pack_gemm_weights and self.device.type == "cpu" and dtype == torch.float32 and _has_onednn_linear():
+            self._pack_gemm_weights()
         self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling)
         self.kv = KVCache(
             config.num_hidden_layers, config.num_key_value_heads, config.head_dim, max_kv_bytes, self.device,
@@ -134,6 +156,14 @@ class TargetModel:
         self._flex = None
 
     # ---- construction -----------------------------------------------------------------------------------------
+    def _pack_gemm_weights(self) -> None:
+        def pack(w_in_out: torch.Tensor) -> torch.Tensor:  # [in, out] (x @ W) -> packed [out, in] (nn.Linear)
+            return torch.ops.mkldnn._reorder_linear_weight(w_in_out.t().contiguous())
+
+        self.packed_layers = [PackedLayerWeights(pack(lw.w_qkv), pack(lw.w_o), pack(lw.w_gate_up), pack(lw.w_down))
+                              for lw in self.layers]
+        self.packed_lm_head = pack(self.lm_head)
+
     @classmethod
     def load(
         cls,
@@ -377,9 +407,14 @@ class TargetModel:
         attend = self._flex_attention_fn(batch) if batch.packed is not None else self._sdpa_attention
         features: list[torch.Tensor] = []
         last_layer = cfg.num_hidden_layers - 1
+        packed_layers = self.packed_layers if num_tokens > 1 else None  # one token: MKL's GEMV streams faster
         for layer, lw in enumerate(self.layers):
+            pw = packed_layers[layer] if packed_layers is not None else None
             x = norm(h, lw.attn_norm)
-            qkv = x @ lw.w_qkv if lw.b_qkv is None else torch.addmm(lw.b_qkv, x, lw.w_qkv)  # [N, q + 2 kv]
+            if pw is not None:
+                qkv = _packed_linear(x, pw.w_qkv, lw.b_qkv)  # [N, q + 2 kv]
+            else:
+                qkv = x @ lw.w_qkv if lw.b_qkv is None else torch.addmm(lw.b_qkv, x, lw.w_qkv)  # [N, q + 2 kv]
             qk = qkv[:, : q_size + kv_size].view(num_tokens, nh + nkv, hd)  # q and k heads roped together
             if lw.qk_norm is not None:
                 qk = norm(qk, lw.qk_norm)  # [nh + nkv, head_dim] weights: q_norm rows then k_norm rows
@@ -389,18 +424,24 @@ class TargetModel:
             pool[0][:, batch.slots] = qk[:, nh:].transpose(0, 1)
             pool[1][:, batch.slots] = qkv[:, q_size + kv_size :].view(num_tokens, nkv, hd).transpose(0, 1)
             attn = attend(layer, qk[:, :nh], batch)  # [N, heads * head_dim]
-            h = torch.addmm(h, attn, lw.w_o)  # residual fused into the GEMM
-            if lw.b_o is not None:
-                h = h + lw.b_o
-            gate_up = norm(h, lw.mlp_norm) @ lw.w_gate_up  # [N, 2 * intermediate]
+            if pw is not None:
+                h = h + _packed_linear(attn, pw.w_o, lw.b_o)
+                gate_up = _packed_linear(norm(h, lw.mlp_norm), pw.w_gate_up)  # [N, 2 * intermediate]
+            else:
+                h = torch.addmm(h, attn, lw.w_o)  # residual fused into the GEMM
+                if lw.b_o is not None:
+                    h = h + lw.b_o
+                gate_up = norm(h, lw.mlp_norm) @ lw.w_gate_up  # [N, 2 * intermediate]
             act = F.silu(gate_up[:, : cfg.intermediate_size]) * gate_up[:, cfg.intermediate_size :]
-            h = torch.addmm(h, act, lw.w_down)
+            h = h + _packed_linear(act, pw.w_down) if pw is not None else torch.addmm(h, act, lw.w_down)
             if layer in self.feature_layer_ids:
                 # Hugging Face's last hidden state is after the final norm.
                 features.append(norm(h, self.final_norm) if layer == last_layer else h)
         feats = self._order_features(features, num_tokens)
-        logits = self.project_logits(norm(h.index_select(0, logits_rows), self.final_norm))
-        return logits, feats
+        hidden = norm(h.index_select(0, logits_rows), self.final_norm)  # [M, H]
+        if self.packed_lm_head is not None and hidden.shape[0] > 1:
+            return _packed_linear(hidden, self.packed_lm_head), feats  # [M, V]
+        return self.project_logits(hidden), feats
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm over the last dim; `weight` [..., dim] may hold one row per head."""
@@ -532,3 +573,13 @@ def measure_verify_cost_curve(
         return curve
     finally:
         runner.free(seq_id)
+
+
+def _has_onednn_linear() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") \
+        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [N, in] @ a oneDNN-packed [out, in] weight (+ bias) -> [N, out]."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
