@@ -220,3 +220,27 @@ def test_bfloat16_runs_close_to_float32(checkpoints):
     ref, low = results[torch.float32], results[torch.bfloat16]
     assert (low - ref).abs().max() < 0.05 * ref.abs().max()
     assert (low.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8
+
+
+def test_packed_and_plain_weights_agree(checkpoints):
+    """The oneDNN-packed path (several tokens, or one token with several threads) and the plain matrices give the
+    same prefill, decode and verify logits within float32 rounding."""
+    previous = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs = []
+            for is_packed in (True, False):
+                runner = TargetModel.load(checkpoints["qwen2"], feature_layer_ids=FEATURE_LAYERS, max_kv_bytes=2**22,
+                                          pack_gemm_weights=is_packed)
+                assert (runner.packed_layers is not None) == (is_packed and torch.backends.mkldnn.is_available())
+                seq_ids, prompts, trees, roots, packed = make_verify_case(runner, torch.Generator().manual_seed(3))
+                verify_logits, _ = runner.verify(seq_ids, packed)
+                runner.kv.allocate(50, 32)
+                prefill_logits, _ = runner.prefill([50], [[5, 9, 13, 2]])
+                decode_logits, _ = runner.decode([50], [7])
+                outs.append((verify_logits, prefill_logits, decode_logits))
+            for a, b in zip(*outs):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    finally:
+        torch.set_num_threads(previous)

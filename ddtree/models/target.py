@@ -129,7 +129,7 @@ class TargetModel:
         forwards of several tokens (verify, prefill, batched decode). torch's default CPU GEMM (MKL) streams the
         weights well for one token but runs far below both the bandwidth and the compute bound for 2-64 rows
         (benchmarks/bench_gemm.py); oneDNN's packed kernels are 2x faster there. Costs a second copy of the
-        weights; one-token decode keeps the plain matrices (MKL's GEMV is the faster there)."""
+        weights; one-token decode on one thread keeps the plain matrices (MKL's GEMV is the faster there)."""
         if attention not in ATTENTION_BACKENDS:
             raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {attention!r}")
         self.config = config
@@ -174,6 +174,7 @@ class TargetModel:
         max_kv_bytes: int = 2**30,
         attention: str = "sdpa",
         cache_dir: str | Path | None = None,
+        pack_gemm_weights: bool = True,
     ) -> "TargetModel":
         """`cache_dir`: where the default model's converted copy lives (see ddtree.models.default)."""
         from ddtree.models.loader import read_checkpoint, resolve_source
@@ -185,7 +186,8 @@ class TargetModel:
         else:
             path = resolve_source(source)
         config, tensors = read_checkpoint(path)
-        return cls(config, tensors, device, dtype, feature_layer_ids, max_kv_bytes, attention, source_path=path)
+        return cls(config, tensors, device, dtype, feature_layer_ids, max_kv_bytes, attention, source_path=path,
+                   pack_gemm_weights=pack_gemm_weights)
 
     def _load_weights(self, t: dict[str, torch.Tensor]) -> None:
         cfg = self.config
@@ -407,7 +409,10 @@ class TargetModel:
         attend = self._flex_attention_fn(batch) if batch.packed is not None else self._sdpa_attention
         features: list[torch.Tensor] = []
         last_layer = cfg.num_hidden_layers - 1
-        packed_layers = self.packed_layers if num_tokens > 1 else None  # one token: MKL's GEMV streams faster
+        # One token on one thread: MKL's GEMV streams the weights faster than the packed kernel (which wins from two
+        # rows, or with more threads: the GEMV does not parallelise here); benchmarks/bench_gemm.py.
+        use_packed = num_tokens > 1 or torch.get_num_threads() > 1
+        packed_layers = self.packed_layers if use_packed else None
         for layer, lw in enumerate(self.layers):
             pw = packed_layers[layer] if packed_layers is not None else None
             x = norm(h, lw.attn_norm)
@@ -439,7 +444,7 @@ class TargetModel:
                 features.append(norm(h, self.final_norm) if layer == last_layer else h)
         feats = self._order_features(features, num_tokens)
         hidden = norm(h.index_select(0, logits_rows), self.final_norm)  # [M, H]
-        if self.packed_lm_head is not None and hidden.shape[0] > 1:
+        if self.packed_lm_head is not None and (hidden.shape[0] > 1 or use_packed):
             return _packed_linear(hidden, self.packed_lm_head), feats  # [M, V]
         return self.project_logits(hidden), feats
 
