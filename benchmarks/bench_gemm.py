@@ -4,8 +4,9 @@
 
 A decode step (M = 1) streams the weights once; a verify of M tokens does M times the arithmetic on the same
 weights. The ideal cost is about max(bandwidth time, compute time); the table shows what torch's CPU GEMM
-(MKL here) delivers for the runner's layout (x @ W, W [K, N]), nn.Linear's layout (W [N, K]) and MKL's packed
-weights, with 40 distinct matrices (283 MB) so that nothing stays in cache.
+(MKL here) delivers for the runner's plain layout (x @ W, W [K, N]), nn.Linear's layout (W [N, K]), MKL's packed
+weights and oneDNN's packed weights (what the runner uses for several tokens, `pack_gemm_weights`), with 40
+distinct matrices (283 MB) so that nothing stays in cache.
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     megabytes = args.num_matrices * k * n * 4 / 1e6
     print(f"\n{args.num_matrices} x [{k}, {n}] float32 ({megabytes:.0f} MB), {args.threads} thread(s), best of "
           f"{args.repeats}")
-    print(f"{'M':>4}{'x @ W ms':>10}{'linear ms':>11}{'mkl packed ms':>15}{'x M=1':>8}{'GB/s':>7}{'GFLOP/s':>9}")
+    print(f"{'M':>4}{'x @ W ms':>10}{'linear ms':>11}{'mkl packed ms':>15}{'onednn packed ms':>18}{'x M=1':>8}"
+          f"{'GB/s':>7}{'GFLOP/s':>9}")
+    onednn_weights = [torch.ops.mkldnn._reorder_linear_weight(w) for w in linear_weights]
     base = None
     for m in args.rows:
         x = torch.randn(m, k)
@@ -55,10 +58,12 @@ def main(argv: list[str] | None = None) -> int:
                                    for p, w in zip(packed, linear_weights)])
         else:
             mkl = float("nan")
+        onednn = best_ms(lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+                                  for p in onednn_weights])
         base = base or runner
         gflop = 2 * m * k * n * args.num_matrices / 1e9
-        print(f"{m:>4}{runner:>10.1f}{linear:>11.1f}{mkl:>15.1f}{runner / base:>8.2f}{megabytes / runner:>7.1f}"
-              f"{gflop / (runner / 1000):>9.1f}")
+        print(f"{m:>4}{runner:>10.1f}{linear:>11.1f}{mkl:>15.1f}{onednn:>18.1f}{runner / base:>8.2f}"
+              f"{megabytes / runner:>7.1f}{gflop / (runner / 1000):>9.1f}")
     return 0
 
 
