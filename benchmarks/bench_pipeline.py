@@ -10,7 +10,7 @@ verify all), `pipelined` (pipeline=True: phases where the drafter actor drafts g
 verifies group B) and `auto` (pipeline="auto": the engine chooses from its cost model each phase). The modes
 alternate for `--passes` passes so that load from other jobs hits them alike. The table reports tokens/s of each,
 the ratios to sequential, the speedup the cost model predicts for two groups (`BudgetPolicy.pipeline_speedup`, from
-the sequential engine's live cost curves; auto pipelines above 1.15), the mean round / phase time, and the engine's
+the sequential engine's live cost curves; auto pipelines above 1.08), the mean round / phase time, and the engine's
 own split (seconds inside the drafter and inside the target per committed token): overlap can at best hide the
 smaller of the two.
 

@@ -32,7 +32,7 @@ from ddtree.tree import DraftTree, build_trees_from_topk, chain_trees_from_topk
 from ddtree.workers import DrafterWorker, TargetWorker, VerifyResult
 
 SPECULATION_MODES = ("ddtree", "dflash", "off")
-PIPELINE_ENTER_SPEEDUP = 1.15  # pipeline="auto" enters when two groups are predicted this much faster than one
+PIPELINE_ENTER_SPEEDUP = 1.08  # pipeline="auto" enters when two groups are predicted this much faster than one
 
 __all__ = ["Engine", "EngineConfig", "EngineFullError", "PromptTooLongError", "RoundTimings"]
 
@@ -255,7 +255,7 @@ class Engine:
     def _should_pipeline(self) -> bool:
         """pipeline=True: always; "auto": while the cost model predicts two groups faster than one, with a margin
         to enter (it ignores the actor hops and the second verify pass's fixed costs: in benchmarks/bench_pipeline.py
-        runs its predictions were 2-7% above the measured ratio), staying while above 1x, and only when the workers
+        runs its predictions were 0-7% above the measured ratio), staying while above 1x, and only when the workers
         can work at the same time (actors, `is_remote`)."""
         if self.drafter is None or self.config.pipeline is False:
             return False
