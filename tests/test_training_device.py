@@ -11,23 +11,13 @@ from safetensors.torch import load_file
 
 from ddtree.cli import main
 from ddtree.models.dflash import load_dflash
-from ddtree.models.testing import write_random_target
 from ddtree.training.blocks import IGNORE_INDEX, build_block_batch
 from ddtree.training.generate import generate_responses, generate_responses_continuous, write_prompts
 from ddtree.training.prompts import CATEGORIES, Prompt
 from ddtree.training.target import resolve_device, resolve_dtype
-from tests.tiny_tokenizer import make_char_tokenizer
 
 TRAIN_ARGS = ["--num-draft-layers", "1", "--block-size", "4", "--target-layer-ids", "0", "2", "--mask-token-id",
               "1", "--train-batch-size", "2", "--max-anchors", "3", "--num-negatives", "8", "--num-threads", "1"]
-
-
-@pytest.fixture(scope="module")
-def tiny_target(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_target")
-    write_random_target(path, seed=3)
-    make_char_tokenizer().save_pretrained(str(path))
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -9,18 +9,8 @@ from safetensors.torch import load_file
 
 from ddtree.cli import main
 from ddtree.models.dflash import load_dflash
-from ddtree.models.testing import write_random_target
 from ddtree.training.generate import generate_responses, generate_responses_continuous, write_prompts
 from ddtree.training.prompts import Prompt
-from tests.tiny_tokenizer import make_char_tokenizer
-
-
-@pytest.fixture(scope="module")
-def tiny_target(tmp_path_factory):
-    path = tmp_path_factory.mktemp("tiny_target")
-    write_random_target(path, seed=3)
-    make_char_tokenizer().save_pretrained(str(path))
-    return path
 
 
 def test_runner_and_hf_generation_give_the_same_tokens_and_features(tiny_target, tmp_path):
