@@ -40,6 +40,7 @@ from ddtree.models.layers import Rotary, rms_norm
 from ddtree.packing import PackedBatch
 
 ATTENTION_BACKENDS = ("sdpa", "flex")
+_NO_ADD = torch.empty(0)  # the native GEMV's "nothing to add"
 DEFAULT_MAX_PREFILL_TOKENS = 512
 
 
@@ -122,6 +123,7 @@ class TargetModel:
         attention: str = "sdpa",
         source_path: Path | None = None,
         pack_gemm_weights: bool = True,
+        cpu_kernels: bool = True,
     ):
         """Build from Hugging Face-named tensors ([out, in] as in transformers).
 
@@ -129,7 +131,12 @@ class TargetModel:
         forwards of several tokens (verify, prefill, batched decode). torch's default CPU GEMM (MKL) streams the
         weights well for one token but runs far below both the bandwidth and the compute bound for 2-64 rows
         (benchmarks/bench_gemm.py); oneDNN's packed kernels are 2x faster there. Costs a second copy of the
-        weights; one-token decode on one thread keeps the plain matrices (MKL's GEMV is the faster there)."""
+        weights; one-token decode on one thread keeps the plain matrices (MKL's GEMV is the faster there).
+
+        `cpu_kernels` (CPU, float32): one-token forwards use the project's GEMV and RMSNorm (ddtree/kernels/
+        cpu_ops.cpp, built on first use); the GEMV streams every weight matrix near the memory's read rate where
+        MKL's reaches about half of it on narrow and square matrices. Without a C++ compiler (or with DDTREE_CPU_KERNELS=0) torch's
+        kernels are used; results differ by float32 rounding only."""
         if attention not in ATTENTION_BACKENDS:
             raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {attention!r}")
         self.config = config
@@ -142,6 +149,11 @@ class TargetModel:
             if not 0 <= i < config.num_hidden_layers:
                 raise ValueError(f"feature layer id {i} out of range for {config.num_hidden_layers} layers")
         self.feature_dim = len(self.feature_layer_ids) * config.hidden_size
+        self._cpu_ops = None  # native one-token ops (ddtree.kernels): GEMV, RMSNorm, one-query attention
+        if cpu_kernels and self.device.type == "cpu" and dtype == torch.float32:
+            from ddtree.kernels import cpu_ops
+
+            self._cpu_ops = cpu_ops()
         self._load_weights(tensors)
         self.packed_layers: list[PackedLayerWeights] | None = None
         self.packed_lm_head: torch.Tensor | None = None
@@ -175,6 +187,7 @@ class TargetModel:
         attention: str = "sdpa",
         cache_dir: str | Path | None = None,
         pack_gemm_weights: bool = True,
+        cpu_kernels: bool = True,
     ) -> "TargetModel":
         """`cache_dir`: where the default model's converted copy lives (see ddtree.models.default)."""
         from ddtree.models.loader import read_checkpoint, resolve_source
@@ -187,7 +200,7 @@ class TargetModel:
             path = resolve_source(source)
         config, tensors = read_checkpoint(path)
         return cls(config, tensors, device, dtype, feature_layer_ids, max_kv_bytes, attention, source_path=path,
-                   pack_gemm_weights=pack_gemm_weights)
+                   pack_gemm_weights=pack_gemm_weights, cpu_kernels=cpu_kernels)
 
     def _load_weights(self, t: dict[str, torch.Tensor]) -> None:
         cfg = self.config
@@ -202,9 +215,10 @@ class TargetModel:
 
         def in_out(*out_in: torch.Tensor) -> torch.Tensor:
             """[in, sum(out)] for `x @ W`, from [out_i, in] matrices fused along out, stored as `_is_stored_out_in`
-            says (as the transposed view of a contiguous [out, in] matrix, or contiguous itself)."""
+            says (as the transposed view of a contiguous [out, in] matrix, or contiguous itself); always [out, in]
+            with the native GEMV, whose one-row dot products stream that layout fastest."""
             fused = torch.cat(out_in, dim=0) if len(out_in) > 1 else out_in[0]
-            if _is_stored_out_in(fused.shape[0], fused.shape[1], self.dtype):
+            if self._cpu_ops is not None or _is_stored_out_in(fused.shape[0], fused.shape[1], self.dtype):
                 return fused.contiguous().t()
             return fused.t().contiguous()
 
@@ -401,52 +415,82 @@ class TargetModel:
         nh, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         q_size, kv_size = cfg.q_size, cfg.kv_size
         half = hd // 2
-        norm = self._norm
         h = self.embed(input_ids)  # [N, H]
         cos, sin = self.rotary.cos_sin(positions, self.dtype)  # [N, head_dim]
-        cos = cos.unsqueeze(1)  # [N, 1, head_dim], broadcast over heads
-        sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).unsqueeze(1)  # rotate-half's sign folded in
-        attend = self._flex_attention_fn(batch) if batch.packed is not None else self._sdpa_attention
+        ops = self._cpu_ops if num_tokens == 1 else None  # one token: the native ops, on the plain matrices
+        if ops is not None:
+            linear, norm = self._one_row_linear, self._one_row_norm
+        else:
+            # One token on one thread: MKL's GEMV streams the weights faster than the packed kernel (which wins from
+            # two rows, or with more threads: the GEMV does not parallelise here); benchmarks/bench_gemm.py.
+            use_packed = self.packed_layers is not None and (num_tokens > 1 or torch.get_num_threads() > 1)
+            linear, norm = (self._packed_linear if use_packed else self._plain_linear), self._norm
+        # The attention block (rotary, KV write, attention) of one token in one native call; Qwen3's q/k norms and
+        # packed trees take torch ops.
+        native_attention = ops is not None and batch.packed is None and not cfg.has_qk_norm
+        if native_attention:
+            cos1, sin1 = cos[0].contiguous(), sin[0].contiguous()
+        else:
+            cos = cos.unsqueeze(1)  # [N, 1, head_dim], broadcast over heads
+            sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).unsqueeze(1)  # rotate-half's sign folded
+            attend = self._flex_attention_fn(batch) if batch.packed is not None else self._sdpa_attention
         features: list[torch.Tensor] = []
         last_layer = cfg.num_hidden_layers - 1
-        # One token on one thread: MKL's GEMV streams the weights faster than the packed kernel (which wins from two
-        # rows, or with more threads: the GEMV does not parallelise here); benchmarks/bench_gemm.py.
-        use_packed = num_tokens > 1 or torch.get_num_threads() > 1
-        packed_layers = self.packed_layers if use_packed else None
         for layer, lw in enumerate(self.layers):
-            pw = packed_layers[layer] if packed_layers is not None else None
             x = norm(h, lw.attn_norm)
-            if pw is not None:
-                qkv = _packed_linear(x, pw.w_qkv, lw.b_qkv)  # [N, q + 2 kv]
+            qkv = linear(x, layer, "w_qkv", lw.b_qkv)  # [N, q + 2 kv]
+            if native_attention:
+                k, v = self.kv.keys_values(batch.seq_ids[0], layer, batch.num_cached[0] + 1)  # new entry last
+                attn = ops.decode_attention(qkv[0], cos1, sin1, k, v, nh).unsqueeze(0)  # [1, heads * head_dim]
             else:
-                qkv = x @ lw.w_qkv if lw.b_qkv is None else torch.addmm(lw.b_qkv, x, lw.w_qkv)  # [N, q + 2 kv]
-            qk = qkv[:, : q_size + kv_size].view(num_tokens, nh + nkv, hd)  # q and k heads roped together
-            if lw.qk_norm is not None:
-                qk = norm(qk, lw.qk_norm)  # [nh + nkv, head_dim] weights: q_norm rows then k_norm rows
-            swapped = torch.cat([qk[..., half:], qk[..., :half]], dim=-1)
-            qk = torch.addcmul(qk * cos, swapped, sin_signed)  # [N, nh + nkv, head_dim]
-            pool = self.kv.pool[layer]  # [2, kv_heads, slots, head_dim]
-            pool[0][:, batch.slots] = qk[:, nh:].transpose(0, 1)
-            pool[1][:, batch.slots] = qkv[:, q_size + kv_size :].view(num_tokens, nkv, hd).transpose(0, 1)
-            attn = attend(layer, qk[:, :nh], batch)  # [N, heads * head_dim]
-            if pw is not None:
-                h = h + _packed_linear(attn, pw.w_o, lw.b_o)
-                gate_up = _packed_linear(norm(h, lw.mlp_norm), pw.w_gate_up)  # [N, 2 * intermediate]
+                qk = qkv[:, : q_size + kv_size].view(num_tokens, nh + nkv, hd)  # q and k heads roped together
+                if lw.qk_norm is not None:
+                    qk = self._norm(qk, lw.qk_norm)  # [nh + nkv, head_dim] weights: q_norm rows then k_norm rows
+                swapped = torch.cat([qk[..., half:], qk[..., :half]], dim=-1)
+                qk = torch.addcmul(qk * cos, swapped, sin_signed)  # [N, nh + nkv, head_dim]
+                pool = self.kv.pool[layer]  # [2, kv_heads, slots, head_dim]
+                pool[0][:, batch.slots] = qk[:, nh:].transpose(0, 1)
+                pool[1][:, batch.slots] = qkv[:, q_size + kv_size :].view(num_tokens, nkv, hd).transpose(0, 1)
+                attn = attend(layer, qk[:, :nh], batch)  # [N, heads * head_dim]
+            h = linear(attn, layer, "w_o", lw.b_o, residual=h)
+            gate_up = linear(norm(h, lw.mlp_norm), layer, "w_gate_up")  # [N, 2 * intermediate]
+            if ops is not None:
+                act = ops.silu_and_mul(gate_up[0]).unsqueeze(0)
             else:
-                h = torch.addmm(h, attn, lw.w_o)  # residual fused into the GEMM
-                if lw.b_o is not None:
-                    h = h + lw.b_o
-                gate_up = norm(h, lw.mlp_norm) @ lw.w_gate_up  # [N, 2 * intermediate]
-            act = F.silu(gate_up[:, : cfg.intermediate_size]) * gate_up[:, cfg.intermediate_size :]
-            h = h + _packed_linear(act, pw.w_down) if pw is not None else torch.addmm(h, act, lw.w_down)
+                act = F.silu(gate_up[:, : cfg.intermediate_size]) * gate_up[:, cfg.intermediate_size :]
+            h = linear(act, layer, "w_down", residual=h)
             if layer in self.feature_layer_ids:
                 # Hugging Face's last hidden state is after the final norm.
                 features.append(norm(h, self.final_norm) if layer == last_layer else h)
         feats = self._order_features(features, num_tokens)
         hidden = norm(h.index_select(0, logits_rows), self.final_norm)  # [M, H]
-        if self.packed_lm_head is not None and (hidden.shape[0] > 1 or use_packed):
+        if ops is not None and hidden.shape[0] == 1:
+            return ops.gemv(hidden[0], self.lm_head, _NO_ADD).unsqueeze(0), feats  # [1, V]
+        if self.packed_lm_head is not None and (hidden.shape[0] > 1 or linear == self._packed_linear):
             return _packed_linear(hidden, self.packed_lm_head), feats  # [M, V]
         return self.project_logits(hidden), feats
+
+    # The layer's matrix `name` applied to x [N, in] (+ bias, + residual [N, out]): three mechanisms, one meaning.
+    def _plain_linear(self, x, layer: int, name: str, bias=None, residual=None) -> torch.Tensor:
+        w = getattr(self.layers[layer], name)  # [in, out]
+        if residual is not None:
+            out = torch.addmm(residual, x, w)  # the residual fused into the GEMM
+            return out if bias is None else out + bias
+        return x @ w if bias is None else torch.addmm(bias, x, w)
+
+    def _packed_linear(self, x, layer: int, name: str, bias=None, residual=None) -> torch.Tensor:
+        out = _packed_linear(x, getattr(self.packed_layers[layer], name), bias)
+        return out if residual is None else residual + out
+
+    def _one_row_linear(self, x, layer: int, name: str, bias=None, residual=None) -> torch.Tensor:
+        add = residual[0] if residual is not None else (bias if bias is not None else _NO_ADD)
+        out = self._cpu_ops.gemv(x[0].contiguous(), getattr(self.layers[layer], name), add).unsqueeze(0)  # [1, out]
+        return out if residual is None or bias is None else out + bias
+
+    def _one_row_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and weight.dim() == 1:
+            return self._cpu_ops.rms_norm(x.contiguous(), weight, self.config.rms_norm_eps)
+        return self._norm(x, weight)  # per-head weights (Qwen3's q/k norms)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm over the last dim; `weight` [..., dim] may hold one row per head."""

@@ -1,0 +1,156 @@
+"""The native single-token CPU ops (ddtree/kernels) against torch, and the runner's one-token path that uses them."""
+
+import logging
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ddtree.kernels as kernels
+from ddtree.models.target import TargetModel
+from ddtree.models.testing import write_random_target
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                                reason="no C++ compiler: the runner uses torch's kernels (tested elsewhere)")
+
+EMPTY = torch.empty(0)
+
+
+@pytest.fixture(scope="module")
+def ops():
+    module = kernels.cpu_ops()
+    assert module is not None, "a C++ compiler is present, so the native ops must build (see the logged warning)"
+    return module
+
+
+@pytest.fixture
+def two_threads():
+    previous = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(previous)
+
+
+def rope_reference(x, cos, sin):  # x [heads, D]: Hugging Face's rotate-half convention
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("k, n", [(576, 960), (37, 53), (16, 1), (1536, 576), (5, 300)])
+def test_gemv_matches_torch_in_both_layouts(ops, threads, k, n):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(k * 1000 + n)
+        x, w, add = torch.randn(k, generator=gen), torch.randn(k, n, generator=gen), torch.randn(n, generator=gen)
+        expected = x @ w
+        out_in = w.t().contiguous().t()  # the transposed view of a contiguous [n, k] matrix
+        for weight in (w, out_in):
+            torch.testing.assert_close(ops.gemv(x, weight, EMPTY), expected, rtol=1e-5, atol=1e-4)
+            torch.testing.assert_close(ops.gemv(x, weight, add), expected + add, rtol=1e-5, atol=1e-4)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_gemv_rejects_what_it_cannot_compute(ops):
+    x, w = torch.randn(8), torch.randn(8, 4)
+    with pytest.raises(RuntimeError, match="float32 only"):
+        ops.gemv(x.double(), w.double(), EMPTY)
+    with pytest.raises(RuntimeError, match=r"x \[K\] and w \[K, N\]"):
+        ops.gemv(torch.randn(7), w, EMPTY)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ops.gemv(x, torch.randn(8, 8)[:, ::2], EMPTY)
+    with pytest.raises(RuntimeError, match="add must be"):
+        ops.gemv(x, w, torch.randn(5))
+
+
+def test_rms_norm_and_silu_and_mul_match_torch(ops):
+    gen = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(3, 576, generator=gen) * 7, torch.randn(576, generator=gen)
+    torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5), F.rms_norm(x, (576,), weight, 1e-5))
+    gate_up = torch.randn(2 * 1536, generator=gen) * 4
+    torch.testing.assert_close(ops.silu_and_mul(gate_up), F.silu(gate_up[:1536]) * gate_up[1536:])
+    with pytest.raises(RuntimeError, match="rms_norm"):
+        ops.rms_norm(x, torch.randn(5), 1e-5)
+    with pytest.raises(RuntimeError, match="silu_and_mul"):
+        ops.silu_and_mul(torch.randn(5))
+
+
+@pytest.mark.parametrize("heads, kv_heads, num_cached", [(9, 3, 128), (4, 4, 0), (6, 2, 17)])
+def test_decode_attention_ropes_writes_the_cache_and_attends(ops, heads, kv_heads, num_cached):
+    d, slots, start = 64, 300, 40
+    gen = torch.Generator().manual_seed(heads + num_cached)
+    pool = torch.randn(2, kv_heads, slots, d, generator=gen)  # like one layer of the KV pool: strided views
+    qkv = torch.randn((heads + 2 * kv_heads) * d, generator=gen)
+    angle = torch.rand(d // 2, generator=gen) * 6
+    cos, sin = torch.cat([angle, angle]).cos(), torch.cat([angle, angle]).sin()
+    q, k_new, v_new = qkv.split([heads * d, kv_heads * d, kv_heads * d])
+    q = rope_reference(q.view(heads, d), cos, sin)
+    k_new = rope_reference(k_new.view(kv_heads, d), cos, sin)
+    k_ref, v_ref = pool[0, :, start : start + num_cached].clone(), pool[1, :, start : start + num_cached].clone()
+    k_ref = torch.cat([k_ref, k_new.unsqueeze(1)], dim=1)
+    v_ref = torch.cat([v_ref, v_new.view(kv_heads, 1, d)], dim=1)
+    expected = F.scaled_dot_product_attention(q.view(1, heads, 1, d), k_ref.unsqueeze(0), v_ref.unsqueeze(0),
+                                              enable_gqa=heads != kv_heads).reshape(-1)
+    untouched = pool.clone()
+    t = num_cached + 1
+    out = ops.decode_attention(qkv, cos, sin, pool[0, :, start : start + t], pool[1, :, start : start + t], heads)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(pool[0, :, start + num_cached], k_new)  # the new entry, roped
+    torch.testing.assert_close(pool[1, :, start + num_cached], v_new.view(kv_heads, d))
+    untouched[:, :, start + num_cached] = pool[:, :, start + num_cached]
+    assert torch.equal(pool, untouched)  # nothing else written
+    with pytest.raises(RuntimeError, match="multiple of kv_heads"):
+        ops.decode_attention(qkv, cos, sin, pool[0, :, :t], pool[1, :, :t], heads + 1)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_one_token_forwards_on_native_ops_match_hf(tmp_path, family, ops):
+    """A single request decoded one token at a time (every forward takes the native path, from an empty cache
+    on) gives Hugging Face's logits and features, and the torch path's within float32 rounding."""
+    from transformers import AutoModelForCausalLM
+
+    path = write_random_target(tmp_path / family, model_type=family, seed=7)
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    runners = {native: TargetModel.load(path, feature_layer_ids=[1, 0], max_kv_bytes=2**22, cpu_kernels=native)
+               for native in (True, False)}
+    assert runners[True]._cpu_ops is not None and runners[False]._cpu_ops is None
+    ids = torch.randint(0, 97, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+    for runner in runners.values():
+        runner.kv.allocate(0, 32)
+    with torch.no_grad():
+        out = hf(torch.tensor([ids]), output_hidden_states=True)
+    ref_feats = torch.cat([out.hidden_states[i + 1][0] for i in (1, 0)], dim=-1)
+    for i, token in enumerate(ids):
+        results = {}
+        for native, runner in runners.items():
+            logits, feats = runner.prefill([0], [[token]]) if i == 0 else runner.decode([0], [token])
+            results[native] = (logits[0], feats[0] if i else feats[0][0])
+        torch.testing.assert_close(results[True][0], out.logits[0, i], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(results[True][1], ref_feats[i], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(results[True][0], results[False][0], rtol=1e-5, atol=1e-5)
+
+
+def test_disabled_or_unbuildable_kernels_fall_back_to_torch(tmp_path, monkeypatch, caplog):
+    path = write_random_target(tmp_path / "t", seed=2)
+    monkeypatch.setenv("DDTREE_CPU_KERNELS", "0")
+    assert kernels.cpu_ops() is None
+    assert TargetModel.load(path, max_kv_bytes=2**20)._cpu_ops is None
+    monkeypatch.delenv("DDTREE_CPU_KERNELS")
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Error building extension 'x': c++: not found")
+
+    import torch.utils.cpp_extension
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
+    monkeypatch.setattr(kernels, "_loaded", {})
+    with caplog.at_level(logging.WARNING, logger="ddtree.kernels"):
+        runner = TargetModel.load(path, max_kv_bytes=2**20)
+    assert runner._cpu_ops is None
+    assert "native kernel cpu_ops unavailable" in caplog.text and "c++: not found" in caplog.text
+    runner.kv.allocate(0, 8)
+    logits, _ = runner.prefill([0], [[3]])  # still decodes, on torch's kernels
+    assert logits.shape == (1, runner.config.vocab_size)
