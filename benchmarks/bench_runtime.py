@@ -70,7 +70,18 @@ def hf_decode_step(model_dir: Path, context: list[int]):
     return step
 
 
-def run(runner: TargetModel, args, num_threads: int) -> None:
+def constant_context_decode(runner: TargetModel, seq_ids: list[int], context: list[int]):
+    """A function running one decode step of `seq_ids` (prefilled with `context`) at a constant context length."""
+
+    def decode(ids=seq_ids):
+        runner.decode(ids, [context[-1]] * len(ids))
+        for s in ids:
+            runner.kv.handle(s).num_committed = len(context)  # drop the appended token: constant context
+
+    return decode
+
+
+def run(runner: TargetModel, torch_kernels_runner: TargetModel | None, args, num_threads: int) -> None:
     torch.set_num_threads(num_threads)
     gen = torch.Generator().manual_seed(0)
     vocab = runner.config.vocab_size
@@ -79,11 +90,7 @@ def run(runner: TargetModel, args, num_threads: int) -> None:
     for s in seq_ids:
         runner.kv.allocate(s, args.context + 64)
     runner.prefill(seq_ids, [context] * 16)
-
-    def decode(ids):
-        runner.decode(ids, [context[-1]] * len(ids))
-        for s in ids:
-            runner.kv.handle(s).num_committed = args.context  # drop the appended token: constant context
+    decode = constant_context_decode(runner, seq_ids, context)
 
     tree = random_draft_tree(31, 8, vocab, gen)
     packed32 = pack([tree], [context[-1]], [args.context])
@@ -94,11 +101,17 @@ def run(runner: TargetModel, args, num_threads: int) -> None:
 
     fns = dict(bandwidth_probes())
     fns.update({"decode1": lambda: decode([0]), "decode16": lambda: decode(seq_ids), "verify32": verify32})
+    if torch_kernels_runner is not None:
+        torch_kernels_runner.kv.allocate(0, args.context + 64)
+        torch_kernels_runner.prefill([0], [context])
+        fns["decode1_torch"] = constant_context_decode(torch_kernels_runner, [0], context)
     if not args.skip_hf:
         fns["hf"] = hf_decode_step(runner.source_path, context)
     t = timed_interleaved(fns, args.repeats)
     for s in seq_ids:
         runner.free(s)
+    if torch_kernels_runner is not None:
+        torch_kernels_runner.free(0)
     curve = measure_verify_cost_curve(runner, CURVE_TOKENS, num_context_tokens=args.context,
                                       num_repeats=max(3, args.repeats // 3))
 
@@ -127,6 +140,10 @@ def run(runner: TargetModel, args, num_threads: int) -> None:
           f"({model_bytes / copy_bandwidth / d1[0]:.0%} of it) |")
     print(f"| decode step, 1 request, ms | {ms(d1)} | <= {bound / 0.7 * 1e3:.1f} (70% of bound) "
           f"| {check(d1[0] <= bound / 0.7)} ({bound / d1[0]:.0%} of bound) |")
+    if "decode1_torch" in t:
+        d1t = t["decode1_torch"]
+        print(f"| decode step, 1 request, torch's kernels (cpu_kernels=False), ms | {ms(d1t)} | | "
+              f"({bound / d1t[0]:.0%} of bound; {d1t[0] / d1[0]:.2f}x ours) |")
     if "hf" in t:
         print(f"| Hugging Face forward, 1 token, ms | {ms(t['hf'])} | | ({t['hf'][0] / d1[0]:.2f}x ours) |")
     print(f"| verify 32 packed tree tokens, ms | {ms(v32)} | <= 2.5 decode steps | "
@@ -148,12 +165,19 @@ def main():
     parser.add_argument("--context", type=int, default=128, help="cached tokens per request")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--skip-hf", action="store_true", help="skip the Hugging Face comparison")
+    parser.add_argument("--skip-torch-kernels", action="store_true",
+                        help="skip the decode step on torch's kernels (cpu_kernels=False)")
     parser.add_argument("--cache-dir", default=str(REPO / ".cache" / "ddtree"))
     args = parser.parse_args()
     runner = TargetModel.load(args.model, dtype=DTYPES[args.dtype], max_kv_bytes=2**30, cache_dir=args.cache_dir)
-    print(f"model {runner.source_path}, {runner.config.num_hidden_layers} layers, torch {torch.__version__}")
+    torch_kernels_runner = None
+    if runner.uses_cpu_kernels and not args.skip_torch_kernels:  # the same model on torch's kernels, side by side
+        torch_kernels_runner = TargetModel.load(args.model, dtype=DTYPES[args.dtype], max_kv_bytes=2**24,
+                                                cache_dir=args.cache_dir, cpu_kernels=False)
+    print(f"model {runner.source_path}, {runner.config.num_hidden_layers} layers, torch {torch.__version__}, "
+          f"native one-token ops: {'yes' if runner.uses_cpu_kernels else 'no'}")
     for n in args.threads:
-        run(runner, args, n)
+        run(runner, torch_kernels_runner, args, n)
 
 
 if __name__ == "__main__":

@@ -116,7 +116,7 @@ def test_one_token_forwards_on_native_ops_match_hf(tmp_path, family, ops):
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
     runners = {native: TargetModel.load(path, feature_layer_ids=[1, 0], max_kv_bytes=2**22, cpu_kernels=native)
                for native in (True, False)}
-    assert runners[True]._cpu_ops is not None and runners[False]._cpu_ops is None
+    assert runners[True].uses_cpu_kernels and not runners[False].uses_cpu_kernels
     ids = torch.randint(0, 97, (12,), generator=torch.Generator().manual_seed(1)).tolist()
     for runner in runners.values():
         runner.kv.allocate(0, 32)
@@ -137,7 +137,7 @@ def test_disabled_or_unbuildable_kernels_fall_back_to_torch(tmp_path, monkeypatc
     path = write_random_target(tmp_path / "t", seed=2)
     monkeypatch.setenv("DDTREE_CPU_KERNELS", "0")
     assert kernels.cpu_ops() is None
-    assert TargetModel.load(path, max_kv_bytes=2**20)._cpu_ops is None
+    assert not TargetModel.load(path, max_kv_bytes=2**20).uses_cpu_kernels
     monkeypatch.delenv("DDTREE_CPU_KERNELS")
 
     def no_compiler(*args, **kwargs):
@@ -149,7 +149,7 @@ def test_disabled_or_unbuildable_kernels_fall_back_to_torch(tmp_path, monkeypatc
     monkeypatch.setattr(kernels, "_loaded", {})
     with caplog.at_level(logging.WARNING, logger="ddtree.kernels"):
         runner = TargetModel.load(path, max_kv_bytes=2**20)
-    assert runner._cpu_ops is None
+    assert not runner.uses_cpu_kernels
     assert "native kernel cpu_ops unavailable" in caplog.text and "c++: not found" in caplog.text
     runner.kv.allocate(0, 8)
     logits, _ = runner.prefill([0], [[3]])  # still decodes, on torch's kernels

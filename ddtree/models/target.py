@@ -259,6 +259,11 @@ class TargetModel:
         return torch.cat([q_norm.expand(cfg.num_attention_heads, -1), k_norm.expand(cfg.num_key_value_heads, -1)])
 
     @property
+    def uses_cpu_kernels(self) -> bool:
+        """Whether one-token forwards run on the native CPU ops (ddtree.kernels)."""
+        return self._cpu_ops is not None
+
+    @property
     def num_weight_bytes(self) -> int:
         """Bytes a forward must read at least once (every weight matrix and norm)."""
         tensors = [self.final_norm, self.lm_head]
