@@ -1,4 +1,4 @@
-"""The native single-token CPU ops (ddtree/kernels) against torch, and the runner's one-token path that uses them."""
+"""The native CPU ops (ddtree/kernels) against torch, and the runner's forwards on them against Hugging Face."""
 
 import logging
 import shutil
@@ -39,43 +39,72 @@ def rope_reference(x, cos, sin):  # x [heads, D]: Hugging Face's rotate-half con
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("k, n", [(576, 960), (37, 53), (16, 1), (1536, 576), (5, 300)])
-def test_gemv_matches_torch_in_both_layouts(ops, threads, k, n):
+def test_panel_linear_matches_torch(ops, threads, k, n):
+    """Every row-block size (1-8 rows, and several blocks), partial last panels, bias and residual."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         gen = torch.Generator().manual_seed(k * 1000 + n)
-        x, w, add = torch.randn(k, generator=gen), torch.randn(k, n, generator=gen), torch.randn(n, generator=gen)
-        expected = x @ w
-        out_in = w.t().contiguous().t()  # the transposed view of a contiguous [n, k] matrix
-        for weight in (w, out_in):
-            torch.testing.assert_close(ops.gemv(x, weight, EMPTY), expected, rtol=1e-5, atol=1e-4)
-            torch.testing.assert_close(ops.gemv(x, weight, add), expected + add, rtol=1e-5, atol=1e-4)
+        w, bias = torch.randn(k, n, generator=gen), torch.randn(n, generator=gen)
+        panels = kernels.pack_panels(w)
+        assert panels.shape == (-(-n // 32), k, 32)
+        for m in (1, 2, 3, 5, 8, 9, 17, 40):
+            x, residual = torch.randn(m, k, generator=gen), torch.randn(m, n, generator=gen)
+            expected = x @ w
+            torch.testing.assert_close(ops.panel_linear(x, panels, n, EMPTY, EMPTY), expected, rtol=1e-5, atol=1e-4)
+            torch.testing.assert_close(ops.panel_linear(x, panels, n, bias, residual), expected + bias + residual,
+                                       rtol=1e-5, atol=1e-4)
+        # the transposed view of a contiguous [n, k] matrix (the runner's storage) packs the same
+        assert torch.equal(kernels.pack_panels(w.t().contiguous().t()), panels)
     finally:
         torch.set_num_threads(previous)
 
 
-def test_gemv_rejects_what_it_cannot_compute(ops):
-    x, w = torch.randn(8), torch.randn(8, 4)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gemv_matches_torch(ops, threads):
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(threads)
+        for n, k in [(49152, 576), (53, 37), (1, 16)]:
+            x, w, add = torch.randn(k, generator=gen), torch.randn(n, k, generator=gen), torch.randn(n, generator=gen)
+            torch.testing.assert_close(ops.gemv(x, w, EMPTY), w @ x, rtol=1e-5, atol=1e-4)
+            torch.testing.assert_close(ops.gemv(x, w, add), w @ x + add, rtol=1e-5, atol=1e-4)
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_linear_ops_reject_what_they_cannot_compute(ops):
+    x, w = torch.randn(8), torch.randn(4, 8)
     with pytest.raises(RuntimeError, match="float32 only"):
         ops.gemv(x.double(), w.double(), EMPTY)
-    with pytest.raises(RuntimeError, match=r"x \[K\] and w \[K, N\]"):
+    with pytest.raises(RuntimeError, match=r"x \[K\] and w \[N, K\]"):
         ops.gemv(torch.randn(7), w, EMPTY)
     with pytest.raises(RuntimeError, match="contiguous"):
-        ops.gemv(x, torch.randn(8, 8)[:, ::2], EMPTY)
+        ops.gemv(x, torch.randn(8, 4).t(), EMPTY)
     with pytest.raises(RuntimeError, match="add must be"):
         ops.gemv(x, w, torch.randn(5))
+    panels = kernels.pack_panels(torch.randn(8, 40))  # 2 panels
+    with pytest.raises(RuntimeError, match="does not match"):
+        ops.panel_linear(torch.randn(3, 8), panels, 70, EMPTY, EMPTY)
+    with pytest.raises(RuntimeError, match="8 rows"):
+        ops.panel_linear(torch.randn(3, 9), panels, 40, EMPTY, EMPTY)
+    with pytest.raises(RuntimeError, match="residual must be"):
+        ops.panel_linear(torch.randn(3, 8), panels, 40, EMPTY, torch.randn(2, 40))
+    with pytest.raises(RuntimeError, match="float32 only"):
+        ops.panel_linear(torch.randn(3, 8).double(), panels, 40, EMPTY, EMPTY)
 
 
 def test_rms_norm_and_silu_and_mul_match_torch(ops):
     gen = torch.Generator().manual_seed(0)
     x, weight = torch.randn(3, 576, generator=gen) * 7, torch.randn(576, generator=gen)
     torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5), F.rms_norm(x, (576,), weight, 1e-5))
-    gate_up = torch.randn(2 * 1536, generator=gen) * 4
-    torch.testing.assert_close(ops.silu_and_mul(gate_up), F.silu(gate_up[:1536]) * gate_up[1536:])
+    gate_up = torch.randn(3, 2 * 1536, generator=gen) * 4
+    torch.testing.assert_close(ops.silu_and_mul(gate_up), F.silu(gate_up[:, :1536]) * gate_up[:, 1536:])
     with pytest.raises(RuntimeError, match="rms_norm"):
         ops.rms_norm(x, torch.randn(5), 1e-5)
     with pytest.raises(RuntimeError, match="silu_and_mul"):
-        ops.silu_and_mul(torch.randn(5))
+        ops.silu_and_mul(torch.randn(2, 5))
 
 
 @pytest.mark.parametrize("heads, kv_heads, num_cached", [(9, 3, 128), (4, 4, 0), (6, 2, 17)])

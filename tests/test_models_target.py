@@ -79,12 +79,20 @@ def make_verify_case(runner, gen, num_requests=3, vocab=97):
     return seq_ids, prompts, trees, roots, packed
 
 
+@pytest.mark.parametrize("gemm", ["native", "onednn"])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_verify_matches_hf_on_every_path(checkpoints, family):
+def test_verify_matches_hf_on_every_path(checkpoints, family, gemm):
     hf = hf_model(checkpoints[family])
-    runner = TargetModel.load(checkpoints[family], feature_layer_ids=FEATURE_LAYERS, max_kv_bytes=2**22)
-    # float32 on CPU: forwards of several tokens run on the oneDNN-packed weights (the path checked here)
-    assert (runner.packed_layers is not None) == torch.backends.mkldnn.is_available()
+    runner = TargetModel.load(checkpoints[family], feature_layer_ids=FEATURE_LAYERS, max_kv_bytes=2**22,
+                              cpu_kernels=gemm == "native")
+    # float32 on CPU: forwards of several tokens run on the native panel GEMM, or without it (a machine without a
+    # C++ compiler) on the oneDNN-packed weights
+    if gemm == "native":
+        if not runner.uses_cpu_kernels:
+            pytest.skip("the native CPU ops could not be built here (no C++ compiler)")
+        assert runner.panel_layers is not None and runner.packed_layers is None
+    else:
+        assert (runner.packed_layers is not None) == torch.backends.mkldnn.is_available()
     seq_ids, prompts, trees, roots, packed = make_verify_case(runner, torch.Generator().manual_seed(1))
     logits, feats = runner.verify(seq_ids, packed)
     assert logits.shape == (packed.num_tokens, 97) and feats.shape == (packed.num_tokens, 2 * 64)
@@ -232,7 +240,7 @@ def test_packed_and_plain_weights_agree(checkpoints):
             outs = []
             for is_packed in (True, False):
                 runner = TargetModel.load(checkpoints["qwen2"], feature_layer_ids=FEATURE_LAYERS, max_kv_bytes=2**22,
-                                          pack_gemm_weights=is_packed)
+                                          pack_gemm_weights=is_packed, cpu_kernels=False)
                 assert (runner.packed_layers is not None) == (is_packed and torch.backends.mkldnn.is_available())
                 seq_ids, prompts, trees, roots, packed = make_verify_case(runner, torch.Generator().manual_seed(3))
                 verify_logits, _ = runner.verify(seq_ids, packed)

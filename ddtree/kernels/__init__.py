@@ -1,9 +1,10 @@
 """Small native kernels, built on first use for the machine that runs them (torch.utils.cpp_extension).
 
-    cpu_ops() -> module | None      float32 single-token decode ops (cpu_ops.cpp says why each exists):
-                                    `gemv(x, w, add)`, a one-row GEMV streaming the weights near the memory's read
-                                    rate, `rms_norm`, `decode_attention` (rotary + KV write + attention of one
-                                    token) and `silu_and_mul`; None where they cannot be built
+    cpu_ops() -> module | None      the target runner's float32 CPU ops (cpu_ops.cpp says why each exists):
+                                    `panel_linear` (a GEMM over panel-packed weights that reads them once per
+                                    call), `gemv`, `rms_norm`, `decode_attention` (rotary + KV write + attention
+                                    of one token) and `silu_and_mul`; None where they cannot be built
+    pack_panels(w [K, N]) -> [P, K, 32]   a weight matrix in the panel layout `panel_linear` reads
 
 Building needs a C++ compiler (g++ with the Python headers torch's extensions use); the first build takes ~30 s and
 is cached under ~/.cache/ddtree/kernels (or $DDTREE_KERNEL_CACHE), keyed by the source, torch, Python and the CPU.
@@ -38,6 +39,21 @@ def cpu_ops():
     if not kernels_enabled():
         return None
     return _load("cpu_ops")
+
+
+PANEL_WIDTH = 32  # output columns per panel (cpu_ops.cpp: kPanelWidth)
+
+
+def pack_panels(w):
+    """W [K, N] (any strides) -> [ceil(N / 32), K, 32] contiguous float32: panel p holds W[:, 32p : 32p + 32],
+    zero-padded past N, so that a GEMM streams each panel as one contiguous block."""
+    import torch
+
+    k, n = w.shape
+    num_panels = -(-n // PANEL_WIDTH)
+    padded = torch.zeros(k, num_panels * PANEL_WIDTH, dtype=torch.float32, device=w.device)
+    padded[:, :n] = w
+    return padded.view(k, num_panels, PANEL_WIDTH).transpose(0, 1).contiguous()
 
 
 def _cpu_signature() -> str:

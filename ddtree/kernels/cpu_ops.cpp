@@ -1,16 +1,22 @@
-// Native CPU ops for single-token decode, float32: a one-row GEMV, RMSNorm, the attention block, SiLU-and-mul.
+// Native CPU ops for the target runner, float32: a GEMM for few rows on panel-packed weights, a one-row GEMV,
+// RMSNorm, the one-token attention block, SiLU-and-mul. Built on first use on the machine that runs them, in plain
+// C++ (GCC/Clang vector extensions, `omp simd`): the compiler vectorises for that CPU (-march=native).
 //
-// A decode step reads every weight once, so its GEMVs should stream the weights at the memory's read rate. torch's
-// default CPU GEMV (MKL) reaches 12-15 GB/s on this project's narrow or square matrices (o_proj, down_proj, fused
-// q/k/v) where a plain read stream runs at ~28 GB/s on one core; these loops keep every weight access sequential and
-// reach 20-26 GB/s on all of them (benchmarks/bench_gemm.py). Plain C++ with `omp simd`: the compiler vectorises for
-// the CPU it builds on (the extension is built on first use, on the machine that runs it).
+// Why (benchmarks/bench_gemm.py, one core of this project's CPU): a decode step or a verify of a small tree reads
+// every weight once, so its matrix products should stream the weights at the memory's read rate (~28 GB/s on one
+// core). torch's MKL GEMV reaches 12-15 GB/s on narrow or square matrices, and from 2 rows on neither MKL nor
+// oneDNN's packed kernels stream the weights (2-8 rows: 11-17 ms for 30 [576, 3072] matrices, where the read
+// alone takes ~8). The panel kernel reads each weight once, in one sequential stream, and keeps 1-8 rows of
+// results in registers: 2-8 rows cost about what 1 row costs, up to the compute bound.
 //
-//   gemv(x [K], w, add or empty) -> y [N] = x @ W (+ add), where w is either
-//     [K, N] contiguous (W itself, "in x out": rows of W scaled by x[i] and summed, 16 rows per pass), or
-//     [K, N] the transpose of a contiguous [N, K] matrix ("out x in": one dot product per output).
-// Threads (torch's intra-op pool, at::get_num_threads()): "in x out" splits the K rows (each thread its own
-// contiguous slab of W and its own partial sum, added at the end); "out x in" splits the N outputs.
+//   panel_linear(x [M, K], panels [P, K, 32], n, bias [n] or empty, residual [M, n] or empty) -> y [M, n]:
+//     y = x @ W (+ bias) (+ residual), W [K, n] stored as panels of 32 output columns (`pack_panels` in Python:
+//     panel p holds W[:, 32p : 32p + 32], zero-padded past n), each panel one contiguous [K, 32] block. Each
+//     panel is read once and stays in cache while every block of up to 8 rows of x runs over it; threads (torch's
+//     intra-op pool) take disjoint ranges of panels.
+//
+//   gemv(x [K], w [N, K] contiguous, add [N] or empty) -> y [N] = w x (+ add): one dot product per output, for the
+//     LM head's one-row logits over the (shared, [V, H]) embedding matrix. Threads split the N outputs.
 //
 //   rms_norm(x [R, D], weight [D], eps) -> x / sqrt(mean(x^2) + eps) * weight, per row. At one token torch's
 //   rms_norm costs ~30 us per call here (several small kernels), 61 calls per step; this loop costs ~1 us.
@@ -21,40 +27,110 @@
 //   (grouped-query heads share a kv head). k and v may be strided views of the KV pool (unit stride along D). Done
 //   with torch ops this is ~12 small kernels and one SDPA call (~50 us alone at 128 entries) per layer.
 //
-//   silu_and_mul(gate_up [2 I]) -> silu(gate_up[:I]) * gate_up[I:], the MLP's activation.
+//   silu_and_mul(gate_up [R, 2 I]) -> silu(gate_up[:, :I]) * gate_up[:, I:], the MLP's activation.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace {
 
-constexpr int64_t kRowsPerPass = 16;
+constexpr int64_t kPanelWidth = 32;  // output columns per panel: two 16-float vectors
+constexpr int kMaxRowsPerTile = 8;   // rows of x per pass over a panel: 16 accumulator vectors
 
-// y[0:n] = sum over rows i in [k0, k1) of x[i] * w[i, 0:n]  (w row-major with n columns)
-void rows_times_x(const float* x, const float* w, float* y, int64_t k0, int64_t k1, int64_t n) {
-  std::fill(y, y + n, 0.0f);
-  int64_t i = k0;
-  for (; i + kRowsPerPass <= k1; i += kRowsPerPass) {
-    const float* wi = w + i * n;
-    float a[kRowsPerPass];
-    for (int r = 0; r < kRowsPerPass; ++r) a[r] = x[i + r];
-#pragma omp simd
-    for (int64_t j = 0; j < n; ++j) {
-      float s = y[j];
-      for (int r = 0; r < kRowsPerPass; ++r) s += a[r] * wi[r * n + j];
-      y[j] = s;
+typedef float v16 __attribute__((vector_size(64)));
+
+inline v16 load16(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+// out[m, 0:32] = x[m, 0:k] @ panel[0:k, 0:32] for m < MB (x rows `ldx` apart)
+template <int MB>
+void panel_tile(const float* x, int64_t ldx, int64_t k, const float* panel, float* out) {
+  v16 lo[MB], hi[MB];
+  for (int m = 0; m < MB; ++m) lo[m] = hi[m] = v16{};
+  const float* w = panel;
+  for (int64_t i = 0; i < k; ++i, w += kPanelWidth) {
+    const v16 w_lo = load16(w), w_hi = load16(w + 16);
+    for (int m = 0; m < MB; ++m) {
+      const float xm = x[m * ldx + i];
+      lo[m] += xm * w_lo;
+      hi[m] += xm * w_hi;
     }
   }
-  for (; i < k1; ++i) {
-    const float a = x[i];
-    const float* wi = w + i * n;
-#pragma omp simd
-    for (int64_t j = 0; j < n; ++j) y[j] += a * wi[j];
+  for (int m = 0; m < MB; ++m) {
+    std::memcpy(out + m * kPanelWidth, &lo[m], sizeof(v16));
+    std::memcpy(out + m * kPanelWidth + 16, &hi[m], sizeof(v16));
   }
+}
+
+void panel_rows(const float* x, int64_t ldx, int rows, int64_t k, const float* panel, float* out) {
+  switch (rows) {
+    case 8: return panel_tile<8>(x, ldx, k, panel, out);
+    case 7: return panel_tile<7>(x, ldx, k, panel, out);
+    case 6: return panel_tile<6>(x, ldx, k, panel, out);
+    case 5: return panel_tile<5>(x, ldx, k, panel, out);
+    case 4: return panel_tile<4>(x, ldx, k, panel, out);
+    case 3: return panel_tile<3>(x, ldx, k, panel, out);
+    case 2: return panel_tile<2>(x, ldx, k, panel, out);
+    default: return panel_tile<1>(x, ldx, k, panel, out);
+  }
+}
+
+torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t n, const torch::Tensor& bias,
+                           const torch::Tensor& residual) {
+  TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu(), "panel_linear: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && panels.scalar_type() == torch::kFloat, "panel_linear: float32 only");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "panel_linear: x must be a contiguous [M, K]");
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanelWidth && panels.is_contiguous(),
+              "panel_linear: panels must be a contiguous [P, K, 32] (pack_panels)");
+  const int64_t m_rows = x.size(0), k = x.size(1), num_panels = panels.size(0);
+  TORCH_CHECK(panels.size(1) == k, "panel_linear: x has ", k, " columns, the panels ", panels.size(1), " rows");
+  TORCH_CHECK(n > (num_panels - 1) * kPanelWidth && n <= num_panels * kPanelWidth,
+              "panel_linear: n = ", n, " does not match ", num_panels, " panels");
+  const bool has_bias = bias.defined() && bias.numel() > 0;
+  const bool has_residual = residual.defined() && residual.numel() > 0;
+  TORCH_CHECK(!has_bias || (bias.scalar_type() == torch::kFloat && bias.is_contiguous() && bias.numel() == n),
+              "panel_linear: bias must be a contiguous float32 [n]");
+  TORCH_CHECK(!has_residual || (residual.scalar_type() == torch::kFloat && residual.is_contiguous() &&
+                                residual.dim() == 2 && residual.size(0) == m_rows && residual.size(1) == n),
+              "panel_linear: residual must be a contiguous float32 [M, n]");
+  auto y = torch::empty({m_rows, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* pp = panels.data_ptr<float>();
+  const float* bp = has_bias ? bias.data_ptr<float>() : nullptr;
+  const float* rp = has_residual ? residual.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    float tile[kMaxRowsPerTile * kPanelWidth];
+    for (int64_t p = begin; p < end; ++p) {
+      const float* panel = pp + p * k * kPanelWidth;
+      const int64_t j0 = p * kPanelWidth;
+      const int64_t width = std::min(kPanelWidth, n - j0);
+      for (int64_t m0 = 0; m0 < m_rows; m0 += kMaxRowsPerTile) {
+        const int rows = static_cast<int>(std::min<int64_t>(kMaxRowsPerTile, m_rows - m0));
+        panel_rows(xp + m0 * k, k, rows, k, panel, tile);
+        for (int r = 0; r < rows; ++r) {
+          float* yr = yp + (m0 + r) * n + j0;
+          const float* tr = tile + r * kPanelWidth;
+          const float* rr = has_residual ? rp + (m0 + r) * n + j0 : nullptr;
+          for (int64_t c = 0; c < width; ++c) {
+            float v = tr[c];
+            if (has_bias) v += bp[j0 + c];
+            if (has_residual) v += rr[c];
+            yr[c] = v;
+          }
+        }
+      }
+    }
+  });
+  return y;
 }
 
 // y[j] = dot(w[j, 0:k], x) for j in [n0, n1)  (w row-major with k columns)
@@ -71,46 +147,17 @@ void dots(const float* x, const float* w, float* y, int64_t n0, int64_t n1, int6
 torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& add) {
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "gemv: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat, "gemv: float32 only");
-  TORCH_CHECK(w.dim() == 2 && x.dim() == 1 && x.size(0) == w.size(0), "gemv: x [K] and w [K, N] expected");
-  TORCH_CHECK(x.is_contiguous(), "gemv: x must be contiguous");
-  const int64_t k = w.size(0), n = w.size(1);
-  const bool in_out = w.is_contiguous();
-  TORCH_CHECK(in_out || w.t().is_contiguous(), "gemv: w must be contiguous or the transpose of a contiguous matrix");
+  TORCH_CHECK(w.dim() == 2 && x.dim() == 1 && x.size(0) == w.size(1), "gemv: x [K] and w [N, K] expected");
+  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "gemv: x and w must be contiguous");
+  const int64_t n = w.size(0), k = w.size(1);
   const bool has_add = add.defined() && add.numel() > 0;
-  if (has_add) {
-    TORCH_CHECK(add.scalar_type() == torch::kFloat && add.is_contiguous() && add.numel() == n,
-                "gemv: add must be a contiguous float32 [N]");
-  }
+  TORCH_CHECK(!has_add || (add.scalar_type() == torch::kFloat && add.is_contiguous() && add.numel() == n),
+              "gemv: add must be a contiguous float32 [N]");
   auto y = torch::empty({n}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t num_threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), k / kRowsPerPass));
-  if (in_out) {
-    if (num_threads == 1) {
-      rows_times_x(xp, wp, yp, 0, k, n);
-    } else {
-      std::vector<float> partial(num_threads * n);
-      at::parallel_for(0, num_threads, 1, [&](int64_t begin, int64_t end) {
-        for (int64_t t = begin; t < end; ++t) {
-          // slabs on whole passes, so that every thread runs the 16-row loop
-          const int64_t passes = k / kRowsPerPass;
-          const int64_t k0 = passes * t / num_threads * kRowsPerPass;
-          const int64_t k1 = t + 1 == num_threads ? k : passes * (t + 1) / num_threads * kRowsPerPass;
-          rows_times_x(xp, wp, partial.data() + t * n, k0, k1, n);
-        }
-      });
-      std::copy(partial.begin(), partial.begin() + n, yp);
-      for (int64_t t = 1; t < num_threads; ++t) {
-        const float* pt = partial.data() + t * n;
-#pragma omp simd
-        for (int64_t j = 0; j < n; ++j) yp[j] += pt[j];
-      }
-    }
-  } else {
-    at::parallel_for(0, n, std::max<int64_t>(1, n / num_threads),
-                     [&](int64_t begin, int64_t end) { dots(xp, wp, yp, begin, end, k); });
-  }
+  at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) { dots(xp, wp, yp, begin, end, k); });
   if (has_add) {
     const float* ap = add.data_ptr<float>();
 #pragma omp simd
@@ -210,24 +257,27 @@ torch::Tensor decode_attention(const torch::Tensor& qkv, const torch::Tensor& co
 }
 
 torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
-  TORCH_CHECK(gate_up.device().is_cpu() && gate_up.scalar_type() == torch::kFloat && gate_up.dim() == 1 &&
-                  gate_up.is_contiguous() && gate_up.numel() % 2 == 0,
-              "silu_and_mul: a contiguous float32 [2 I] expected");
-  const int64_t n = gate_up.numel() / 2;
-  auto out = torch::empty({n}, gate_up.options());
-  const float* g = gate_up.data_ptr<float>();
-  const float* u = g + n;
-  float* o = out.data_ptr<float>();
+  TORCH_CHECK(gate_up.device().is_cpu() && gate_up.scalar_type() == torch::kFloat && gate_up.dim() == 2 &&
+                  gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "silu_and_mul: a contiguous float32 [R, 2 I] expected");
+  const int64_t rows = gate_up.size(0), n = gate_up.size(1) / 2;
+  auto out = torch::empty({rows, n}, gate_up.options());
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* g = gate_up.data_ptr<float>() + r * 2 * n;
+    const float* u = g + n;
+    float* o = out.data_ptr<float>() + r * n;
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+    for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+  }
   return out;
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("gemv", &gemv, "y = x @ w (+ add) for one float32 row x; w [K, N] contiguous or transposed-contiguous");
+  m.def("panel_linear", &panel_linear, "y = x @ W (+ bias) (+ residual), W as [P, K, 32] panels, float32");
+  m.def("gemv", &gemv, "y = w x (+ add) for one float32 row x and a contiguous w [N, K]");
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows x [R, D] with weight [D]");
   m.def("decode_attention", &decode_attention, "one token's rotary + KV write + attention, float32");
-  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of a float32 [2 I] vector");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of float32 rows [R, 2 I]");
 }

@@ -55,6 +55,19 @@ class LayerWeights:
     mlp_norm: torch.Tensor  # [H]
     w_gate_up: torch.Tensor  # [H, 2 * intermediate]
     w_down: torch.Tensor  # [intermediate, H]
+    # The four matrices are None when the native CPU ops hold them as panels (PanelLayerWeights) instead.
+
+
+@dataclass
+class PanelLayerWeights:
+    """A layer's matrices as [P, K, 32] panels for the native CPU GEMM (`ddtree.kernels.pack_panels`), with their
+    output widths."""
+
+    w_qkv: torch.Tensor
+    w_o: torch.Tensor
+    w_gate_up: torch.Tensor
+    w_down: torch.Tensor
+    widths: dict[str, int]
 
 
 @dataclass
@@ -127,16 +140,19 @@ class TargetModel:
     ):
         """Build from Hugging Face-named tensors ([out, in] as in transformers).
 
-        `pack_gemm_weights` (CPU, float32): also keep oneDNN-packed copies of the layer matrices and the LM head for
-        forwards of several tokens (verify, prefill, batched decode). torch's default CPU GEMM (MKL) streams the
-        weights well for one token but runs far below both the bandwidth and the compute bound for 2-64 rows
-        (benchmarks/bench_gemm.py); oneDNN's packed kernels are 2x faster there. Costs a second copy of the
-        weights; one-token decode on one thread keeps the plain matrices (MKL's GEMV is the faster there).
+        `cpu_kernels` (CPU, float32): the project's native ops (ddtree/kernels/cpu_ops.cpp, built on first use) run
+        every forward: the layer matrices are stored once, as panels for a GEMM that streams the weights once per
+        forward at the memory's read rate for 1-8 rows (a decode step, a small tree's verify) and stays near the
+        compute bound above; one-token logits come from a GEMV over the embedding matrix (the LM head also keeps a
+        panel copy for several rows); RMSNorm, SiLU-and-mul and the one-token attention block are native too.
+        Without a C++ compiler (or with DDTREE_CPU_KERNELS=0) torch's kernels run instead; results differ by float32
+        rounding only.
 
-        `cpu_kernels` (CPU, float32): one-token forwards use the project's GEMV and RMSNorm (ddtree/kernels/
-        cpu_ops.cpp, built on first use); the GEMV streams every weight matrix near the memory's read rate where
-        MKL's reaches about half of it on narrow and square matrices. Without a C++ compiler (or with DDTREE_CPU_KERNELS=0) torch's
-        kernels are used; results differ by float32 rounding only."""
+        `pack_gemm_weights` (CPU, float32, only without the native ops): also keep oneDNN-packed copies of the layer
+        matrices and the LM head for forwards of several tokens. torch's default CPU GEMM (MKL) runs far below both
+        the bandwidth and the compute bound for 2-64 rows (benchmarks/bench_gemm.py); oneDNN's packed kernels are 2x
+        faster there. Costs a second copy of the weights; one-token decode on one thread keeps the plain matrices
+        (MKL's GEMV is the faster there)."""
         if attention not in ATTENTION_BACKENDS:
             raise ValueError(f"attention must be one of {ATTENTION_BACKENDS}, got {attention!r}")
         self.config = config
@@ -149,15 +165,19 @@ class TargetModel:
             if not 0 <= i < config.num_hidden_layers:
                 raise ValueError(f"feature layer id {i} out of range for {config.num_hidden_layers} layers")
         self.feature_dim = len(self.feature_layer_ids) * config.hidden_size
-        self._cpu_ops = None  # native one-token ops (ddtree.kernels): GEMV, RMSNorm, one-query attention
+        self._cpu_ops = None  # the native CPU ops (ddtree.kernels)
         if cpu_kernels and self.device.type == "cpu" and dtype == torch.float32:
             from ddtree.kernels import cpu_ops
 
             self._cpu_ops = cpu_ops()
         self._load_weights(tensors)
+        self.panel_layers: list[PanelLayerWeights] | None = None
+        self.panel_lm_head: torch.Tensor | None = None
         self.packed_layers: list[PackedLayerWeights] | None = None
         self.packed_lm_head: torch.Tensor | None = None
-        if pack_gemm_weights and self.device.type == "cpu" and dtype == torch.float32 and _has_onednn_linear():
+        if self._cpu_ops is not None:
+            self._make_panels()
+        elif pack_gemm_weights and self.device.type == "cpu" and dtype == torch.float32 and _has_onednn_linear():
             self._pack_gemm_weights()
         self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling)
         self.kv = KVCache(
@@ -168,6 +188,21 @@ class TargetModel:
         self._flex = None
 
     # ---- construction -----------------------------------------------------------------------------------------
+    def _make_panels(self) -> None:
+        """The layer matrices move into panels (the plain copies are dropped); the LM head keeps its plain matrix
+        (the embedding, shared with drafters) and gains a panel copy."""
+        from ddtree.kernels import pack_panels
+
+        names = ("w_qkv", "w_o", "w_gate_up", "w_down")
+        self.panel_layers = []
+        for lw in self.layers:
+            matrices = {name: getattr(lw, name) for name in names}  # [in, out]
+            self.panel_layers.append(PanelLayerWeights(**{n: pack_panels(w) for n, w in matrices.items()},
+                                                       widths={n: w.shape[1] for n, w in matrices.items()}))
+            for name in names:
+                setattr(lw, name, None)
+        self.panel_lm_head = pack_panels(self.lm_head)
+
     def _pack_gemm_weights(self) -> None:
         def pack(w_in_out: torch.Tensor) -> torch.Tensor:  # [in, out] (x @ W) -> packed [out, in] (nn.Linear)
             return torch.ops.mkldnn._reorder_linear_weight(w_in_out.t().contiguous())
@@ -271,7 +306,10 @@ class TargetModel:
             tensors.append(self.embed_tokens)
         for lw in self.layers:
             tensors += [x for x in vars(lw).values() if x is not None]
-        return sum(x.numel() * x.element_size() for x in tensors)
+        num_bytes = sum(x.numel() * x.element_size() for x in tensors)
+        for pl in self.panel_layers or []:  # the matrices' own bytes, not the panels' zero padding
+            num_bytes += sum(getattr(pl, n).shape[1] * w * 4 for n, w in pl.widths.items())
+        return num_bytes
 
     @property
     def tokenizer(self):
@@ -422,20 +460,19 @@ class TargetModel:
         half = hd // 2
         h = self.embed(input_ids)  # [N, H]
         cos, sin = self.rotary.cos_sin(positions, self.dtype)  # [N, head_dim]
-        ops = self._cpu_ops if num_tokens == 1 else None  # one token: the native ops, on the plain matrices
+        ops = self._cpu_ops
         if ops is not None:
-            linear, norm = self._one_row_linear, self._one_row_norm
+            linear, norm = self._panel_linear, self._native_norm
         else:
             # One token on one thread: MKL's GEMV streams the weights faster than the packed kernel (which wins from
             # two rows, or with more threads: the GEMV does not parallelise here); benchmarks/bench_gemm.py.
             use_packed = self.packed_layers is not None and (num_tokens > 1 or torch.get_num_threads() > 1)
             linear, norm = (self._packed_linear if use_packed else self._plain_linear), self._norm
-        # The attention block (rotary, KV write, attention) of one token in one native call; Qwen3's q/k norms and
-        # packed trees take torch ops.
-        native_attention = ops is not None and batch.packed is None and not cfg.has_qk_norm
-        if native_attention:
-            cos1, sin1 = cos[0].contiguous(), sin[0].contiguous()
-        else:
+        # Decode (one token per request): each request's attention block (rotary, KV write, attention) in one native
+        # call; Qwen3's q/k norms, prompts and packed trees take torch ops.
+        native_attention = (ops is not None and num_tokens == len(batch.seq_ids) and batch.packed is None
+                            and not cfg.has_qk_norm)
+        if not native_attention:
             cos = cos.unsqueeze(1)  # [N, 1, head_dim], broadcast over heads
             sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).unsqueeze(1)  # rotate-half's sign folded
             attend = self._flex_attention_fn(batch) if batch.packed is not None else self._sdpa_attention
@@ -445,8 +482,10 @@ class TargetModel:
             x = norm(h, lw.attn_norm)
             qkv = linear(x, layer, "w_qkv", lw.b_qkv)  # [N, q + 2 kv]
             if native_attention:
-                k, v = self.kv.keys_values(batch.seq_ids[0], layer, batch.num_cached[0] + 1)  # new entry last
-                attn = ops.decode_attention(qkv[0], cos1, sin1, k, v, nh).unsqueeze(0)  # [1, heads * head_dim]
+                attn = torch.stack([
+                    ops.decode_attention(qkv[r], cos[r], sin[r], *self.kv.keys_values(seq_id, layer, cached + 1), nh)
+                    for r, (seq_id, cached) in enumerate(zip(batch.seq_ids, batch.num_cached))
+                ])  # [R, heads * head_dim]; each request's new entry is the last of its first cached + 1
             else:
                 qk = qkv[:, : q_size + kv_size].view(num_tokens, nh + nkv, hd)  # q and k heads roped together
                 if lw.qk_norm is not None:
@@ -460,7 +499,7 @@ class TargetModel:
             h = linear(attn, layer, "w_o", lw.b_o, residual=h)
             gate_up = linear(norm(h, lw.mlp_norm), layer, "w_gate_up")  # [N, 2 * intermediate]
             if ops is not None:
-                act = ops.silu_and_mul(gate_up[0]).unsqueeze(0)
+                act = ops.silu_and_mul(gate_up)
             else:
                 act = F.silu(gate_up[:, : cfg.intermediate_size]) * gate_up[:, cfg.intermediate_size :]
             h = linear(act, layer, "w_down", residual=h)
@@ -469,8 +508,10 @@ class TargetModel:
                 features.append(norm(h, self.final_norm) if layer == last_layer else h)
         feats = self._order_features(features, num_tokens)
         hidden = norm(h.index_select(0, logits_rows), self.final_norm)  # [M, H]
-        if ops is not None and hidden.shape[0] == 1:
-            return ops.gemv(hidden[0], self.lm_head, _NO_ADD).unsqueeze(0), feats  # [1, V]
+        if ops is not None:
+            if hidden.shape[0] == 1:  # the embedding matrix [V, H] is the LM head's contiguous [out, in] form
+                return ops.gemv(hidden[0], self.lm_head.t(), _NO_ADD).unsqueeze(0), feats  # [1, V]
+            return ops.panel_linear(hidden, self.panel_lm_head, self.config.vocab_size, _NO_ADD, _NO_ADD), feats
         if self.packed_lm_head is not None and (hidden.shape[0] > 1 or linear == self._packed_linear):
             return _packed_linear(hidden, self.packed_lm_head), feats  # [M, V]
         return self.project_logits(hidden), feats
@@ -487,15 +528,14 @@ class TargetModel:
         out = _packed_linear(x, getattr(self.packed_layers[layer], name), bias)
         return out if residual is None else residual + out
 
-    def _one_row_linear(self, x, layer: int, name: str, bias=None, residual=None) -> torch.Tensor:
-        add = residual[0] if residual is not None else (bias if bias is not None else _NO_ADD)
-        out = self._cpu_ops.gemv(x[0].contiguous(), getattr(self.layers[layer], name), add).unsqueeze(0)  # [1, out]
-        return out if residual is None or bias is None else out + bias
+    def _panel_linear(self, x, layer: int, name: str, bias=None, residual=None) -> torch.Tensor:
+        pl = self.panel_layers[layer]
+        return self._cpu_ops.panel_linear(x.contiguous(), getattr(pl, name), pl.widths[name],
+                                          _NO_ADD if bias is None else bias,
+                                          _NO_ADD if residual is None else residual.contiguous())
 
-    def _one_row_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and weight.dim() == 1:
-            return self._cpu_ops.rms_norm(x.contiguous(), weight, self.config.rms_norm_eps)
-        return self._norm(x, weight)  # per-head weights (Qwen3's q/k norms)
+    def _native_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return self._cpu_ops.rms_norm(x.contiguous(), weight, self.config.rms_norm_eps)  # 1-D weights only here
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm over the last dim; `weight` [..., dim] may hold one row per head."""
