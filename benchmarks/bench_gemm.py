@@ -1,12 +1,13 @@
 """Small-M float32 GEMMs with weights out of cache: what a verify pass of M packed tokens costs per layer matrix.
 
-    python benchmarks/bench_gemm.py                  # M = 1 2 4 9 33, 40 distinct [576, 3072] matrices, 1 thread
+    python benchmarks/bench_gemm.py                  # M = 1 2 4 8 9 16 33, 40 distinct [576, 3072] matrices, 1 thread
 
 A decode step (M = 1) streams the weights once; a verify of M tokens does M times the arithmetic on the same
 weights. The ideal cost is about max(bandwidth time, compute time); the table shows what torch's CPU GEMM
 (MKL here) delivers for the runner's plain layout (x @ W, W [K, N]), nn.Linear's layout (W [N, K]), MKL's packed
-weights and oneDNN's packed weights (what the runner uses for several tokens, `pack_gemm_weights`), with 40
-distinct matrices (283 MB) so that nothing stays in cache.
+weights, oneDNN's packed weights (the runner's GEMM without the native ops, `pack_gemm_weights`) and the
+project's native panel GEMM (`ddtree.kernels`, the runner's GEMM when it builds), with 40 distinct matrices
+(283 MB) so that nothing stays in cache. GB/s and GFLOP/s are the native kernel's (or x @ W's without it).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 9, 33], help="M: tokens per pass")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 9, 16, 33], help="M: tokens per pass")
     parser.add_argument("--shape", type=int, nargs=2, default=[576, 3072], help="K N of each weight matrix")
     parser.add_argument("--num-matrices", type=int, default=40)
     parser.add_argument("--threads", type=int, default=1)
@@ -44,8 +45,13 @@ def main(argv: list[str] | None = None) -> int:
     megabytes = args.num_matrices * k * n * 4 / 1e6
     print(f"\n{args.num_matrices} x [{k}, {n}] float32 ({megabytes:.0f} MB), {args.threads} thread(s), best of "
           f"{args.repeats}")
-    print(f"{'M':>4}{'x @ W ms':>10}{'linear ms':>11}{'mkl packed ms':>15}{'onednn packed ms':>18}{'x M=1':>8}"
-          f"{'GB/s':>7}{'GFLOP/s':>9}")
+    from ddtree.kernels import cpu_ops, pack_panels
+
+    ops = cpu_ops()
+    panel_weights = [pack_panels(w) for w in weights] if ops is not None else []
+    no_add = torch.empty(0)
+    print(f"{'M':>4}{'x @ W ms':>10}{'linear ms':>11}{'mkl packed ms':>15}{'onednn packed ms':>18}"
+          f"{'native panels ms':>18}{'x M=1':>8}{'GB/s':>7}{'GFLOP/s':>9}")
     onednn_weights = [torch.ops.mkldnn._reorder_linear_weight(w) for w in linear_weights]
     base = None
     for m in args.rows:
@@ -60,10 +66,13 @@ def main(argv: list[str] | None = None) -> int:
             mkl = float("nan")
         onednn = best_ms(lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
                                   for p in onednn_weights])
-        base = base or runner
+        native = best_ms(lambda: [ops.panel_linear(x, p, n, no_add, no_add) for p in panel_weights]) \
+            if ops is not None else float("nan")
+        ours = native if ops is not None else runner
+        base = base or ours
         gflop = 2 * m * k * n * args.num_matrices / 1e9
-        print(f"{m:>4}{runner:>10.1f}{linear:>11.1f}{mkl:>15.1f}{onednn:>18.1f}{runner / base:>8.2f}"
-              f"{megabytes / runner:>7.1f}{gflop / (runner / 1000):>9.1f}")
+        print(f"{m:>4}{runner:>10.1f}{linear:>11.1f}{mkl:>15.1f}{onednn:>18.1f}{native:>18.1f}{ours / base:>8.2f}"
+              f"{megabytes / ours:>7.1f}{gflop / (ours / 1000):>9.1f}")
     return 0
 
 
