@@ -50,6 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--concurrency", type=int, default=1, help="requests in flight at once")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's, one per core); on a machine shared with another "
+                             "busy job use fewer threads than cores, or every op waits for the descheduled one")
     parser.add_argument("--out", default="work/bench", help="folder for results.json and the plot")
 
 
@@ -106,8 +109,14 @@ def run_hf(model_dir: str, prompts: list[list[int]], max_tokens: int, eos_token_
 
 
 def run(args) -> int:
+    import torch
+
     from ddtree.workers import build_workers
 
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be >= 1, got {args.threads}")
+        torch.set_num_threads(args.threads)
     modes = args.modes.split(",")
     budgets = [int(b) for b in args.budgets.split(",") if b]
     target, drafter, tokenizer = build_workers(
@@ -121,7 +130,8 @@ def run(args) -> int:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     base = Engine(EngineConfig(speculation="off", max_num_seqs=args.concurrency), target, None, tokenizer)
     cost = base.budget.cost
-    print(f"{len(prompts)} prompts, max_tokens={args.max_tokens}, concurrency={args.concurrency}", flush=True)
+    print(f"{len(prompts)} prompts, max_tokens={args.max_tokens}, concurrency={args.concurrency}, "
+          f"{torch.get_num_threads()} torch thread(s)", flush=True)
 
     configs: list[tuple[str, EngineConfig]] = []
     if "off" in modes:
