@@ -1,10 +1,11 @@
-"""One draft forward of the shipped drafter over the full vocabulary vs its draft vocabulary (draft_vocab.json).
+"""One draft forward of the shipped drafter: full vocabulary vs its draft vocabulary (draft_vocab.json), and the
+draft vocabulary on torch's kernels vs the native panel GEMM (ddtree.kernels).
 
     python benchmarks/bench_draft.py                 # batch sizes 1 4 16, top-K 64, 128 context tokens, 1 thread
 
 The drafter shares the target's LM head ([576, 49152] for SmolLM2); over the draft vocabulary it computes the logits
-of those tokens only. Both variants run on the same loaded weights, alternating, best of `--repeats`
-(DFlashDrafter.measure_draft_cost); the table prints ms per draft forward and the ratio.
+of those tokens only. The variants share the target's weights and run alternating, best of `--repeats`
+(DFlashDrafter.measure_draft_cost); the table prints ms per draft forward and the ratios to the last column.
 """
 
 from __future__ import annotations
@@ -30,22 +31,26 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     path = resolve_drafter_path(None, args.drafter)
     head = load_target_worker(None, path).model.head()
-    drafters = {"full vocabulary": DFlashDrafter.load(path, head, use_draft_vocab=False),
-                "draft vocabulary": DFlashDrafter.load(path, head)}
-    if drafters["draft vocabulary"].draft_token_ids is None:
+    drafters = {"full vocab, torch": DFlashDrafter.load(path, head, use_draft_vocab=False, cpu_kernels=False),
+                "draft vocab, torch": DFlashDrafter.load(path, head, cpu_kernels=False),
+                "draft vocab, native": DFlashDrafter.load(path, head)}
+    if drafters["draft vocab, torch"].draft_token_ids is None:
         raise ValueError(f"{path} has no draft_vocab.json")
+    if not drafters["draft vocab, native"].uses_cpu_kernels:
+        del drafters["draft vocab, native"]  # no compiler here: torch's kernels only
     best = {name: {b: float("inf") for b in args.batch_sizes} for name in drafters}
     for _ in range(args.repeats):  # alternate, so that load from other jobs hits both alike
         for name, drafter in drafters.items():
             for b, seconds in drafter.measure_draft_cost(args.batch_sizes, args.top_k, num_repeats=1):
                 best[name][b] = min(best[name][b], seconds)
-    vocab_size = drafters["draft vocabulary"].draft_token_ids.numel()
+    vocab_size = drafters["draft vocab, torch"].draft_token_ids.numel()
     print(f"\n{path.name}: draft vocabulary {vocab_size} of {head.config.vocab_size} tokens; top-K {args.top_k}, "
-          f"{args.threads} thread(s), best of {args.repeats}")
-    print(f"{'requests':>9}{'full ms':>10}{'draft vocab ms':>16}{'ratio':>8}")
+          f"{args.threads} thread(s), best of {args.repeats}; ms per draft forward (x the last column)")
+    names = list(drafters)
+    print(f"{'requests':>9}" + "".join(f"{name:>24}" for name in names))
     for b in args.batch_sizes:
-        full, restricted = 1000 * best["full vocabulary"][b], 1000 * best["draft vocabulary"][b]
-        print(f"{b:>9}{full:>10.1f}{restricted:>16.1f}{full / restricted:>8.2f}")
+        last = best[names[-1]][b]
+        print(f"{b:>9}" + "".join(f"{1000 * best[n][b]:>16.1f} ({best[n][b] / last:4.2f}x)" for n in names))
     return 0
 
 

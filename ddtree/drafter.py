@@ -39,6 +39,7 @@ import torch
 from ddtree.models.dflash import DFlashConfig, DFlashDraftModel, load_dflash, load_draft_vocab
 
 MIN_CONTEXT_CAPACITY = 64
+_NO_TENSOR = torch.empty(0)  # "no bias" / "no residual" for the native ops
 
 
 @dataclass
@@ -50,7 +51,10 @@ class _Context:
 
 class DFlashDrafter:
     def __init__(self, config: DFlashConfig, model: DFlashDraftModel, target, device=None, dtype=None,
-                 draft_token_ids: list[int] | None = None):
+                 draft_token_ids: list[int] | None = None, cpu_kernels: bool = True):
+        """`cpu_kernels` (CPU, float32): the drafter's linears and its draft-vocabulary head run on the native panel
+        GEMM (ddtree.kernels), which reads each weight once per forward; a draft forward is a few rows per request,
+        where torch's GEMMs run far below the memory's read rate. Without it (or no compiler) torch's kernels."""
         device = torch.device(device) if device is not None else target.device
         dtype = dtype or target.dtype
         tc = target.config
@@ -80,16 +84,29 @@ class DFlashDrafter:
                 raise ValueError(f"draft_token_ids must be a non-empty list of ids in [0, {tc.vocab_size})")
             self.draft_token_ids = ids.to(device)
             self._draft_lm_head = target.lm_head[:, self.draft_token_ids].contiguous()
+        self._cpu_ops = None
+        if cpu_kernels and device.type == "cpu" and dtype == torch.float32 and target.dtype == torch.float32:
+            from ddtree.kernels import cpu_ops, pack_panels, use_panel_linears
+
+            self._cpu_ops = cpu_ops()
+            if self._cpu_ops is not None:
+                use_panel_linears(self.model, self._cpu_ops)
+                if self._draft_lm_head is not None:
+                    self._draft_lm_head = pack_panels(self._draft_lm_head)  # [P, H, 32]
+
+    @property
+    def uses_cpu_kernels(self) -> bool:
+        return self._cpu_ops is not None
 
     @classmethod
-    def load(cls, path: str | Path, target, device=None, dtype=None, use_draft_vocab: bool = True
-             ) -> "DFlashDrafter":
+    def load(cls, path: str | Path, target, device=None, dtype=None, use_draft_vocab: bool = True,
+             cpu_kernels: bool = True) -> "DFlashDrafter":
         """`use_draft_vocab=False` ignores the folder's draft vocabulary (drafts over the full vocabulary)."""
         device = torch.device(device) if device is not None else target.device
         dtype = dtype or target.dtype
         config, model = load_dflash(path, device=device, dtype=dtype)
         draft_token_ids = load_draft_vocab(path, target.config.vocab_size) if use_draft_vocab else None
-        return cls(config, model, target, device, dtype, draft_token_ids)
+        return cls(config, model, target, device, dtype, draft_token_ids, cpu_kernels)
 
     # ---- per-request context -----------------------------------------------------------------------------------
     def add_request(self, seq_id: Hashable, capacity: int = MIN_CONTEXT_CAPACITY) -> None:
@@ -156,6 +173,11 @@ class DFlashDrafter:
         hidden = h[:, 1:].to(self.target.dtype)  # [R, L, H]
         if self._draft_lm_head is None:
             logits = self.target.project_logits(hidden).float()  # [R, L, V]
+        elif self._cpu_ops is not None:
+            vd = self.draft_token_ids.numel()
+            rows = hidden.reshape(-1, hidden.shape[-1]).contiguous()
+            logits = self._cpu_ops.panel_linear(rows, self._draft_lm_head, vd, _NO_TENSOR, _NO_TENSOR)
+            logits = logits.view(*hidden.shape[:-1], vd)  # [R, L, Vd]
         else:
             logits = (hidden @ self._draft_lm_head).float()  # [R, L, Vd]
         logprobs = torch.log_softmax(logits, dim=-1)

@@ -183,3 +183,28 @@ def test_disabled_or_unbuildable_kernels_fall_back_to_torch(tmp_path, monkeypatc
     runner.kv.allocate(0, 8)
     logits, _ = runner.prefill([0], [[3]])  # still decodes, on torch's kernels
     assert logits.shape == (1, runner.config.vocab_size)
+
+
+def test_drafter_on_native_ops_drafts_what_torch_drafts(tmp_path, ops):
+    """The drafter's linears and draft-vocabulary head on the panel GEMM: the same top-k, log-probs within float32
+    rounding, for batched requests with different context lengths."""
+    from ddtree.drafter import DFlashDrafter
+    from ddtree.models.dflash import save_draft_vocab
+    from ddtree.models.testing import write_random_dflash
+
+    target_dir = write_random_target(tmp_path / "target", num_hidden_layers=3, seed=4)
+    target = TargetModel.load(target_dir, feature_layer_ids=[0, 2], max_kv_bytes=2**22)
+    drafter_dir = write_random_dflash(tmp_path / "drafter", target.config, num_layers=2, block_size=6,
+                                      target_layer_ids=[0, 2])
+    save_draft_vocab(drafter_dir, list(range(3, 90, 2)), source="test")
+    drafters = {native: DFlashDrafter.load(drafter_dir, target, cpu_kernels=native) for native in (True, False)}
+    assert drafters[True].uses_cpu_kernels and not drafters[False].uses_cpu_kernels
+    gen = torch.Generator().manual_seed(0)
+    for r, n in enumerate((9, 3, 14)):
+        features = torch.randn(n, drafters[True].config.num_target_features, generator=gen)
+        for drafter in drafters.values():
+            drafter.add_context(r, features)
+    drafts = {native: d.draft([0, 1, 2], [5, 17, 42], max_k=8) for native, d in drafters.items()}
+    torch.testing.assert_close(drafts[True][0], drafts[False][0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(drafts[True][1], drafts[False][1])
+    assert set(drafts[True][1].flatten().tolist()) <= set(range(3, 90, 2))

@@ -5,6 +5,8 @@
                                     call), `gemv`, `rms_norm`, `decode_attention` (rotary + KV write + attention
                                     of one token) and `silu_and_mul`; None where they cannot be built
     pack_panels(w [K, N]) -> [P, K, 32]   a weight matrix in the panel layout `panel_linear` reads
+    PanelLinear(linear, ops)              an nn.Linear's inference forward on `panel_linear`
+    use_panel_linears(module, ops)        swaps every nn.Linear inside `module` for a PanelLinear (inference only)
 
 Building needs a C++ compiler (g++ with the Python headers torch's extensions use); the first build takes ~30 s and
 is cached under ~/.cache/ddtree/kernels (or $DDTREE_KERNEL_CACHE), keyed by the source, torch, Python and the CPU.
@@ -21,6 +23,8 @@ import platform
 import sys
 import threading
 from pathlib import Path
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -42,18 +46,49 @@ def cpu_ops():
 
 
 PANEL_WIDTH = 32  # output columns per panel (cpu_ops.cpp: kPanelWidth)
+_NO_TENSOR = torch.empty(0)  # "no bias" / "no residual" for the native ops
 
 
-def pack_panels(w):
+def pack_panels(w: torch.Tensor) -> torch.Tensor:
     """W [K, N] (any strides) -> [ceil(N / 32), K, 32] contiguous float32: panel p holds W[:, 32p : 32p + 32],
     zero-padded past N, so that a GEMM streams each panel as one contiguous block."""
-    import torch
-
     k, n = w.shape
     num_panels = -(-n // PANEL_WIDTH)
     padded = torch.zeros(k, num_panels * PANEL_WIDTH, dtype=torch.float32, device=w.device)
     padded[:, :n] = w
     return padded.view(k, num_panels, PANEL_WIDTH).transpose(0, 1).contiguous()
+
+
+class PanelLinear(torch.nn.Module):
+    """`linear`'s forward (inference, float32 CPU) on the native panel GEMM: its weight packed once."""
+
+    def __init__(self, linear: torch.nn.Linear, ops):
+        super().__init__()
+        self.ops = ops
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("panels", pack_panels(linear.weight.detach().t()), persistent=False)
+        bias = linear.bias.detach().contiguous() if linear.bias is not None else torch.empty(0)
+        self.register_buffer("bias", bias, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features).contiguous()
+        out = self.ops.panel_linear(rows, self.panels, self.out_features, self.bias, _NO_TENSOR)
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def use_panel_linears(module, ops) -> int:
+    """Replace every nn.Linear inside `module` by a PanelLinear (float32 CPU inference); returns how many."""
+    count = 0
+    for name, child in list(module.named_children()):
+        if isinstance(child, torch.nn.Linear):
+            if child.weight.dtype != torch.float32 or child.weight.device.type != "cpu":
+                raise ValueError(f"{name}: panel linears are float32 CPU only, got {child.weight.dtype} on "
+                                 f"{child.weight.device}")
+            setattr(module, name, PanelLinear(child, ops))
+            count += 1
+        else:
+            count += use_panel_linears(child, ops)
+    return count
 
 
 def _cpu_signature() -> str:
@@ -76,7 +111,6 @@ def _load(name: str):
             return _loaded[name]
         module = None
         try:
-            import torch
             from torch.utils.cpp_extension import load
 
             source = SOURCE_DIR / f"{name}.cpp"
@@ -86,9 +120,12 @@ def _load(name: str):
             cache = Path(os.environ.get("DDTREE_KERNEL_CACHE", DEFAULT_CACHE_DIR)).expanduser()
             build_dir = cache / f"{name}-{key}"
             build_dir.mkdir(parents=True, exist_ok=True)
+            flags = ["-O3", "-march=native", "-fopenmp-simd"]
+            if platform.machine().lower() in ("x86_64", "amd64"):
+                flags.append("-mprefer-vector-width=512")  # GCC would pick 256-bit vectors on some AVX-512 CPUs
+            logger.info("ddtree: building native kernel %s in %s (once, ~30 s)", name, build_dir)
             module = load(name=f"ddtree_{name}_{key}", sources=[str(source)], build_directory=str(build_dir),
-                          extra_cflags=["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp-simd"],
-                          verbose=False)
+                          extra_cflags=flags, verbose=False)
         except Exception as error:  # no compiler, no headers, a read-only cache: torch's kernels remain
             logger.warning("ddtree: native kernel %s unavailable, using torch's (%s: %s)", name,
                            type(error).__name__, str(error).strip().splitlines()[-1] if str(error).strip() else "")
