@@ -120,12 +120,13 @@ def _load(name: str):
             cache = Path(os.environ.get("DDTREE_KERNEL_CACHE", DEFAULT_CACHE_DIR)).expanduser()
             build_dir = cache / f"{name}-{key}"
             build_dir.mkdir(parents=True, exist_ok=True)
-            flags = ["-O3", "-march=native", "-fopenmp-simd"]
+            # -fopenmp: at::parallel_for splits work over torch's OpenMP threads only when compiled with it
+            flags = ["-O3", "-march=native", "-fopenmp"]
             if platform.machine().lower() in ("x86_64", "amd64"):
                 flags.append("-mprefer-vector-width=512")  # GCC would pick 256-bit vectors on some AVX-512 CPUs
             logger.info("ddtree: building native kernel %s in %s (once, ~30 s)", name, build_dir)
             module = load(name=f"ddtree_{name}_{key}", sources=[str(source)], build_directory=str(build_dir),
-                          extra_cflags=flags, verbose=False)
+                          extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
         except Exception as error:  # no compiler, no headers, a read-only cache: torch's kernels remain
             logger.warning("ddtree: native kernel %s unavailable, using torch's (%s: %s)", name,
                            type(error).__name__, str(error).strip().splitlines()[-1] if str(error).strip() else "")
