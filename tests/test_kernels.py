@@ -107,32 +107,52 @@ def test_rms_norm_and_silu_and_mul_match_torch(ops):
         ops.silu_and_mul(torch.randn(2, 5))
 
 
-@pytest.mark.parametrize("heads, kv_heads, num_cached", [(9, 3, 128), (4, 4, 0), (6, 2, 17)])
-def test_decode_attention_ropes_writes_the_cache_and_attends(ops, heads, kv_heads, num_cached):
+@pytest.mark.parametrize("heads, kv_heads, num_cached, num_new, is_tree", [
+    (9, 3, 128, 1, False), (4, 4, 0, 1, False), (6, 2, 17, 5, False), (6, 2, 0, 7, False), (9, 3, 40, 8, True),
+    (4, 2, 3, 1, True),
+])
+def test_attention_block_ropes_writes_the_cache_and_attends(ops, heads, kv_heads, num_cached, num_new, is_tree):
+    """Rotary, the KV write into the cache views and attention (causal, or a tree's ancestor mask) against
+    torch's rotary and SDPA."""
     d, slots, start = 64, 300, 40
-    gen = torch.Generator().manual_seed(heads + num_cached)
+    gen = torch.Generator().manual_seed(heads + num_cached + num_new)
     pool = torch.randn(2, kv_heads, slots, d, generator=gen)  # like one layer of the KV pool: strided views
-    qkv = torch.randn((heads + 2 * kv_heads) * d, generator=gen)
-    angle = torch.rand(d // 2, generator=gen) * 6
-    cos, sin = torch.cat([angle, angle]).cos(), torch.cat([angle, angle]).sin()
-    q, k_new, v_new = qkv.split([heads * d, kv_heads * d, kv_heads * d])
-    q = rope_reference(q.view(heads, d), cos, sin)
-    k_new = rope_reference(k_new.view(kv_heads, d), cos, sin)
-    k_ref, v_ref = pool[0, :, start : start + num_cached].clone(), pool[1, :, start : start + num_cached].clone()
-    k_ref = torch.cat([k_ref, k_new.unsqueeze(1)], dim=1)
-    v_ref = torch.cat([v_ref, v_new.view(kv_heads, 1, d)], dim=1)
-    expected = F.scaled_dot_product_attention(q.view(1, heads, 1, d), k_ref.unsqueeze(0), v_ref.unsqueeze(0),
-                                              enable_gqa=heads != kv_heads).reshape(-1)
+    qkv = torch.randn(num_new, (heads + 2 * kv_heads) * d, generator=gen)
+    angle = torch.rand(num_new, d // 2, generator=gen) * 6
+    cos, sin = torch.cat([angle, angle], dim=-1).cos(), torch.cat([angle, angle], dim=-1).sin()
+    t = num_cached + num_new
+    if is_tree:  # a random tree: every node sees the cache, its ancestors and itself
+        parents = [-1] + [int(torch.randint(-1, i, (1,), generator=gen)) for i in range(1, num_new)]
+        mask = torch.zeros(num_new, t, dtype=torch.bool)
+        mask[:, :num_cached] = True
+        for i in range(num_new):
+            j = i
+            while j >= 0:
+                mask[i, num_cached + j] = True
+                j = parents[j]
+    else:
+        mask = torch.ones(num_new, t, dtype=torch.bool).tril(num_cached)  # causal
+    q, k_new, v_new = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q = rope_reference(q.view(num_new, heads, d), cos.unsqueeze(1), sin.unsqueeze(1))
+    k_new = rope_reference(k_new.view(num_new, kv_heads, d), cos.unsqueeze(1), sin.unsqueeze(1))
+    k_ref = torch.cat([pool[0, :, start : start + num_cached], k_new.transpose(0, 1)], dim=1)
+    v_ref = torch.cat([pool[1, :, start : start + num_cached], v_new.view(num_new, kv_heads, d).transpose(0, 1)], dim=1)
+    expected = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k_ref.unsqueeze(0), v_ref.unsqueeze(0),
+                                              attn_mask=mask, enable_gqa=heads != kv_heads)
+    expected = expected[0].transpose(0, 1).reshape(num_new, heads * d)
     untouched = pool.clone()
-    t = num_cached + 1
-    out = ops.decode_attention(qkv, cos, sin, pool[0, :, start : start + t], pool[1, :, start : start + t], heads)
+    k, v = pool[0, :, start : start + t], pool[1, :, start : start + t]
+    out = ops.attention_block(qkv, cos, sin, k, v, mask if is_tree else EMPTY, heads)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(pool[0, :, start + num_cached], k_new)  # the new entry, roped
-    torch.testing.assert_close(pool[1, :, start + num_cached], v_new.view(kv_heads, d))
-    untouched[:, :, start + num_cached] = pool[:, :, start + num_cached]
+    new = slice(start + num_cached, start + t)
+    torch.testing.assert_close(pool[0, :, new], k_new.transpose(0, 1))  # the new entries, roped
+    torch.testing.assert_close(pool[1, :, new], v_new.view(num_new, kv_heads, d).transpose(0, 1))
+    untouched[:, :, new] = pool[:, :, new]
     assert torch.equal(pool, untouched)  # nothing else written
     with pytest.raises(RuntimeError, match="multiple of kv_heads"):
-        ops.decode_attention(qkv, cos, sin, pool[0, :, :t], pool[1, :, :t], heads + 1)
+        ops.attention_block(qkv, cos, sin, k, v, EMPTY, heads + 1)
+    with pytest.raises(RuntimeError, match="mask must be"):
+        ops.attention_block(qkv, cos, sin, k, v, torch.ones(num_new, t + 1, dtype=torch.bool), heads)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])

@@ -1,5 +1,5 @@
 // Native CPU ops for the target runner, float32: a GEMM for few rows on panel-packed weights, a one-row GEMV,
-// RMSNorm, the one-token attention block, SiLU-and-mul. Built on first use on the machine that runs them, in plain
+// RMSNorm, a request's attention block, SiLU-and-mul. Built on first use on the machine that runs them, in plain
 // C++ (GCC/Clang vector extensions, `omp simd`): the compiler vectorises for that CPU (-march=native).
 //
 // Why (benchmarks/bench_gemm.py, one core of this project's CPU): a decode step or a verify of a small tree reads
@@ -21,11 +21,14 @@
 //   rms_norm(x [R, D], weight [D], eps) -> x / sqrt(mean(x^2) + eps) * weight, per row. At one token torch's
 //   rms_norm costs ~30 us per call here (several small kernels), 61 calls per step; this loop costs ~1 us.
 //
-//   decode_attention(qkv [q + 2 kv], cos [D], sin [D], k [kv_heads, T, D], v [kv_heads, T, D], heads) -> [heads * D]:
-//   one token's attention block after its q/k/v projection: rotary embedding of q and k (rotate-half convention),
-//   its k and v written into entry T - 1 of the cache views, softmax(q k^T / sqrt(D)) v over all T entries
-//   (grouped-query heads share a kv head). k and v may be strided views of the KV pool (unit stride along D). Done
-//   with torch ops this is ~12 small kernels and one SDPA call (~50 us alone at 128 entries) per layer.
+//   attention_block(qkv [n, (heads + 2 kv_heads) D], cos [n, D], sin [n, D], k [kv_heads, T, D], v [kv_heads, T, D],
+//                   mask [n, T] bool or empty, heads) -> [n, heads * D]: one request's attention block for its n new
+//   tokens after their q/k/v projection: rotary embedding of q and k (rotate-half convention), their k and v written
+//   into cache entries T - n .. T - 1 (k and v are views of the request's region of the KV pool, unit stride along
+//   D), then for every query softmax(q k^T / sqrt(D)) v over the entries it may see: `mask` row i (a draft tree's
+//   ancestor mask: committed entries and the node's ancestors), or causally every cached entry and the new tokens
+//   up to itself when `mask` is empty. Grouped-query heads share a kv head. With torch ops this is ~12 small kernels
+//   and one SDPA call per layer: ~50 us at one token and ~200 us at a 32-token tree, here, per call.
 //
 //   silu_and_mul(gate_up [R, 2 I]) -> silu(gate_up[:, :I]) * gate_up[:, I:], the MLP's activation.
 
@@ -189,70 +192,90 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   return y;
 }
 
-torch::Tensor decode_attention(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
-                               const torch::Tensor& k, const torch::Tensor& v, int64_t heads) {
+torch::Tensor attention_block(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                              const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& mask, int64_t heads) {
   for (const auto* t : {&qkv, &cos, &sin, &k, &v}) {
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kFloat, "decode_attention: float32 CPU tensors");
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kFloat, "attention_block: float32 CPU tensors");
   }
-  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes(), "decode_attention: k and v [kv_heads, T, D] expected");
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes(), "attention_block: k and v [kv_heads, T, D] expected");
   const int64_t kv_heads = k.size(0), t_len = k.size(1), d = k.size(2);
-  TORCH_CHECK(t_len > 0 && d % 2 == 0, "decode_attention: T > 0 entries and an even head_dim expected");
-  TORCH_CHECK(heads > 0 && heads % kv_heads == 0, "decode_attention: heads must be a multiple of kv_heads");
-  TORCH_CHECK(qkv.dim() == 1 && qkv.is_contiguous() && qkv.numel() == (heads + 2 * kv_heads) * d,
-              "decode_attention: qkv [(heads + 2 kv_heads) * D] contiguous expected");
-  TORCH_CHECK(cos.numel() == d && sin.numel() == d && cos.is_contiguous() && sin.is_contiguous(),
-              "decode_attention: cos and sin [D] contiguous expected");
-  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "decode_attention: unit stride along D expected");
-  const int64_t group = heads / kv_heads, half = d / 2;
+  TORCH_CHECK(d % 2 == 0, "attention_block: an even head_dim expected");
+  TORCH_CHECK(heads > 0 && heads % kv_heads == 0, "attention_block: heads must be a multiple of kv_heads");
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.size(1) == (heads + 2 * kv_heads) * d,
+              "attention_block: qkv [n, (heads + 2 kv_heads) * D] contiguous expected");
+  const int64_t n = qkv.size(0);
+  TORCH_CHECK(n > 0 && n <= t_len, "attention_block: 1 <= n <= T new tokens expected");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == n && cos.size(1) == d &&
+                  cos.is_contiguous() && sin.is_contiguous(),
+              "attention_block: cos and sin [n, D] contiguous expected");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1, "attention_block: unit stride along D expected");
+  const bool has_mask = mask.defined() && mask.numel() > 0;
+  TORCH_CHECK(!has_mask || (mask.scalar_type() == torch::kBool && mask.is_contiguous() && mask.dim() == 2 &&
+                            mask.size(0) == n && mask.size(1) == t_len),
+              "attention_block: mask must be a contiguous bool [n, T]");
+  const int64_t group = heads / kv_heads, half = d / 2, width = (heads + 2 * kv_heads) * d, first_new = t_len - n;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   const float* in = qkv.data_ptr<float>();
-  const float* c = cos.data_ptr<float>();
-  const float* sn = sin.data_ptr<float>();
   float* kp = k.data_ptr<float>();
   float* vp = v.data_ptr<float>();
+  const bool* mp = has_mask ? mask.data_ptr<bool>() : nullptr;
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
   // rotary: out[i] = x[i] cos[i] + rotate_half(x)[i] sin[i], rotate_half(x) = (-x[half:], x[:half])
-  auto rope = [&](const float* x, float* out) {
+  auto rope = [&](const float* x, const float* c, const float* sn, float* out) {
     for (int64_t i = 0; i < half; ++i) out[i] = x[i] * c[i] - x[i + half] * sn[i];
     for (int64_t i = half; i < d; ++i) out[i] = x[i] * c[i] + x[i - half] * sn[i];
   };
-  std::vector<float> q_roped(heads * d);
-  for (int64_t h = 0; h < heads; ++h) rope(in + h * d, q_roped.data() + h * d);
-  for (int64_t g = 0; g < kv_heads; ++g) {
-    rope(in + (heads + g) * d, kp + g * ks0 + (t_len - 1) * ks1);
-    const float* vin = in + (heads + kv_heads + g) * d;
-    std::copy(vin, vin + d, vp + g * vs0 + (t_len - 1) * vs1);
+  std::vector<float> q_roped(n * heads * d);
+  for (int64_t r = 0; r < n; ++r) {
+    const float* row = in + r * width;
+    const float* c = cos.data_ptr<float>() + r * d;
+    const float* sn = sin.data_ptr<float>() + r * d;
+    for (int64_t h = 0; h < heads; ++h) rope(row + h * d, c, sn, q_roped.data() + (r * heads + h) * d);
+    for (int64_t g = 0; g < kv_heads; ++g) {
+      rope(row + (heads + g) * d, c, sn, kp + g * ks0 + (first_new + r) * ks1);
+      const float* vin = row + (heads + kv_heads + g) * d;
+      std::copy(vin, vin + d, vp + g * vs0 + (first_new + r) * vs1);
+    }
   }
-  auto out = torch::empty({heads * d}, qkv.options());
+  auto out = torch::empty({n, heads * d}, qkv.options());
   float* op = out.data_ptr<float>();
-  std::vector<float> scores(t_len);
-  for (int64_t h = 0; h < heads; ++h) {
-    const float* qh = q_roped.data() + h * d;
-    const float* kh = kp + (h / group) * ks0;
-    const float* vh = vp + (h / group) * vs0;
-    float max_score = -INFINITY;
-    for (int64_t t = 0; t < t_len; ++t) {
-      const float* kt = kh + t * ks1;
-      float s = 0.0f;
+  at::parallel_for(0, n * heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(t_len);
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t r = job / heads, h = job % heads;
+      const float* qh = q_roped.data() + job * d;
+      const float* kh = kp + (h / group) * ks0;
+      const float* vh = vp + (h / group) * vs0;
+      const bool* visible = has_mask ? mp + r * t_len : nullptr;
+      const int64_t last = has_mask ? t_len : first_new + r + 1;  // causal: entries 0 .. first_new + r
+      float max_score = -INFINITY;
+      for (int64_t t = 0; t < last; ++t) {
+        if (visible != nullptr && !visible[t]) continue;
+        const float* kt = kh + t * ks1;
+        float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-      for (int64_t i = 0; i < d; ++i) s += qh[i] * kt[i];
-      scores[t] = s * scale;
-      max_score = std::max(max_score, scores[t]);
-    }
-    float total = 0.0f;
-    for (int64_t t = 0; t < t_len; ++t) {
-      scores[t] = std::exp(scores[t] - max_score);
-      total += scores[t];
-    }
-    float* oh = op + h * d;
-    std::fill(oh, oh + d, 0.0f);
-    for (int64_t t = 0; t < t_len; ++t) {
-      const float* vt = vh + t * vs1;
-      const float p = scores[t] / total;
+        for (int64_t i = 0; i < d; ++i) s += qh[i] * kt[i];
+        scores[t] = s * scale;
+        max_score = std::max(max_score, scores[t]);
+      }
+      float* oh = op + r * heads * d + h * d;
+      std::fill(oh, oh + d, 0.0f);
+      if (max_score == -INFINITY) continue;  // nothing visible (never for a valid tree): zeros, as SDPA's 0/0 is not
+      float total = 0.0f;
+      for (int64_t t = 0; t < last; ++t) {
+        if (visible != nullptr && !visible[t]) continue;
+        scores[t] = std::exp(scores[t] - max_score);
+        total += scores[t];
+      }
+      for (int64_t t = 0; t < last; ++t) {
+        if (visible != nullptr && !visible[t]) continue;
+        const float* vt = vh + t * vs1;
+        const float p = scores[t] / total;
 #pragma omp simd
-      for (int64_t i = 0; i < d; ++i) oh[i] += p * vt[i];
+        for (int64_t i = 0; i < d; ++i) oh[i] += p * vt[i];
+      }
     }
-  }
+  });
   return out;
 }
 
@@ -278,6 +301,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_linear", &panel_linear, "y = x @ W (+ bias) (+ residual), W as [P, K, 32] panels, float32");
   m.def("gemv", &gemv, "y = w x (+ add) for one float32 row x and a contiguous w [N, K]");
   m.def("rms_norm", &rms_norm, "RMSNorm of float32 rows x [R, D] with weight [D]");
-  m.def("decode_attention", &decode_attention, "one token's rotary + KV write + attention, float32");
+  m.def("attention_block", &attention_block, "one request's rotary + KV write + (tree-masked) attention, float32");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of float32 rows [R, 2 I]");
 }

@@ -40,7 +40,10 @@ from ddtree.models.layers import Rotary, rms_norm
 from ddtree.packing import PackedBatch
 
 ATTENTION_BACKENDS = ("sdpa", "flex")
-_NO_ADD = torch.empty(0)  # the native GEMV's "nothing to add"
+_NO_ADD = torch.empty(0)  # the native ops' "no bias / residual / mask"
+# Per request and forward: up to 8 new tokens the native attention block beats torch's ops (rotary, KV write, SDPA
+# cost ~50-200 us per call here); from ~16 tokens SDPA's blocked kernel is the faster (bench_runtime.py curve).
+NATIVE_ATTENTION_MAX_TOKENS = 8
 DEFAULT_MAX_PREFILL_TOKENS = 512
 
 
@@ -468,10 +471,11 @@ class TargetModel:
             # two rows, or with more threads: the GEMV does not parallelise here); benchmarks/bench_gemm.py.
             use_packed = self.packed_layers is not None and (num_tokens > 1 or torch.get_num_threads() > 1)
             linear, norm = (self._packed_linear if use_packed else self._plain_linear), self._norm
-        # Decode (one token per request): each request's attention block (rotary, KV write, attention) in one native
-        # call; Qwen3's q/k norms, prompts and packed trees take torch ops.
-        native_attention = (ops is not None and num_tokens == len(batch.seq_ids) and batch.packed is None
-                            and not cfg.has_qk_norm)
+        # Decode and small trees: each request's attention block (rotary, KV write, attention) in one native call;
+        # Qwen3's q/k norms, more tokens per request (where SDPA's blocked kernel wins) and FlexAttention: torch ops.
+        native_attention = (ops is not None and batch.packed is None and not cfg.has_qk_norm
+                            and all(b - a <= NATIVE_ATTENTION_MAX_TOKENS
+                                    for a, b in zip(batch.query_starts, batch.query_starts[1:])))
         if not native_attention:
             cos = cos.unsqueeze(1)  # [N, 1, head_dim], broadcast over heads
             sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).unsqueeze(1)  # rotate-half's sign folded
@@ -482,10 +486,7 @@ class TargetModel:
             x = norm(h, lw.attn_norm)
             qkv = linear(x, layer, "w_qkv", lw.b_qkv)  # [N, q + 2 kv]
             if native_attention:
-                attn = torch.stack([
-                    ops.decode_attention(qkv[r], cos[r], sin[r], *self.kv.keys_values(seq_id, layer, cached + 1), nh)
-                    for r, (seq_id, cached) in enumerate(zip(batch.seq_ids, batch.num_cached))
-                ])  # [R, heads * head_dim]; each request's new entry is the last of its first cached + 1
+                attn = self._native_attention(layer, qkv, cos, sin, batch)  # [N, heads * head_dim]
             else:
                 qk = qkv[:, : q_size + kv_size].view(num_tokens, nh + nkv, hd)  # q and k heads roped together
                 if lw.qk_norm is not None:
@@ -533,6 +534,19 @@ class TargetModel:
         return self._cpu_ops.panel_linear(x.contiguous(), getattr(pl, name), pl.widths[name],
                                           _NO_ADD if bias is None else bias,
                                           _NO_ADD if residual is None else residual.contiguous())
+
+    def _native_attention(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                          batch: _Batch) -> torch.Tensor:
+        """Per request: rotary, KV write and attention of its new tokens (its mask, or causal) in one native call."""
+        outs = []
+        for r, seq_id in enumerate(batch.seq_ids):
+            q0, q1 = batch.query_starts[r], batch.query_starts[r + 1]
+            k, v = self.kv.keys_values(seq_id, layer, batch.num_cached[r] + q1 - q0)  # new entries last
+            mask = batch.masks[r]
+            outs.append(self._cpu_ops.attention_block(
+                qkv[q0:q1], cos[q0:q1], sin[q0:q1], k, v, _NO_ADD if mask is None else mask.contiguous(),
+                self.config.num_attention_heads))
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _native_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return self._cpu_ops.rms_norm(x.contiguous(), weight, self.config.rms_norm_eps)  # 1-D weights only here
