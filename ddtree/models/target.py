@@ -41,9 +41,9 @@ from ddtree.packing import PackedBatch
 
 ATTENTION_BACKENDS = ("sdpa", "flex")
 _NO_ADD = torch.empty(0)  # the native ops' "no bias / residual / mask"
-# Per request and forward: up to 8 new tokens the native attention block beats torch's ops (rotary, KV write, SDPA
-# cost ~50-200 us per call here); from ~16 tokens SDPA's blocked kernel is the faster (bench_runtime.py curve).
-NATIVE_ATTENTION_MAX_TOKENS = 8
+# Per request and forward: up to 16 new tokens the native attention block is as fast as torch's ops or faster
+# (rotary, KV write and SDPA cost ~50-200 us per call here); beyond, SDPA's blocked kernel wins (bench_runtime.py).
+NATIVE_ATTENTION_MAX_TOKENS = 16
 DEFAULT_MAX_PREFILL_TOKENS = 512
 
 
