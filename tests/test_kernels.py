@@ -19,17 +19,11 @@ EMPTY = torch.empty(0)
 
 @pytest.fixture(scope="module")
 def ops():
+    if not kernels.kernels_enabled():
+        pytest.skip("DDTREE_CPU_KERNELS=0 in the environment")
     module = kernels.cpu_ops()
     assert module is not None, "a C++ compiler is present, so the native ops must build (see the logged warning)"
     return module
-
-
-@pytest.fixture
-def two_threads():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(previous)
 
 
 def rope_reference(x, cos, sin):  # x [heads, D]: Hugging Face's rotate-half convention
@@ -109,12 +103,12 @@ def test_rms_norm_and_silu_and_mul_match_torch(ops):
 
 @pytest.mark.parametrize("heads, kv_heads, num_cached, num_new, is_tree", [
     (9, 3, 128, 1, False), (4, 4, 0, 1, False), (6, 2, 17, 5, False), (6, 2, 0, 7, False), (9, 3, 40, 8, True),
-    (4, 2, 3, 1, True),
+    (4, 2, 3, 1, True), (9, 3, 1008, 16, True), (6, 2, 1023, 1, False),  # T = 1024 and 1024 + 0: the padded copy
 ])
 def test_attention_block_ropes_writes_the_cache_and_attends(ops, heads, kv_heads, num_cached, num_new, is_tree):
     """Rotary, the KV write into the cache views and attention (causal, or a tree's ancestor mask) against
     torch's rotary and SDPA."""
-    d, slots, start = 64, 300, 40
+    d, slots, start = 64, 1100, 40
     gen = torch.Generator().manual_seed(heads + num_cached + num_new)
     pool = torch.randn(2, kv_heads, slots, d, generator=gen)  # like one layer of the KV pool: strided views
     qkv = torch.randn(num_new, (heads + 2 * kv_heads) * d, generator=gen)
@@ -189,17 +183,17 @@ def test_disabled_or_unbuildable_kernels_fall_back_to_torch(tmp_path, monkeypatc
     assert not TargetModel.load(path, max_kv_bytes=2**20).uses_cpu_kernels
     monkeypatch.delenv("DDTREE_CPU_KERNELS")
 
-    def no_compiler(*args, **kwargs):
-        raise RuntimeError("Error building extension 'x': c++: not found")
-
-    import torch.utils.cpp_extension
-
-    monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
+    # a source the compiler rejects, built into an empty cache: the warning carries the compiler's own error line
+    broken = tmp_path / "src"
+    broken.mkdir()
+    (broken / "cpu_ops.cpp").write_text("#include <torch/extension.h>\n#include <no_such_header_ddtree.h>\n")
+    monkeypatch.setattr(kernels, "SOURCE_DIR", broken)
+    monkeypatch.setenv("DDTREE_KERNEL_CACHE", str(tmp_path / "cache"))
     monkeypatch.setattr(kernels, "_loaded", {})
     with caplog.at_level(logging.WARNING, logger="ddtree.kernels"):
         runner = TargetModel.load(path, max_kv_bytes=2**20)
     assert not runner.uses_cpu_kernels
-    assert "native kernel cpu_ops unavailable" in caplog.text and "c++: not found" in caplog.text
+    assert "native kernel cpu_ops unavailable" in caplog.text and "no_such_header_ddtree.h" in caplog.text
     runner.kv.allocate(0, 8)
     logits, _ = runner.prefill([0], [[3]])  # still decodes, on torch's kernels
     assert logits.shape == (1, runner.config.vocab_size)
@@ -228,3 +222,47 @@ def test_drafter_on_native_ops_drafts_what_torch_drafts(tmp_path, ops):
     torch.testing.assert_close(drafts[True][0], drafts[False][0], rtol=1e-5, atol=1e-5)
     assert torch.equal(drafts[True][1], drafts[False][1])
     assert set(drafts[True][1].flatten().tolist()) <= set(range(3, 90, 2))
+
+
+def test_a_build_killed_half_way_does_not_block_later_loads(ops, monkeypatch):
+    """torch's build lock is a plain file: a builder killed mid-build leaves it, and torch would then wait for it
+    forever. The loader holds its own flock (released when a process dies) and removes such a leftover."""
+    import threading
+
+    build_dir = kernels.build_directory("cpu_ops")
+    assert any(build_dir.glob("*.so"))  # built by the `ops` fixture
+    (build_dir / "lock").write_text("")  # what a killed builder leaves
+    monkeypatch.setattr(kernels, "_loaded", {})
+    result = {}
+    loader = threading.Thread(target=lambda: result.setdefault("module", kernels.cpu_ops()), daemon=True)
+    loader.start()
+    loader.join(timeout=120)
+    assert not loader.is_alive(), "the load waited on the stale lock"
+    assert result["module"] is not None and not (build_dir / "lock").exists()
+
+
+def test_native_ops_release_the_gil(ops):
+    """Another Python thread (the Serve replica's event loop) runs while a native op computes."""
+    import threading
+    import time
+
+    panels = kernels.pack_panels(torch.randn(1024, 4096))
+    x = torch.randn(8, 1024)
+    ticks, stop = [0], threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            ticks[0] += 1
+
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    try:
+        start = time.perf_counter()
+        calls = 0
+        while time.perf_counter() - start < 0.3:
+            ops.panel_linear(x, panels, 4096, EMPTY, EMPTY)
+            calls += 1
+    finally:
+        stop.set()
+        spinner.join()
+    assert ticks[0] > 20 * calls  # holding the GIL, the spinner would get about one tick per call

@@ -2,16 +2,18 @@
 
     cpu_ops() -> module | None      the target runner's float32 CPU ops (cpu_ops.cpp says why each exists):
                                     `panel_linear` (a GEMM over panel-packed weights that reads them once per
-                                    call), `gemv`, `rms_norm`, `decode_attention` (rotary + KV write + attention
-                                    of one token) and `silu_and_mul`; None where they cannot be built
+                                    call), `gemv`, `rms_norm`, `attention_block` (rotary + KV write + attention of
+                                    a request's new tokens) and `silu_and_mul`; None where they cannot be built
     pack_panels(w [K, N]) -> [P, K, 32]   a weight matrix in the panel layout `panel_linear` reads
     PanelLinear(linear, ops)              an nn.Linear's inference forward on `panel_linear`
     use_panel_linears(module, ops)        swaps every nn.Linear inside `module` for a PanelLinear (inference only)
 
 Building needs a C++ compiler (g++ with the Python headers torch's extensions use); the first build takes ~30 s and
-is cached under ~/.cache/ddtree/kernels (or $DDTREE_KERNEL_CACHE), keyed by the source, torch, Python and the CPU.
-Without a compiler, or with DDTREE_CPU_KERNELS=0, callers keep torch's own kernels: the kernels change speed,
-never results beyond float32 rounding.
+is cached under ~/.cache/ddtree/kernels (or $DDTREE_KERNEL_CACHE), keyed by the source, torch, Python, the
+compile flags and the CPU; concurrent first uses (several Ray actors) build once, and a build killed half-way is
+redone by the next process. Without a compiler, or with DDTREE_CPU_KERNELS=0, callers keep torch's own kernels
+(a failed build logs the compiler's error lines once): the kernels change speed, never results beyond float32
+rounding. The ops release the GIL while they run, as torch's ops do.
 """
 
 from __future__ import annotations
@@ -92,17 +94,35 @@ def use_panel_linears(module, ops) -> int:
 
 
 def _cpu_signature() -> str:
-    """What the compiled code depends on besides its source: it is built with -march=native."""
-    flags = ""
+    """What the compiled code depends on besides its source: it is built with -march=native (x86: `model name` and
+    `flags`; ARM: `CPU implementer` / `CPU part` and `Features`)."""
+    keys = ("model name", "flags", "cpu implementer", "cpu part", "features")
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "model name")):
-                flags += line
-            if line.startswith("flags"):
-                break
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        flags = platform.processor()
+        return platform.machine() + platform.processor()
+    seen: dict[str, str] = {}
+    for line in lines:
+        key, _, value = line.partition(":")
+        key = key.strip().lower()
+        if key in keys and key not in seen:  # the first processor's: the machine's CPUs are alike
+            seen[key] = value.strip()
+    return platform.machine() + repr(sorted(seen.items()))
+
+
+def _compile_flags() -> list[str]:
+    # -fopenmp: at::parallel_for splits work over torch's OpenMP threads only when compiled with it
+    flags = ["-O3", "-march=native", "-fopenmp"]
+    if platform.machine().lower() in ("x86_64", "amd64"):
+        flags.append("-mprefer-vector-width=512")  # GCC would pick 256-bit vectors on some AVX-512 CPUs
     return flags
+
+
+def _build_error(error: Exception) -> str:
+    """The lines of a failed build that say why (torch's message ends with ninja's "subcommand failed")."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    errors = [line for line in lines if "error" in line.lower() and "subcommand failed" not in line]
+    return " | ".join((errors or lines[-1:])[:5])
 
 
 def _load(name: str):
@@ -111,24 +131,43 @@ def _load(name: str):
             return _loaded[name]
         module = None
         try:
-            from torch.utils.cpp_extension import load
-
-            source = SOURCE_DIR / f"{name}.cpp"
-            key = hashlib.sha256(
-                source.read_bytes() + torch.__version__.encode() + sys.version.encode() + _cpu_signature().encode()
-            ).hexdigest()[:16]
-            cache = Path(os.environ.get("DDTREE_KERNEL_CACHE", DEFAULT_CACHE_DIR)).expanduser()
-            build_dir = cache / f"{name}-{key}"
-            build_dir.mkdir(parents=True, exist_ok=True)
-            # -fopenmp: at::parallel_for splits work over torch's OpenMP threads only when compiled with it
-            flags = ["-O3", "-march=native", "-fopenmp"]
-            if platform.machine().lower() in ("x86_64", "amd64"):
-                flags.append("-mprefer-vector-width=512")  # GCC would pick 256-bit vectors on some AVX-512 CPUs
-            logger.info("ddtree: building native kernel %s in %s (once, ~30 s)", name, build_dir)
-            module = load(name=f"ddtree_{name}_{key}", sources=[str(source)], build_directory=str(build_dir),
-                          extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+            module = _build_and_import(name)
         except Exception as error:  # no compiler, no headers, a read-only cache: torch's kernels remain
             logger.warning("ddtree: native kernel %s unavailable, using torch's (%s: %s)", name,
-                           type(error).__name__, str(error).strip().splitlines()[-1] if str(error).strip() else "")
+                           type(error).__name__, _build_error(error))
         _loaded[name] = module
         return module
+
+
+def build_directory(name: str) -> Path:
+    """Where kernel `name` is built for this source, torch, Python, compile flags and CPU."""
+    key = hashlib.sha256("\n".join([
+        (SOURCE_DIR / f"{name}.cpp").read_text(), torch.__version__, torch.__file__, sys.version, sys.executable,
+        " ".join(_compile_flags()), _cpu_signature()]).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("DDTREE_KERNEL_CACHE", DEFAULT_CACHE_DIR)).expanduser()
+    return cache / f"{name}-{key}"
+
+
+def _build_and_import(name: str):
+    import fcntl
+
+    from torch.utils.cpp_extension import load
+
+    source = SOURCE_DIR / f"{name}.cpp"
+    flags = _compile_flags()
+    build_dir = build_directory(name)
+    key = build_dir.name.rsplit("-", 1)[1]
+    build_dir.mkdir(parents=True, exist_ok=True)
+    # torch's own build lock is a file that a killed builder leaves behind, and then every later load waits for it
+    # forever. Our lock is an flock, released by the kernel when its holder dies: whoever holds it is the only
+    # live builder, so a `lock` file found then is stale.
+    with open(build_dir / ".ddtree.lock", "w") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)
+            if not any(build_dir.glob("*.so")):
+                logger.warning("ddtree: building native kernel %s in %s (once, ~30 s)", name, build_dir)
+            return load(name=f"ddtree_{name}_{key}", sources=[str(source)], build_directory=str(build_dir),
+                        extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+        finally:
+            fcntl.flock(lock_file, fcntl.LOCK_UN)

@@ -41,24 +41,29 @@ from ddtree.packing import PackedBatch
 
 ATTENTION_BACKENDS = ("sdpa", "flex")
 _NO_ADD = torch.empty(0)  # the native ops' "no bias / residual / mask"
-# Per request and forward: up to 16 new tokens the native attention block is as fast as torch's ops or faster
-# (rotary, KV write and SDPA cost ~50-200 us per call here); beyond, SDPA's blocked kernel wins (bench_runtime.py).
+# The native attention block scans a kv head's keys and values once per query and head, where SDPA's blocked
+# kernel shares them across queries: the native one is the faster for a few tokens over a short cache (decode up to
+# ~1k cached tokens, trees of ~9 tokens over ~128), SDPA beyond (ms per verify, `measure_verify_cost_curve`, SmolLM2,
+# 1 thread; n new tokens over T cached: n=1: 26.3 vs 28.8 at T=128, 33.4 vs 33.2 at 1024, 41.3 vs 38.7 at 2048;
+# n=9: 39.8 vs 39.9 at 128, 52.6 vs 47.7 at 512; n=16: 57.6 vs 56.9 at 128). Per request and forward: native when
+# n <= 16 and n * (T + n) < 2048.
 NATIVE_ATTENTION_MAX_TOKENS = 16
+NATIVE_ATTENTION_MAX_WORK = 2048
 DEFAULT_MAX_PREFILL_TOKENS = 512
 
 
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor  # [H]
-    w_qkv: torch.Tensor  # [H, q_size + 2 * kv_size]
+    w_qkv: torch.Tensor | None  # [H, q_size + 2 * kv_size]
     b_qkv: torch.Tensor | None  # [q_size + 2 * kv_size] (Qwen2)
     qk_norm: torch.Tensor | None  # [heads + kv_heads, head_dim]: q_norm repeated per q head, then k_norm (Qwen3)
-    w_o: torch.Tensor  # [q_size, H]
+    w_o: torch.Tensor | None  # [q_size, H]
     b_o: torch.Tensor | None  # [H]
     mlp_norm: torch.Tensor  # [H]
-    w_gate_up: torch.Tensor  # [H, 2 * intermediate]
-    w_down: torch.Tensor  # [intermediate, H]
-    # The four matrices are None when the native CPU ops hold them as panels (PanelLayerWeights) instead.
+    w_gate_up: torch.Tensor | None  # [H, 2 * intermediate]
+    w_down: torch.Tensor | None  # [intermediate, H]
+    # w_qkv, w_o, w_gate_up, w_down are None when the native CPU ops hold them as panels (PanelLayerWeights).
 
 
 @dataclass
@@ -147,7 +152,8 @@ class TargetModel:
         every forward: the layer matrices are stored once, as panels for a GEMM that streams the weights once per
         forward at the memory's read rate for 1-8 rows (a decode step, a small tree's verify) and stays near the
         compute bound above; one-token logits come from a GEMV over the embedding matrix (the LM head also keeps a
-        panel copy for several rows); RMSNorm, SiLU-and-mul and the one-token attention block are native too.
+        panel copy for several rows); RMSNorm, SiLU-and-mul and the attention block of up to 16 new tokens per
+        request (decode, small trees) are native too.
         Without a C++ compiler (or with DDTREE_CPU_KERNELS=0) torch's kernels run instead; results differ by float32
         rounding only.
 
@@ -298,7 +304,7 @@ class TargetModel:
 
     @property
     def uses_cpu_kernels(self) -> bool:
-        """Whether one-token forwards run on the native CPU ops (ddtree.kernels)."""
+        """Whether this runner's forwards run on the native CPU ops (ddtree.kernels)."""
         return self._cpu_ops is not None
 
     @property
@@ -471,11 +477,11 @@ class TargetModel:
             # two rows, or with more threads: the GEMV does not parallelise here); benchmarks/bench_gemm.py.
             use_packed = self.packed_layers is not None and (num_tokens > 1 or torch.get_num_threads() > 1)
             linear, norm = (self._packed_linear if use_packed else self._plain_linear), self._norm
-        # Decode and small trees: each request's attention block (rotary, KV write, attention) in one native call;
-        # Qwen3's q/k norms, more tokens per request (where SDPA's blocked kernel wins) and FlexAttention: torch ops.
+        # Decode and small trees over short caches: each request's attention block (rotary, KV write, attention) in
+        # one native call; Qwen3's q/k norms, larger sizes (where SDPA's blocked kernel wins) and Flex: torch ops.
         native_attention = (ops is not None and batch.packed is None and not cfg.has_qk_norm
-                            and all(b - a <= NATIVE_ATTENTION_MAX_TOKENS
-                                    for a, b in zip(batch.query_starts, batch.query_starts[1:])))
+                            and all(_is_native_attention_size(b - a, cached) for a, b, cached
+                                    in zip(batch.query_starts, batch.query_starts[1:], batch.num_cached)))
         if not native_attention:
             cos = cos.unsqueeze(1)  # [N, 1, head_dim], broadcast over heads
             sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).unsqueeze(1)  # rotate-half's sign folded
@@ -532,7 +538,7 @@ class TargetModel:
     def _panel_linear(self, x, layer: int, name: str, bias=None, residual=None) -> torch.Tensor:
         pl = self.panel_layers[layer]
         return self._cpu_ops.panel_linear(x.contiguous(), getattr(pl, name), pl.widths[name],
-                                          _NO_ADD if bias is None else bias,
+                                          _NO_ADD if bias is None else bias.contiguous(),
                                           _NO_ADD if residual is None else residual.contiguous())
 
     def _native_attention(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -617,6 +623,10 @@ class TargetModel:
             return o[0].transpose(0, 1).reshape(num_tokens, nh * hd)
 
         return attend
+
+
+def _is_native_attention_size(num_new: int, num_cached: int) -> bool:
+    return num_new <= NATIVE_ATTENTION_MAX_TOKENS and num_new * (num_cached + num_new) < NATIVE_ATTENTION_MAX_WORK
 
 
 def _is_stored_out_in(out_features: int, in_features: int, dtype: torch.dtype) -> bool:
