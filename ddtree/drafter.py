@@ -54,7 +54,8 @@ class DFlashDrafter:
                  draft_token_ids: list[int] | None = None, cpu_kernels: bool = True):
         """`cpu_kernels` (CPU, float32): the drafter's linears and its draft-vocabulary head run on the native panel
         GEMM (ddtree.kernels), which reads each weight once per forward; a draft forward is a few rows per request,
-        where torch's GEMMs run far below the memory's read rate. Without it (or no compiler) torch's kernels."""
+        where torch's GEMMs run far below the memory's read rate. Without it (or no compiler) torch's kernels. The
+        `model` given is converted in place (its linears replaced): the drafter owns it, for inference only."""
         device = torch.device(device) if device is not None else target.device
         dtype = dtype or target.dtype
         tc = target.config
