@@ -142,7 +142,7 @@ def _load(name: str):
 def build_directory(name: str) -> Path:
     """Where kernel `name` is built for this source, torch, Python, compile flags and CPU."""
     key = hashlib.sha256("\n".join([
-        (SOURCE_DIR / f"{name}.cpp").read_text(), torch.__version__, torch.__file__, sys.version, sys.executable,
+        (SOURCE_DIR / f"{name}.cpp").read_text(), torch.__version__, torch.__file__, sys.version,
         " ".join(_compile_flags()), _cpu_signature()]).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("DDTREE_KERNEL_CACHE", DEFAULT_CACHE_DIR)).expanduser()
     return cache / f"{name}-{key}"
