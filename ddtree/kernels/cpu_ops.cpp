@@ -197,12 +197,13 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   return y;
 }
 
-// exp(x) for x <= 0 within ~2 ulp, 0 below -87 (and for -inf): arithmetic only, so that `omp simd` loops over it
-// vectorise (std::exp is a scalar library call: ~20 ns each, 0.7 ms of a decode step's softmaxes).
+// exp(x) within ~2 ulp for x in [-87, 88], 0 below -87 (and for -inf), exp(88) above: arithmetic only, so that
+// `omp simd` loops over it vectorise (std::exp is a scalar library call: ~20 ns each, 0.7 ms of a decode step's
+// softmaxes, 1.2 ms of a 9-token verify's SiLU).
 #pragma omp declare simd
-inline float exp_nonpositive(float x) {
+inline float exp_approx(float x) {
   const bool is_tiny = x < -87.0f;
-  x = is_tiny ? -87.0f : x;
+  x = is_tiny ? -87.0f : (x > 88.0f ? 88.0f : x);
   const float k = std::floor(x * 1.44269504088896341f + 0.5f);  // x = k ln2 + r, |r| <= ln2 / 2
   const float r = x - k * 0.693359375f + k * 2.12194440e-4f;      // ln2 in two parts (Cody-Waite)
   float p = 1.9875691500e-4f;                                     // exp(r): Cephes' minimax polynomial
@@ -212,7 +213,7 @@ inline float exp_nonpositive(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;  // 2^k, k in [-126, 0]
+  const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;  // 2^k, k in [-126, 127]
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return is_tiny ? 0.0f : p * scale;
@@ -307,7 +308,7 @@ torch::Tensor attention_block(const torch::Tensor& qkv, const torch::Tensor& cos
       float total = 0.0f;
 #pragma omp simd reduction(+ : total)
       for (int64_t t = 0; t < last; ++t) {
-        sc[t] = exp_nonpositive(sc[t] - max_score);  // 0 for the invisible entries (-inf)
+        sc[t] = exp_approx(sc[t] - max_score);  // 0 for the invisible entries (-inf)
         total += sc[t];
       }
       const float inv_total = 1.0f / total;
@@ -334,7 +335,7 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
     const float* u = g + n;
     float* o = out.data_ptr<float>() + r * n;
 #pragma omp simd
-    for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+    for (int64_t i = 0; i < n; ++i) o[i] = g[i] / (1.0f + exp_approx(-g[i])) * u[i];
   }
   return out;
 }
