@@ -280,7 +280,10 @@ torch::Tensor attention_block(const torch::Tensor& qkv, const torch::Tensor& cos
       for (int64_t i = 0; i < d; ++i) keys_t[(g * d + i) * ld + t] = kt[i];
     }
   }
-  at::parallel_for(0, n * heads, 1, [&](int64_t begin, int64_t end) {
+  // A (token, head) job costs ~T * D multiply-adds: below ~256k per thread an OpenMP fork costs more than it saves
+  // (a decode step runs one call per request and layer).
+  const int64_t grain = std::max<int64_t>(1, (1 << 18) / std::max<int64_t>(1, t_len * d));
+  at::parallel_for(0, n * heads, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(t_len);
     for (int64_t job = begin; job < end; ++job) {
       const int64_t r = job / heads, h = job % heads;
