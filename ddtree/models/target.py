@@ -523,7 +523,8 @@ class TargetModel:
             return _packed_linear(hidden, self.packed_lm_head), feats  # [M, V]
         return self.project_logits(hidden), feats
 
-    # The layer's matrix `name` applied to x [N, in] (+ bias, + residual [N, out]): three mechanisms, one meaning.
+    # The layer's matrix `name` applied to x [N, in] (+ bias, + residual [N, out]): one meaning, three mechanisms
+    # (torch on the plain matrices, oneDNN on packed copies, the native panel GEMM).
     def _plain_linear(self, x, layer: int, name: str, bias=None, residual=None) -> torch.Tensor:
         w = getattr(self.layers[layer], name)  # [in, out]
         if residual is not None:
