@@ -39,7 +39,6 @@ import torch
 from ddtree.models.dflash import DFlashConfig, DFlashDraftModel, load_dflash, load_draft_vocab
 
 MIN_CONTEXT_CAPACITY = 64
-_NO_TENSOR = torch.empty(0)  # "no bias" / "no residual" for the native ops
 
 
 @dataclass
@@ -78,7 +77,8 @@ class DFlashDrafter:
         self.block_len = config.block_size - 1
         self._contexts: dict[Hashable, _Context] = {}
         self.draft_token_ids: torch.Tensor | None = None  # [Vd] int64 target token ids; None: the full vocabulary
-        self._draft_lm_head: torch.Tensor | None = None  # [H, Vd], a copy of those columns of the target's head
+        # [H, Vd], a copy of those columns of the target's head (a PanelLinear of it with the native ops)
+        self._draft_lm_head: torch.Tensor | torch.nn.Module | None = None
         if draft_token_ids is not None:
             ids = torch.as_tensor(draft_token_ids, dtype=torch.int64)
             if ids.dim() != 1 or ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= tc.vocab_size:
@@ -87,13 +87,13 @@ class DFlashDrafter:
             self._draft_lm_head = target.lm_head[:, self.draft_token_ids].contiguous()
         self._cpu_ops = None
         if cpu_kernels and device.type == "cpu" and dtype == torch.float32 and target.dtype == torch.float32:
-            from ddtree.kernels import cpu_ops, pack_panels, use_panel_linears
+            from ddtree.kernels import PanelLinear, cpu_ops, use_panel_linears
 
             self._cpu_ops = cpu_ops()
             if self._cpu_ops is not None:
                 use_panel_linears(self.model, self._cpu_ops)
                 if self._draft_lm_head is not None:
-                    self._draft_lm_head = pack_panels(self._draft_lm_head)  # [P, H, 32]
+                    self._draft_lm_head = PanelLinear(self._draft_lm_head, None, self._cpu_ops)
 
     @property
     def uses_cpu_kernels(self) -> bool:
@@ -174,13 +174,10 @@ class DFlashDrafter:
         hidden = h[:, 1:].to(self.target.dtype)  # [R, L, H]
         if self._draft_lm_head is None:
             logits = self.target.project_logits(hidden).float()  # [R, L, V]
-        elif self._cpu_ops is not None:
-            vd = self.draft_token_ids.numel()
-            rows = hidden.reshape(-1, hidden.shape[-1]).contiguous()
-            logits = self._cpu_ops.panel_linear(rows, self._draft_lm_head, vd, _NO_TENSOR, _NO_TENSOR)
-            logits = logits.view(*hidden.shape[:-1], vd)  # [R, L, Vd]
-        else:
+        elif isinstance(self._draft_lm_head, torch.Tensor):
             logits = (hidden @ self._draft_lm_head).float()  # [R, L, Vd]
+        else:
+            logits = self._draft_lm_head(hidden)  # [R, L, Vd], the native panel GEMM
         logprobs = torch.log_softmax(logits, dim=-1)
         top = torch.topk(logprobs, min(max_k, logprobs.shape[-1]), dim=-1)
         if self.draft_token_ids is None:

@@ -5,7 +5,7 @@
                                     call), `gemv`, `rms_norm`, `attention_block` (rotary + KV write + attention of
                                     a request's new tokens) and `silu_and_mul`; None where they cannot be built
     pack_panels(w [K, N]) -> [P, K, 32]   a weight matrix in the panel layout `panel_linear` reads
-    PanelLinear(linear, ops)              an nn.Linear's inference forward on `panel_linear`
+    PanelLinear(w [K, N], bias, ops)      x @ w (+ bias) on `panel_linear`; PanelLinear.of(nn.Linear, ops)
     use_panel_linears(module, ops)        swaps every nn.Linear inside `module` for a PanelLinear (inference only)
 
 Building needs a C++ compiler (g++ with the Python headers torch's extensions use); the first build takes ~30 s and
@@ -48,7 +48,7 @@ def cpu_ops():
 
 
 PANEL_WIDTH = 32  # output columns per panel (cpu_ops.cpp: kPanelWidth)
-_NO_TENSOR = torch.empty(0)  # "no bias" / "no residual" for the native ops
+NO_TENSOR = torch.empty(0)  # the native ops' "no bias / residual / add / mask"
 
 
 def pack_panels(w: torch.Tensor) -> torch.Tensor:
@@ -62,19 +62,23 @@ def pack_panels(w: torch.Tensor) -> torch.Tensor:
 
 
 class PanelLinear(torch.nn.Module):
-    """`linear`'s forward (inference, float32 CPU) on the native panel GEMM: its weight packed once."""
+    """x @ W (+ bias) for inference (float32 CPU) on the native panel GEMM, W [K, N] packed once: an nn.Linear's
+    forward (`PanelLinear.of(linear, ops)`) or a bare matrix's."""
 
-    def __init__(self, linear: torch.nn.Linear, ops):
+    def __init__(self, weight_in_out: torch.Tensor, bias: torch.Tensor | None, ops):
         super().__init__()
         self.ops = ops
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("panels", pack_panels(linear.weight.detach().t()), persistent=False)
-        bias = linear.bias.detach().contiguous() if linear.bias is not None else torch.empty(0)
-        self.register_buffer("bias", bias, persistent=False)
+        self.in_features, self.out_features = weight_in_out.shape
+        self.register_buffer("panels", pack_panels(weight_in_out.detach()), persistent=False)
+        self.register_buffer("bias", NO_TENSOR if bias is None else bias.detach().contiguous(), persistent=False)
+
+    @classmethod
+    def of(cls, linear: torch.nn.Linear, ops) -> "PanelLinear":
+        return cls(linear.weight.t(), linear.bias, ops)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).contiguous()
-        out = self.ops.panel_linear(rows, self.panels, self.out_features, self.bias, _NO_TENSOR)
+        out = self.ops.panel_linear(rows, self.panels, self.out_features, self.bias, NO_TENSOR)
         return out.view(*x.shape[:-1], self.out_features)
 
 
@@ -86,7 +90,7 @@ def use_panel_linears(module, ops) -> int:
             if child.weight.dtype != torch.float32 or child.weight.device.type != "cpu":
                 raise ValueError(f"{name}: panel linears are float32 CPU only, got {child.weight.dtype} on "
                                  f"{child.weight.device}")
-            setattr(module, name, PanelLinear(child, ops))
+            setattr(module, name, PanelLinear.of(child, ops))
             count += 1
         else:
             count += use_panel_linears(child, ops)

@@ -37,10 +37,10 @@ import torch.nn.functional as F
 from ddtree.models.config import TargetConfig
 from ddtree.models.kv_cache import KVCache
 from ddtree.models.layers import Rotary, rms_norm
+from ddtree.kernels import NO_TENSOR
 from ddtree.packing import PackedBatch
 
 ATTENTION_BACKENDS = ("sdpa", "flex")
-_NO_ADD = torch.empty(0)  # the native ops' "no bias / residual / mask"
 # The native attention block scans a kv head's keys and values once per query and head, where SDPA's blocked
 # kernel shares them across queries: the native one is the faster for a few tokens over a short cache (decode up to
 # ~1k cached tokens, trees of ~9 tokens over ~128), SDPA beyond (ms per verify, `measure_verify_cost_curve`, SmolLM2,
@@ -259,8 +259,9 @@ class TargetModel:
 
         def in_out(*out_in: torch.Tensor) -> torch.Tensor:
             """[in, sum(out)] for `x @ W`, from [out_i, in] matrices fused along out, stored as `_is_stored_out_in`
-            says (as the transposed view of a contiguous [out, in] matrix, or contiguous itself); always [out, in]
-            with the native GEMV, whose one-row dot products stream that layout fastest."""
+            says (as the transposed view of a contiguous [out, in] matrix, or contiguous itself). With the native ops
+            always [out, in]: the layer matrices then become panels, and the LM head's one-row GEMV reads the
+            [V, H] embedding, the [out, in] form of the head."""
             fused = torch.cat(out_in, dim=0) if len(out_in) > 1 else out_in[0]
             if self._cpu_ops is not None or _is_stored_out_in(fused.shape[0], fused.shape[1], self.dtype):
                 return fused.contiguous().t()
@@ -517,8 +518,8 @@ class TargetModel:
         hidden = norm(h.index_select(0, logits_rows), self.final_norm)  # [M, H]
         if ops is not None:
             if hidden.shape[0] == 1:  # the embedding matrix [V, H] is the LM head's contiguous [out, in] form
-                return ops.gemv(hidden[0], self.lm_head.t(), _NO_ADD).unsqueeze(0), feats  # [1, V]
-            return ops.panel_linear(hidden, self.panel_lm_head, self.config.vocab_size, _NO_ADD, _NO_ADD), feats
+                return ops.gemv(hidden[0], self.lm_head.t(), NO_TENSOR).unsqueeze(0), feats  # [1, V]
+            return ops.panel_linear(hidden, self.panel_lm_head, self.config.vocab_size, NO_TENSOR, NO_TENSOR), feats
         if self.packed_lm_head is not None and (hidden.shape[0] > 1 or linear == self._packed_linear):
             return _packed_linear(hidden, self.packed_lm_head), feats  # [M, V]
         return self.project_logits(hidden), feats
@@ -539,8 +540,8 @@ class TargetModel:
     def _panel_linear(self, x, layer: int, name: str, bias=None, residual=None) -> torch.Tensor:
         pl = self.panel_layers[layer]
         return self._cpu_ops.panel_linear(x.contiguous(), getattr(pl, name), pl.widths[name],
-                                          _NO_ADD if bias is None else bias.contiguous(),
-                                          _NO_ADD if residual is None else residual.contiguous())
+                                          NO_TENSOR if bias is None else bias.contiguous(),
+                                          NO_TENSOR if residual is None else residual.contiguous())
 
     def _native_attention(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                           batch: _Batch) -> torch.Tensor:
@@ -551,7 +552,7 @@ class TargetModel:
             k, v = self.kv.keys_values(seq_id, layer, batch.num_cached[r] + q1 - q0)  # new entries last
             mask = batch.masks[r]
             outs.append(self._cpu_ops.attention_block(
-                qkv[q0:q1], cos[q0:q1], sin[q0:q1], k, v, _NO_ADD if mask is None else mask.contiguous(),
+                qkv[q0:q1], cos[q0:q1], sin[q0:q1], k, v, NO_TENSOR if mask is None else mask.contiguous(),
                 self.config.num_attention_heads))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
