@@ -9,7 +9,12 @@ from safetensors.torch import load_file
 
 from ddtree.cli import main
 from ddtree.models.dflash import load_dflash
-from ddtree.training.generate import generate_responses, generate_responses_continuous, write_prompts
+from ddtree.training.generate import (
+    generate_responses,
+    generate_responses_continuous,
+    interleave_pending,
+    write_prompts,
+)
 from ddtree.training.prompts import Prompt
 
 
@@ -89,3 +94,36 @@ def test_cli_pipeline_end_to_end_on_a_tiny_target(tiny_target, tmp_path):
     assert main(common[:1] + ["eval"] + common[1:] + ["--budgets", "2", "4"]) == 0
     assert main(ship) == 0
     assert len(json.loads((tmp_path / "ship" / "draft_vocab.json").read_text())["token_ids"]) <= 4
+
+
+def test_interleave_pending_keeps_finished_first_and_spreads_the_added_prompts():
+    old = [Prompt(f"o{i}", "chat", f"old {i}", "t") for i in range(6)]
+    added = [Prompt(f"n{i}", "math", f"new {i}", "t") for i in range(2)]
+    order = [p.prompt_id for p in interleave_pending(old, {"o1", "o4"}, added)]
+    assert order == ["o1", "o4", "o0", "n0", "o2", "o3", "n1", "o5"]
+    assert [p.prompt_id for p in interleave_pending(old, set(old_id.prompt_id for old_id in old), added)] == \
+        [f"o{i}" for i in range(6)] + ["n0", "n1"]
+
+
+def test_cli_prompts_add_to_an_existing_data_directory(tmp_path):
+    data = ["train-drafter", "prompts", "--data-dir", str(tmp_path)]
+    with pytest.raises(ValueError, match="does not exist"):
+        main(data + ["--add", "--seed", "1"])
+    assert main(data + ["--num-prompts-per-category", "4", "--categories", "math", "chat"]) == 0
+    first = [json.loads(line) for line in (tmp_path / "prompts.jsonl").read_text().splitlines()]
+    assert len(first) == 8
+    with pytest.raises(ValueError, match="exists"):
+        main(data + ["--num-prompts-per-category", "4"])
+    (tmp_path / "responses.jsonl").write_text(json.dumps({"prompt_id": first[0]["prompt_id"]}) + "\n")
+    assert main(data + ["--add", "--seed", "1", "--categories", "math", "--math-templates", "broad",
+                        "--num-prompts-per-category", "3"]) == 0
+    merged = [json.loads(line) for line in (tmp_path / "prompts.jsonl").read_text().splitlines()]
+    assert merged[0] == first[0]  # finished prompts first, unchanged
+    assert sorted(r["prompt_id"] for r in merged[1:] if r["prompt_id"].startswith("math-s1-")) == \
+        ["math-s1-000000", "math-s1-000001", "math-s1-000002"]
+    assert {r["prompt_id"] for r in merged} >= {r["prompt_id"] for r in first} and len(merged) == 11
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["num_prompts"] == 11 and manifest["added_prompts"][0]["num_prompts"] == 3
+    with pytest.raises(ValueError, match="another --seed"):
+        main(data + ["--add", "--seed", "1", "--categories", "math", "--math-templates", "broad",
+                     "--num-prompts-per-category", "3"])

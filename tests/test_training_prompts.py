@@ -58,3 +58,31 @@ def test_drop_overlapping_catches_a_leaked_eval_prompt(training_prompts):
 def test_word_ngrams():
     assert _word_ngrams("A b, c d!", 2) == {("a", "b"), ("b", "c"), ("c", "d")}
     assert _word_ngrams("a b", 3) == set()
+
+
+def test_prompt_subsets_and_template_sets_are_checked_and_reproducible():
+    both = make_training_prompts(60, seed=0, categories=("math", "chat"))
+    assert {p.category for p in both} == {"math", "chat"}
+    # asking for fewer categories leaves the others' draws (and so the earlier data sets) unchanged
+    full = make_training_prompts(60, seed=0, math_templates="basic")
+    basic = make_training_prompts(60, seed=0, categories=("math", "chat"), math_templates="basic")
+    assert [p.text for p in basic] == [p.text for p in full if p.category != "code"]
+    broad_sources = {p.source for p in make_training_prompts(300, seed=1, categories=("math",), math_templates="broad")}
+    basic_sources = {p.source for p in basic if p.category == "math"}
+    assert len(broad_sources) >= 30 and not broad_sources & basic_sources
+    assert {p.source for p in both if p.category == "math"} & basic_sources
+    with pytest.raises(ValueError, match="categories"):
+        make_training_prompts(5, categories=("poetry",))
+    with pytest.raises(ValueError, match="categories"):
+        make_training_prompts(5, categories=())
+    with pytest.raises(ValueError, match="math_templates"):
+        make_training_prompts(5, math_templates="fancy")
+
+
+def test_broad_math_templates_stay_apart_from_the_eval_sets():
+    broad = make_training_prompts(1500, seed=5, categories=("math",), math_templates="broad")
+    assert len(broad) == 1500
+    eval_sources = {r.source for c in CATEGORIES for r in load_eval_prompt_records(c)}
+    assert not eval_sources & {p.source for p in broad}
+    kept, dropped = drop_overlapping(broad)
+    assert not dropped

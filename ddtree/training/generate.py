@@ -47,10 +47,24 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def write_prompts(data_dir: Path, prompts: list[Prompt]) -> None:
+    """Written to a temporary file and renamed, so that a generator starting meanwhile reads the old or new list."""
     data_dir.mkdir(parents=True, exist_ok=True)
-    with open(data_dir / "prompts.jsonl", "w") as f:
+    partial = data_dir / "prompts.jsonl.partial"
+    with open(partial, "w") as f:
         for p in prompts:
             f.write(json.dumps(asdict(p)) + "\n")
+    os.replace(partial, data_dir / "prompts.jsonl")
+
+
+def interleave_pending(prompts: list[Prompt], done_ids: set[str], added: list[Prompt]) -> list[Prompt]:
+    """The prompt list after adding `added`: the finished prompts first, then the pending and the added ones spread
+    evenly through each other (generation runs in file order, so any prefix of what remains mixes both)."""
+    done = [p for p in prompts if p.prompt_id in done_ids]
+    pending = [p for p in prompts if p.prompt_id not in done_ids]
+    # stable merge by relative position; ties go to the pending prompts
+    keyed = [((i + 0.5) / len(pending), 0, i, p) for i, p in enumerate(pending)]
+    keyed += [((j + 0.5) / len(added), 1, j, p) for j, p in enumerate(added)]
+    return done + [p for *_, p in sorted(keyed, key=lambda k: k[:3])]
 
 
 def _pending(data_dir: Path) -> list[Prompt]:

@@ -1,6 +1,7 @@
 """The `ddtree train-drafter` steps: prompts -> generate -> eval-data -> train -> eval, each resumable.
 
-  prompts    make the training prompts (disjoint from the evaluation sets) and the data manifest
+  prompts    make the training prompts (disjoint from the evaluation sets) and the data manifest; with --add, add
+             more (another --seed, --categories, --math-templates) to an existing data directory
   generate   the target's greedy responses + hidden states, appended to <data-dir> (resumes where it stopped)
   eval-data  the same for the held-out evaluation prompts, under <eval-dir>/<category>/ (resumes too)
   train      train the drafter from <out-dir>/checkpoint.pt if present; exports <out-dir>/drafter/
@@ -15,11 +16,14 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
+
+from ddtree.training.prompts import CATEGORIES
 
 STEPS = ("prompts", "generate", "eval-data", "train", "vocab", "eval", "ship")
 DEFAULT_SHIP_DIR = Path(__file__).resolve().parent.parent / "assets" / "drafter" / "smollm2-135m-dflash"
@@ -42,6 +46,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "float32). Default: float32 on cpu, bfloat16 on cuda")
     # prompts
     parser.add_argument("--num-prompts-per-category", type=int, default=4000)
+    parser.add_argument("--categories", nargs="+", default=list(CATEGORIES), choices=CATEGORIES,
+                        help="prompt categories to make")
+    parser.add_argument("--math-templates", default="both", choices=("basic", "broad", "both"),
+                        help="math word-problem template sets (basic: the first drafters' data)")
+    parser.add_argument("--add", action="store_true",
+                        help="add prompts (made with --seed) to an existing data directory: texts already there are "
+                             "skipped, the new ones are interleaved with the pending ones")
     # generate / eval-data
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=256)
@@ -124,19 +135,32 @@ def _generate(args: argparse.Namespace, data_dir: Path) -> None:
     _update_manifest(data_dir, {"generate_command": " ".join(sys.argv)})
 
 
+def _count_by_category_and_source(prompts: list) -> dict[str, dict[str, int]]:
+    counts: dict[str, dict[str, int]] = {}
+    for p in prompts:
+        counts.setdefault(p.category, {}).setdefault(p.source, 0)
+        counts[p.category][p.source] += 1
+    return counts
+
+
 def _prompts(args: argparse.Namespace, data_dir: Path) -> None:
     from ddtree.training.generate import write_prompts
     from ddtree.training.prompts import drop_overlapping, make_training_prompts
 
-    if (data_dir / "prompts.jsonl").exists():
-        raise ValueError(f"{data_dir}/prompts.jsonl exists; generation resumes from it (delete it to remake)")
-    prompts = make_training_prompts(args.num_prompts_per_category, seed=args.seed)
+    exists = (data_dir / "prompts.jsonl").exists()
+    if exists and not args.add:
+        raise ValueError(f"{data_dir}/prompts.jsonl exists; generation resumes from it (--add adds prompts to it; "
+                         f"delete it to remake)")
+    if args.add and not exists:
+        raise ValueError(f"--add: {data_dir}/prompts.jsonl does not exist (run the prompts step without --add)")
+    prompts = make_training_prompts(args.num_prompts_per_category, seed=args.seed, categories=tuple(args.categories),
+                                    math_templates=args.math_templates)
     kept, dropped = drop_overlapping(prompts)
+    if args.add:
+        _add_prompts(args, data_dir, kept, dropped)
+        return
     write_prompts(data_dir, kept)
-    counts: dict[str, dict[str, int]] = {}
-    for p in kept:
-        counts.setdefault(p.category, {}).setdefault(p.source, 0)
-        counts[p.category][p.source] += 1
+    counts = _count_by_category_and_source(kept)
     _update_manifest(data_dir, {
         "prompts_command": " ".join(sys.argv), "prompt_seed": args.seed,
         "num_prompts": len(kept), "prompt_counts_by_category_and_source": counts,
@@ -149,6 +173,38 @@ def _prompts(args: argparse.Namespace, data_dir: Path) -> None:
         "target": args.target, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     })
     print(f"[prompts] {len(kept)} prompts ({len(dropped)} dropped for eval overlap) -> {data_dir}/prompts.jsonl")
+
+
+def _add_prompts(args: argparse.Namespace, data_dir: Path, made: list, dropped: list[str]) -> None:
+    from ddtree.training.generate import interleave_pending, read_jsonl, write_prompts
+    from ddtree.training.prompts import Prompt
+
+    existing = [Prompt(**r) for r in read_jsonl(data_dir / "prompts.jsonl")]
+    texts = {p.text for p in existing}
+    batch = f"s{args.seed}"
+    added = [dataclasses.replace(p, prompt_id=f"{p.category}-{batch}-{p.prompt_id.rsplit('-', 1)[1]}")
+             for p in made if p.text not in texts]
+    if not added:
+        raise ValueError(f"--add: all {len(made)} prompts made with --seed {args.seed} are already in {data_dir} "
+                         f"(use another --seed)")
+    ids = {p.prompt_id for p in existing}
+    clashing = [p.prompt_id for p in added if p.prompt_id in ids]
+    if clashing:
+        raise ValueError(f"--add: prompt ids {clashing[:3]} already exist; this seed was added before (use another "
+                         f"--seed)")
+    done_ids = {r["prompt_id"] for r in read_jsonl(data_dir / "responses.jsonl")}
+    write_prompts(data_dir, interleave_pending(existing, done_ids, added))
+    manifest = json.loads((data_dir / "manifest.json").read_text())
+    batches = manifest.get("added_prompts", [])
+    batches.append({"command": " ".join(sys.argv), "seed": args.seed, "num_prompts": len(added),
+                    "skipped_existing_text": len(made) - len(added),
+                    "counts_by_category_and_source": _count_by_category_and_source(added),
+                    "dropped_for_eval_overlap": {"ngram": 8, "prompt_ids": dropped},
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    _update_manifest(data_dir, {"num_prompts": len(existing) + len(added), "added_prompts": batches})
+    print(f"[prompts] added {len(added)} prompts ({len(dropped)} dropped for eval overlap, "
+          f"{len(made) - len(added)} already there), interleaved with {len(existing) - len(done_ids & ids)} pending "
+          f"-> {data_dir}/prompts.jsonl")
 
 
 def eval_subset(records: list, num_prompts: int) -> list:

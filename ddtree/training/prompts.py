@@ -116,6 +116,97 @@ def _math_train(rng: random.Random) -> tuple[str, str]:
     return rng.choice(templates)
 
 
+_VEHICLES = "bus car truck van bicycle boat scooter".split()
+_CONTAINERS = "jar box crate basket bag bucket tray".split()
+
+
+def _math_train_broad(rng: random.Random) -> tuple[str, str]:
+    """A second, broader set of training word problems (added after the first drafters measured that the basic
+    set's narrow stories, not its size, limited math): more quantities, units, multi-step stories and phrasings.
+    Stories and wordings stay apart from the evaluation templates (`_math_eval`); the 8-gram filter checks it."""
+    a, b = _rng_name_pair(rng)
+    c = rng.choice([n for n in _NAMES if n not in (a, b)])
+    item, item2 = rng.sample(_ITEMS, 2)
+    place = rng.choice(_PLACES)
+    x, y, z = rng.randint(2, 120), rng.randint(2, 48), rng.randint(2, 15)
+    w = rng.randint(2, 9)
+    price = rng.choice([0.4, 0.6, 0.8, 1.2, 1.75, 2.25, 3.5, 6, 8, 9.99, 15, 20])
+    pct = rng.choice([4, 8, 10, 15, 20, 25, 35, 45, 55, 80])
+    vehicle, container = rng.choice(_VEHICLES), rng.choice(_CONTAINERS)
+    job = rng.choice(["tutoring", "babysitting", "mowing lawns", "walking dogs", "washing cars"])
+    hour, minute = rng.randint(1, 11), rng.choice([0, 5, 10, 15, 20, 25, 30, 40, 45, 50])
+    templates = [
+        ("clock_elapsed", f"A movie starts at {hour}:{minute:02d} pm and lasts {x + 60} minutes. At what time does "
+         f"the movie end?"),
+        ("clock_between", f"{a} starts homework at {hour}:{minute:02d} and finishes at {hour + 1 + z % 3}:"
+         f"{(minute + 25) % 60:02d}. How long did the homework take?"),
+        ("volume_box", f"A {container} is shaped like a box {z} cm long, {w} cm wide and {y} cm tall. What is its "
+         f"volume in cubic centimeters?"),
+        ("circle_area", f"A round table has a diameter of {2 * z} feet. What is the area of the tabletop? Use 3.14 "
+         f"for pi."),
+        ("ladder", f"A ladder leans against a wall. Its foot is {5 * w} feet from the wall and it reaches {12 * w} "
+         f"feet up the wall. How long is the ladder?"),
+        ("angles", f"Two angles of a triangle measure {x % 60 + 30} degrees and {y + 20} degrees. What is the third "
+         f"angle?"),
+        ("earn_job", f"{a} earns ${y % 15 + 8} for each hour of {job}. Last week {a} worked {z} hours on Saturday and "
+         f"{w} hours on Sunday. How much did {a} earn over the weekend?"),
+        ("budget_left", f"{a} gets ${x + 50} for a birthday. {a} spends a quarter of it on a game and ${y % 20 + 3} "
+         f"on snacks. How much money is left?"),
+        ("tax_tip", f"A meal costs ${x + 10}. The tip is {pct % 20 + 10}% of the meal price. What is the total with "
+         f"the tip?"),
+        ("discount_two", f"A set of {item} costs ${x + 40}. It is on sale for {pct}% off, and a coupon takes another "
+         f"${w} off the sale price. What is the final price?"),
+        ("unit_price", f"A pack of {z} {item} costs ${price * z:.2f}. A pack of {z + w} {item} costs "
+         f"${price * (z + w) * 0.9:.2f}. Which pack is the better deal per item?"),
+        ("fuel", f"A {vehicle} uses {w} liters of fuel for every {10 * z} kilometers. How much fuel does it need for "
+         f"{10 * z * y} kilometers?"),
+        ("meet_speed", f"Two cyclists start {x * 2 + 20} km apart and ride toward each other at {z + 10} km/h and "
+         f"{w + 12} km/h. After how many hours do they meet?"),
+        ("avg_speed", f"{a} walks {w} km in {z * 10} minutes. What is {a}'s speed in kilometers per hour?"),
+        ("fraction_left", f"{a} had {w * 12} {item}. {a} gave 1/3 of them to {b} and 1/4 of them to {c}. How many "
+         f"{item} does {a} have left?"),
+        ("fraction_add", f"What is {w}/{z + w} plus {z}/{2 * (z + w)}? Give the answer as a simplified fraction."),
+        ("decimal_ops", f"Compute {x}.{w} + {y}.{z % 10} and then multiply the result by {w}."),
+        ("percent_change", f"The price of a box of {item} went from ${x + 20} to ${x + 20 + y}. By what percent did the "
+         f"price increase?"),
+        ("percent_whole", f"{pct}% of the students in a school walk to school. If {pct * w} students walk, how many "
+         f"students are in the school?"),
+        ("groups_left", f"{x + 100} students go on a trip. Each {vehicle} holds {z + 10} students. How many "
+         f"{vehicle}es are needed?" if vehicle == "bus" else f"{x + 100} people need rides. Each {vehicle} holds "
+         f"{w + 1} people. How many trips are needed?"),
+        ("pattern", f"A pattern starts at {w} and adds {z} each time: {w}, {w + z}, {w + 2 * z}, ... What is the "
+         f"{y % 20 + 10}th number in the pattern?"),
+        ("double_daily", f"A plant is {w} cm tall and doubles its height every week. How tall is it after {z % 6 + 2} "
+         f"weeks?"),
+        ("lcm_meet", f"One light blinks every {w + 2} seconds and another every {z + 3} seconds. They blink together "
+         f"now. After how many seconds do they blink together again?"),
+        ("gcd_groups", f"{a} has {w * 6} red beads and {w * 8} blue beads and wants identical bracelets with no bead "
+         f"left over. What is the largest number of bracelets {a} can make?"),
+        ("inequality", f"{a} has ${x + 30} and each ticket costs ${z + 4}. What is the largest number of tickets "
+         f"{a} can buy, and how much money is left?"),
+        ("two_step_eq", f"Find n if 3(n - {w}) = {3 * (y - w)}."),
+        ("proportion_map", f"On a map, {w} cm stands for {z * 5} km. Two towns are {y} cm apart on the map. How far "
+         f"apart are they really?"),
+        ("stock_inventory", f"A {place} starts the day with {x * 3} {item}. It sells {y} in the morning, gets a "
+         f"delivery of {z * 4}, and sells {x} in the afternoon. How many {item} are left at closing?"),
+        ("chairs_rows", f"A hall has {z + 5} rows with {y % 20 + 8} chairs in each row. {x} chairs are taken. How "
+         f"many chairs are free?"),
+        ("calendar", f"Today is Monday. What day of the week will it be in {x + 10} days?"),
+        ("money_coins", f"{a} has {z} quarters, {w} dimes and {y % 10 + 1} nickels. How much money is that in "
+         f"dollars?"),
+        ("temperature", f"The temperature was {-(w)} degrees Celsius in the morning and rose by {z + 5} degrees by "
+         f"noon. What was the temperature at noon?"),
+        ("mean_missing", f"The average of four numbers is {y + 10}. Three of them are {y}, {y + 12} and {y + 5}. "
+         f"What is the fourth number?"),
+        ("probability", f"A bag has {w} red, {z} blue and {y % 10 + 1} green marbles. If you pick one at random, "
+         f"what is the probability that it is blue?"),
+        ("age_ratio", f"{a} is {w + 2} times as old as {b}. In {z} years {a} will be {(w + 2) * (y % 9 + 2) + z}. "
+         f"How old is {b} now?"),
+        ("sequence_sum", f"What is the sum of all whole numbers from 1 to {x + 10}? Explain the method."),
+    ]
+    return rng.choice(templates)
+
+
 # ---------------------------------------------------------------- math (held-out evaluation templates)
 
 
@@ -317,20 +408,36 @@ def _unique(pairs: list[tuple[str, str]]) -> list[tuple[str, str]]:
     return out
 
 
-def make_training_prompts(num_per_category: int, seed: int = 0) -> list[Prompt]:
-    """Training prompts, interleaved across categories so any prefix of the list is balanced."""
+MATH_TEMPLATE_SETS = {
+    "basic": (_math_train,),  # the first drafters' data
+    "broad": (_math_train_broad,),
+    "both": (_math_train, _math_train_broad),
+}
+
+
+def make_training_prompts(num_per_category: int, seed: int = 0, categories: tuple[str, ...] = CATEGORIES,
+                          math_templates: str = "both") -> list[Prompt]:
+    """Training prompts of `categories`, interleaved so any prefix of the list is balanced."""
     if num_per_category <= 0:
         raise ValueError(f"num_per_category must be positive, got {num_per_category}")
+    unknown = [c for c in categories if c not in CATEGORIES]
+    if unknown or not categories:
+        raise ValueError(f"categories must be a non-empty subset of {CATEGORIES}, got {categories}")
+    if math_templates not in MATH_TEMPLATE_SETS:
+        raise ValueError(f"math_templates must be one of {tuple(MATH_TEMPLATE_SETS)}, got {math_templates!r}")
     rng = random.Random(seed)
+    math_makers = MATH_TEMPLATE_SETS[math_templates]
+    # the same draws as before the template sets existed when only "basic" is asked (reproducible manifests)
     by_category = {
-        "math": _unique([_math_train(rng) for _ in range(num_per_category * 2)])[:num_per_category],
+        "math": _unique([math_makers[i % len(math_makers)](rng)
+                         for i in range(num_per_category * 2)])[:num_per_category],
         "chat": _unique([_chat_train(rng) for _ in range(num_per_category * 3)])[:num_per_category],
-        "code": _unique(_code_prompts(num_per_category, rng)),
+        "code": _unique(_code_prompts(num_per_category, rng)) if "code" in categories else [],
     }
     prompts: list[Prompt] = []
     for i in range(num_per_category):
         for category in CATEGORIES:
-            if i < len(by_category[category]):
+            if category in categories and i < len(by_category[category]):
                 source, text = by_category[category][i]
                 prompts.append(Prompt(f"{category}-{i:06d}", category, text, source))
     return prompts
