@@ -119,6 +119,12 @@ class RequestBudgetState:
         return self.calibration_num / max(self.calibration_den, 1e-6)
 
 
+def check_max_probe_overhead(value) -> None:
+    """One check for both configs that take it (the engine's runs before any model loads)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+        raise ValueError(f"max_probe_overhead must be in (0, 1], got {value!r}")
+
+
 @dataclass
 class BudgetConfig:
     fixed_budget: int | None = None  # None: adaptive ("auto"); an int: every speculating request gets exactly this
@@ -152,8 +158,7 @@ class BudgetConfig:
                 f"max_probe_interval must be an integer >= min_probe_interval ({self.min_probe_interval!r}), "
                 f"got {self.max_probe_interval!r}"
             )
-        if not is_number(self.max_probe_overhead) or not 0 < self.max_probe_overhead <= 1:
-            raise ValueError(f"max_probe_overhead must be in (0, 1], got {self.max_probe_overhead!r}")
+        check_max_probe_overhead(self.max_probe_overhead)
 
 
 @dataclass

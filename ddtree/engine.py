@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ddtree.budget import BudgetConfig, BudgetPolicy, CostModel, RoundPlan
+from ddtree.budget import BudgetConfig, BudgetPolicy, CostModel, RoundPlan, check_max_probe_overhead
 from ddtree.detokenizer import Detokenizer, OutputState
 from ddtree.outputs import RequestOutput, RequestStats
 from ddtree.sampling_params import SamplingParams
@@ -63,9 +63,7 @@ class EngineConfig:
             raise ValueError(f"budget must be 'auto' or a positive integer, got {self.budget!r}")
         if isinstance(self.budget, int) and self.budget < 1:
             raise ValueError(f"budget must be 'auto' or a positive integer, got {self.budget!r}")
-        if isinstance(self.max_probe_overhead, bool) or not isinstance(self.max_probe_overhead, (int, float)) \
-                or not 0 < self.max_probe_overhead <= 1:
-            raise ValueError(f"max_probe_overhead must be in (0, 1], got {self.max_probe_overhead!r}")
+        check_max_probe_overhead(self.max_probe_overhead)
         if not isinstance(self.pipeline, bool) and self.pipeline != "auto":
             raise ValueError(f"pipeline must be true, false or 'auto', got {self.pipeline!r}")
         for name in ("max_budget", "max_num_seqs", "max_waiting"):
