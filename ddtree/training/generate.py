@@ -305,7 +305,8 @@ def generate_responses_continuous(
         # the argmax already waits for the step: one small copy of all rows' features to the host joins it
         for seq_id, token, f in zip(seq_ids, logits.argmax(-1).tolist(), feats.to(torch.bfloat16).cpu()):
             active[seq_id]["response_ids"].append(token)
-            active[seq_id]["features"].append(f.unsqueeze(0))
+            # a copy of the row: a view would keep the whole batch's step tensor alive as long as this request
+            active[seq_id]["features"].append(f.clone().unsqueeze(0))
     flush()
     return num_written
 
