@@ -17,9 +17,10 @@ Ray deployment can place the same workers on separate actors (deployments/) with
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -30,6 +31,8 @@ from ddtree.sampling_params import SamplingParams
 from ddtree.scheduler import EngineFullError, Scheduler
 from ddtree.tree import DraftTree, build_trees_from_topk, chain_trees_from_topk
 from ddtree.workers import DrafterWorker, TargetWorker, VerifyResult
+
+logger = logging.getLogger(__name__)
 
 SPECULATION_MODES = ("ddtree", "dflash", "off")
 PIPELINE_ENTER_SPEEDUP = 1.08  # pipeline="auto" enters when two groups are predicted this much faster than one
@@ -149,13 +152,13 @@ class Engine:
         self.drafter = drafter if config.speculation != "off" else None
         self.tokenizer = tokenizer
         self.detokenizer = Detokenizer(tokenizer)
-        self.max_model_len = min(config.max_model_len or target.max_model_len, target.max_model_len)
         self.eos_token_ids = frozenset(target.eos_token_ids)
         self.block_len = drafter.block_len if self.drafter is not None else 0
         fixed_budget = config.fixed_budget
         if config.speculation == "dflash":  # the DFlash baseline verifies its whole argmax chain
             fixed_budget = min(fixed_budget or self.block_len, self.block_len)
         self.max_budget = (fixed_budget or config.max_budget) if self.drafter is not None else 0
+        self.max_model_len = self._context_window(config.max_model_len, target)
         if cost is None:
             cost = self.measure_cost_model()
         self.budget = BudgetPolicy(
@@ -173,6 +176,22 @@ class Engine:
         self._ids = itertools.count()
         self._drafted_group: _DraftedGroup | None = None  # pipelined mode: drafted, waiting for its verify
         self._is_pipelining = False  # the last step's choice (pipeline="auto" hysteresis)
+
+    def _context_window(self, requested: int | None, target: TargetWorker) -> int:
+        """The model's window, capped by `requested` and by what one request can reserve in the KV cache (its
+        prompt, every new token and one verify pass's scratch: `_admit_and_prefill`), so that every request
+        accepted here can be admitted once the cache is free instead of waiting forever."""
+        window = min(requested or target.max_model_len, target.max_model_len)
+        fits = target.max_request_tokens - 1 - self.max_budget
+        if fits < 2:
+            raise ValueError(
+                f"the KV cache holds {target.max_request_tokens} tokens per request, too few for a verify pass of "
+                f"{1 + self.max_budget} tokens: give it more bytes (kv_cache_bytes) or lower max_budget"
+            )
+        if fits < window:
+            logger.warning("context window capped at %d tokens (was %d): that is what one request can reserve "
+                           "in the KV cache (kv_cache_bytes, or the model's sliding window)", fits, window)
+        return min(window, fits)
 
     # ----------------------------------------------------------------------------------------------------------
     # Requests in and out
@@ -199,6 +218,9 @@ class Engine:
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        # A copy, validated again: fields may have been set after construction (or unpickled, which skips
+        # __post_init__), and a bad value found in the middle of a round would fail every request in it.
+        params = replace(params)
         if isinstance(prompt, str):
             prompt_token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
         else:

@@ -19,8 +19,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        for name in ("stop", "stop_token_ids"):
+            value = getattr(self, name)
+            _check(value is None or isinstance(value, (list, tuple)), name, "a list", value)
+            setattr(self, name, list(value or []))
         _check(_is_number(self.temperature) and self.temperature >= 0, "temperature", "a number >= 0", self.temperature)
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]", self.top_p)
         _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", "an integer >= 0 (0 disables it)", self.top_k)

@@ -59,6 +59,7 @@ class TargetWorker:
         self.model = model
         self.keep_features = keep_features and model.feature_dim > 0
         self.max_model_len = int(model.config.max_position_embeddings)
+        self.max_request_tokens = int(model.kv.max_request_tokens)  # one request's largest KV reservation
         self.eos_token_ids = list(model.config.eos_token_ids)
         self.vocab_size = int(model.config.vocab_size)
         self.model_dir = str(model.source_path) if model.source_path is not None else None

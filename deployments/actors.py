@@ -59,7 +59,8 @@ class TargetActor:
     def describe(self) -> dict:
         """What the engine reads from the worker once, and the tokenizer it detokenizes with."""
         w = self.worker
-        return {"max_model_len": w.max_model_len, "eos_token_ids": list(w.eos_token_ids),
+        return {"max_model_len": w.max_model_len, "max_request_tokens": w.max_request_tokens,
+                "eos_token_ids": list(w.eos_token_ids),
                 "vocab_size": w.vocab_size, "tokenizer": self.tokenizer}
 
     def head(self):
@@ -167,6 +168,7 @@ class TargetProxy:
         self.hops = hops
         info = ray.get(actor.describe.remote())
         self.max_model_len = info["max_model_len"]
+        self.max_request_tokens = info["max_request_tokens"]
         self.eos_token_ids = info["eos_token_ids"]
         self.vocab_size = info["vocab_size"]
         self.tokenizer = info["tokenizer"]

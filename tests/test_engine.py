@@ -408,3 +408,41 @@ def test_pipelined_abort_then_reuse_of_the_request_id(workers):
         finals.update({o.request_id: o for o in engine.step() if o.finished})
     expected = make_llm(workers, speculation="off").generate(["the cat sat on", "12 + 7 =", "a"], greedy(20))
     assert [finals[r].token_ids for r in ("y", "z", "x")] == [e.token_ids for e in expected]
+
+
+def test_params_changed_after_construction_are_checked_again(workers):
+    engine = make_llm(workers, speculation="ddtree", budget=4).engine
+    params = SamplingParams(temperature=1.0)
+    params.top_p = 0  # set after construction: never validated by __post_init__
+    with pytest.raises(ValueError, match="top_p"):
+        engine.add_request("hi", params)
+    params = greedy(4)
+    params.stop = "ab"  # a string, not a list: one stop string, not two characters
+    params.stop_token_ids = None
+    rid = engine.add_request("hi", params)
+    assert engine.requests[rid].output.params.stop == ["ab"]
+    params.stop = 5
+    with pytest.raises(ValueError, match="stop"):
+        engine.add_request("hi", params)
+    engine.abort_request(rid)
+    assert not engine.has_unfinished_requests()
+
+
+def test_the_context_window_is_capped_by_what_one_request_can_reserve(checkpoints, workers):
+    # A request reserves prompt + max_tokens + one verify pass up front: one that could never fit the KV cache
+    # would wait at the head of the queue forever. The engine caps its window to what fits, and says so.
+    target_dir, drafter_dir = checkpoints
+    bytes_per_token = workers[0].model.kv.bytes_per_token
+    target, drafter, tok = build_workers(str(target_dir), str(drafter_dir), dtype="float64",
+                                         kv_cache_bytes=40 * bytes_per_token)
+    assert target.max_request_tokens == 40 < target.max_model_len
+    engine = Engine(EngineConfig(speculation="ddtree", budget=4), target, drafter, tok, cost=copy.deepcopy(FLAT_COST))
+    assert engine.max_model_len == 40 - 1 - 4
+    with pytest.raises(PromptTooLongError):
+        engine.add_request(list(range(5, 5 + 35)), greedy())
+    out = LLM.from_engine(engine).generate(PROMPTS[1], greedy(1000))[0]
+    prompt_len = len(tok.encode(PROMPTS[1], add_special_tokens=False))
+    assert out.finish_reason == "length" and len(out.token_ids) == 35 - prompt_len
+    assert target.num_kv_bytes_used == 0
+    with pytest.raises(ValueError, match="kv_cache_bytes"):
+        Engine(EngineConfig(speculation="ddtree", budget=64), target, drafter, tok, cost=copy.deepcopy(FLAT_COST))

@@ -81,3 +81,11 @@ def test_window_limit_and_tiny_budget():
     cache = KVCache(2, 1, 4, max_bytes=10**6, max_tokens_per_request=16)
     with pytest.raises(ValueError, match="exactly"):
         cache.allocate(0, 17)
+    assert cache.max_request_tokens == 16  # the window, not the pool
+    small = KVCache(2, 1, 4, max_bytes=small_bytes(10))
+    assert small.max_request_tokens == small.num_slots == 10  # the pool, when no window
+    assert small.allocate(0, 10) is not None and small.allocate(1, 1) is None
+
+
+def small_bytes(num_tokens: int) -> int:
+    return num_tokens * 2 * 2 * 1 * 4 * 4  # layers x (k, v) x kv_heads x head_dim x float32 bytes

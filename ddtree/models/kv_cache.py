@@ -73,6 +73,13 @@ class KVCache:
     def num_bytes_free(self) -> int:
         return self.max_bytes - self.num_bytes_used
 
+    @property
+    def max_request_tokens(self) -> int:
+        """The largest reservation `allocate` can ever grant: the pool, or the sliding window when smaller."""
+        if self.max_tokens_per_request is None:
+            return self.num_slots
+        return min(self.num_slots, self.max_tokens_per_request)
+
     def bytes_for(self, max_tokens: int) -> int:
         return max_tokens * self.bytes_per_token
 
