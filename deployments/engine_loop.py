@@ -23,6 +23,11 @@ from ddtree.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
+class EngineDeadError(RuntimeError):
+    """The engine's round failed: every request in flight fails with this (a server error, never the client's
+    fault, whatever the exception inside was), and the loop stops so that the replica's health check fails."""
+
+
 @dataclass
 class _Add:
     prompt: object
@@ -164,8 +169,12 @@ class EngineLoop:
             try:
                 outputs = engine.step()
             except BaseException as exc:  # noqa: BLE001 - every waiting caller must hear of it
+                logger.exception("engine step failed: failing %d requests and stopping the loop",
+                                 len(engine.requests))
                 self.error = exc
-                self._fail_all(exc)
+                dead = EngineDeadError(f"the engine failed: {type(exc).__name__}: {exc}")
+                dead.__cause__ = exc
+                self._fail_all(dead)
                 return
             wall = time.perf_counter() - t0
             for out in outputs:

@@ -116,8 +116,13 @@ def chat_prompt_token_ids(tokenizer, messages: list[dict]) -> list[int]:
             raise ValueError("each chat message must be a dict with string 'role' and 'content'")
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model has no chat template; use /v1/completions")
-    return list(tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
-                                              return_dict=False))
+    from jinja2 import TemplateError
+
+    try:
+        return list(tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
+                                                  return_dict=False))
+    except TemplateError as exc:  # e.g. a template that refuses system messages or roles that do not alternate
+        raise ValueError(f"the model's chat template refused these messages: {exc}") from exc
 
 
 def _as_api_error(exc: Exception, request: EngineRequest) -> APIError:

@@ -11,7 +11,7 @@ from ddtree.budget import CostModel
 from ddtree.engine import Engine, EngineConfig, PromptTooLongError
 from ddtree.scheduler import EngineFullError
 from ddtree.workers import build_workers
-from deployments.engine_loop import EngineLoop
+from deployments.engine_loop import EngineDeadError, EngineLoop
 from tests.factories import make_tiny_drafter, make_tiny_target
 
 PROMPTS = ["hello world", "the cat sat on", "a", "12 + 7 ="]
@@ -111,3 +111,34 @@ def test_stopping_the_loop_fails_pending_requests(workers):
             await loop.generate("hello", params)
 
     run_loop(engine, body)
+
+
+def test_a_failed_round_is_an_engine_failure_for_every_request_not_a_client_error(workers):
+    engine = make_engine(workers)
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    real_step, calls = engine.step, []
+
+    def failing_step():
+        if engine.num_running == 2:  # both admitted (and their first tokens sent) in an earlier round
+            calls.append(1)
+        if len(calls) == 2:  # an internal ValueError in the middle of a round (packing, KV, a bad value)
+            raise ValueError("an internal check failed")
+        return real_step()
+
+    engine.step = failing_step
+
+    async def body(loop):
+        streams = [loop.stream(p, params) for p in PROMPTS[:2]]
+        for stream in streams:  # both admitted before the round fails
+            await stream.__anext__()
+        errors = []
+        for stream in streams:
+            with pytest.raises(EngineDeadError, match="internal check failed") as info:
+                async for _ in stream:
+                    pass
+            errors.append(info.value)
+        assert not loop.is_alive and isinstance(loop.error, ValueError)
+        return errors
+
+    errors = run_loop(engine, body)
+    assert all(not isinstance(e, ValueError) and isinstance(e.__cause__, ValueError) for e in errors)

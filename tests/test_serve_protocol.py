@@ -167,3 +167,16 @@ def test_build_app_sets_placement_and_autoscaling_of_the_engine():
 
     _, fixed = _engine_deployment(build_app({"num_replicas": 2, "speculation": "off"}))
     assert fixed.num_replicas == 2 and len(fixed._replica_config.placement_group_bundles) == 2
+
+
+def test_a_chat_template_that_refuses_the_messages_is_a_client_error():
+    from deployments.engine_server import chat_prompt_token_ids
+    from tests.tiny_tokenizer import make_char_tokenizer
+
+    tokenizer = make_char_tokenizer()
+    assert chat_prompt_token_ids(tokenizer, [{"role": "user", "content": "hi"}])
+    tokenizer.chat_template = (  # as Mistral's and Gemma's templates do for a system message
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system messages') }}"
+        "{% endif %}{{ m['content'] }}{% endfor %}")
+    with pytest.raises(ValueError, match="no system messages"):
+        chat_prompt_token_ids(tokenizer, [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
