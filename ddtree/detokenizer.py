@@ -54,7 +54,10 @@ class Detokenizer:
             text_tokens = text_tokens[:-1]  # a stop token is not part of the text (EOS is special anyway)
         text = self.decode(text_tokens)
         if params.stop:
-            cut = self._first_stop(text, start=max(0, len(state.text) - max(map(len, params.stop)) + 1), params=params)
+            # Only text that can hold a new stop is searched: from just before the end of the previous text, less
+            # its incomplete trailing character (its bytes may complete into a stop string's first character).
+            stable = len(state.text.rstrip(REPLACEMENT_CHAR))
+            cut = self._first_stop(text, start=max(0, stable - max(map(len, params.stop)) + 1), params=params)
             if cut is not None:
                 text = text[:cut]
                 state.finish_reason = "stop"

@@ -2,7 +2,7 @@ import pytest
 
 from ddtree.detokenizer import Detokenizer, OutputState
 from ddtree.sampling_params import SamplingParams
-from tests.tiny_tokenizer import make_char_tokenizer
+from tests.tiny_tokenizer import make_byte_tokenizer, make_char_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -65,3 +65,18 @@ def test_stop_string_inside_one_round(tok):
     d, s = Detokenizer(tok), state(tok, stop=["!", "??"])
     kept = d.append(s, ids(tok, "hi?? there!"))
     assert s.text == "hi" and kept == ids(tok, "hi??")
+
+
+@pytest.mark.parametrize("split", [1, 2, 3])
+def test_stop_string_completed_by_the_bytes_of_a_later_round(split):
+    # "🎉" is 4 bytes: the first round ends inside it (decoded as U+FFFD), the next completes it.
+    byte_tok = make_byte_tokenizer()
+    d, s = Detokenizer(byte_tok), state(byte_tok, stop=["🎉"])
+    tokens = ids(byte_tok, "ab🎉cd")
+    first, rest = tokens[: 2 + split], tokens[2 + split :]
+    d.append(s, first)
+    assert s.finish_reason is None and Detokenizer.take_new_text(s) == "ab"  # the partial character held back
+    kept = d.append(s, rest)
+    assert s.finish_reason == "stop" and s.text == "ab"
+    assert kept == tokens[2 + split : 6]  # nothing past the stop string's last byte
+    assert Detokenizer.take_new_text(s) == ""

@@ -11,6 +11,17 @@ SPECIAL = ["<unk>", "<eos>"]
 CHARS = list(string.ascii_lowercase + " .,!?0123456789\n")
 
 
+def make_byte_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per UTF-8 byte (byte-level, as GPT-2/Llama-3/SmolLM2 tokenizers fall back to): a multi-byte
+    character spans several tokens, and decoding part of it gives U+FFFD."""
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(SPECIAL + alphabet)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", eos_token="<eos>")
+
+
 def make_char_tokenizer() -> PreTrainedTokenizerFast:
     vocab = {tok: i for i, tok in enumerate(SPECIAL + CHARS)}
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
