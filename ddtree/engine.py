@@ -222,7 +222,8 @@ class Engine:
         # __post_init__), and a bad value found in the middle of a round would fail every request in it.
         params = replace(params)
         if isinstance(prompt, str):
-            prompt_token_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+            # the tokenizer's own special tokens (BOS for Llama/Mistral), as Hugging Face and vLLM encode a prompt
+            prompt_token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         else:
             prompt_token_ids = list(prompt)
             vocab = self.target.vocab_size

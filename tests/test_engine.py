@@ -446,3 +446,19 @@ def test_the_context_window_is_capped_by_what_one_request_can_reserve(checkpoint
     assert target.num_kv_bytes_used == 0
     with pytest.raises(ValueError, match="kv_cache_bytes"):
         Engine(EngineConfig(speculation="ddtree", budget=64), target, drafter, tok, cost=copy.deepcopy(FLAT_COST))
+
+
+def test_text_prompts_get_the_tokenizers_special_tokens(workers):
+    # As Hugging Face and vLLM encode a text prompt: Llama/Mistral tokenizers put BOS in front.
+    from tokenizers import processors
+
+    from tests.tiny_tokenizer import make_char_tokenizer
+
+    target, drafter, _ = workers
+    bos_tok = make_char_tokenizer()
+    bos_id = bos_tok.convert_tokens_to_ids("<unk>")  # the char tokenizer has no BOS: any special token shows it
+    bos_tok._tokenizer.post_processor = processors.TemplateProcessing(single="<unk> $A", special_tokens=[("<unk>", bos_id)])
+    engine = Engine(EngineConfig(speculation="off"), target, None, bos_tok, cost=copy.deepcopy(FLAT_COST))
+    ids, _ = engine.validate("ab", greedy())
+    assert ids == [bos_id] + bos_tok.encode("ab", add_special_tokens=False)
+    assert engine.validate([5, 6], greedy())[0] == [5, 6]  # token ids are taken as given
