@@ -62,6 +62,16 @@ class _GenerationRequest(BaseModel):
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data):
+        """OpenAI's API takes null for its optional fields (clients send `temperature: null`): the default applies.
+        Fields without a default (`model`, `prompt`, `messages`) stay required."""
+        if not isinstance(data, dict):
+            return data
+        defaulted = {name for name, f in cls.model_fields.items() if not f.is_required() and f.default is not None}
+        return {k: v for k, v in data.items() if v is not None or k not in defaulted}
+
     @field_validator("stop")
     @classmethod
     def _check_stop(cls, stop):
@@ -205,9 +215,19 @@ def parse_request(model: type[BaseModel], body: Any) -> Any:
         raise validation_error(exc) from None
 
 
+_TYPE_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _is_param_part(part) -> bool:
+    if isinstance(part, int):
+        return True
+    return part != "body" and part.isidentifier() and part not in _TYPE_TAGS
+
+
 def validation_error(exc: ValidationError) -> APIError:
     first = exc.errors()[0]
-    param = ".".join(str(p) for p in first.get("loc", ()) if p not in ("body",)) or None
+    # pydantic's location, less its union-member tags ("str", "list[int]", "function-after[...]"): the parameter
+    param = ".".join(str(p) for p in first.get("loc", ()) if _is_param_part(p)) or None
     cause = (first.get("ctx") or {}).get("error")
     if isinstance(cause, _Unsupported):
         return bad_request(str(cause), cause.param, "unsupported_parameter")

@@ -180,3 +180,17 @@ def test_a_chat_template_that_refuses_the_messages_is_a_client_error():
         "{% endif %}{{ m['content'] }}{% endfor %}")
     with pytest.raises(ValueError, match="no system messages"):
         chat_prompt_token_ids(tokenizer, [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
+
+
+def test_null_optional_fields_take_their_defaults():
+    nulls = {k: None for k in ("temperature", "top_p", "n", "stream", "frequency_penalty", "presence_penalty",
+                               "top_k", "ignore_eos", "stop", "seed", "max_tokens", "stream_options")}
+    req = parse_request(CompletionRequest, {"model": "m", "prompt": "hi", **nulls})
+    params = req.sampling_params(default_max_tokens=16)
+    assert (params.temperature, params.top_p, params.top_k, params.max_tokens, params.stop) == (1.0, 1.0, 0, 16, [])
+    assert req.n == 1 and req.stream is False
+    chat = parse_request(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                 "temperature": None, "stream": None})
+    assert chat.temperature == 1.0 and chat.stream is False
+    err = _error(CompletionRequest, {"model": "m", "prompt": None})  # required fields stay required
+    assert (err.status, err.param) == (400, "prompt")
