@@ -86,6 +86,8 @@ class EngineMetrics:
                 self._rounds_seen.pop(out.request_id, None)
             else:
                 self._rounds_seen[out.request_id] = len(stats.acceptance_lengths)
+        if len(self._rounds_seen) > len(self.engine.requests):  # aborted requests' final outputs never pass here
+            self._rounds_seen = {rid: n for rid, n in self._rounds_seen.items() if rid in self.engine.requests}
 
         timings = self.engine.timings.as_dict()
         delta = {k: timings[k] - self._last_timings.get(k, 0) for k in timings}

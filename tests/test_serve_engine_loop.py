@@ -142,3 +142,24 @@ def test_a_failed_round_is_an_engine_failure_for_every_request_not_a_client_erro
 
     errors = run_loop(engine, body)
     assert all(not isinstance(e, ValueError) and isinstance(e.__cause__, ValueError) for e in errors)
+
+
+def test_metrics_forget_aborted_requests(workers):
+    from deployments.actors import HopTimes
+    from deployments.metrics import EngineMetrics
+
+    engine = make_engine(workers)
+    metrics = EngineMetrics(engine, HopTimes())
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+
+    async def body(loop):
+        for _ in range(3):  # each request leaves early: its final (abort) output never reaches on_round
+            stream = loop.stream("the cat", params)
+            for _ in range(3):
+                await stream.__anext__()
+            await stream.aclose()
+        await loop.generate("hello", SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        return await loop.call(lambda e: len(e.requests))
+
+    assert run_loop(engine, body, on_round=metrics.on_round) == 0
+    assert metrics._rounds_seen == {}
