@@ -59,6 +59,9 @@ class AppArgs(BaseModel):
                            "verifies the other. Pays when the drafter has its own device and verify passes are "
                            "compute-bound (large batches); 'auto' decides each phase from the cost model; see "
                            "docs/serving.md.")
+    max_round_seconds: float = Field(
+        600.0, gt=0, description="An engine round running longer than this fails the replica's health check (a hung "
+        "worker actor answers nothing and raises nothing), so that Serve replaces the replica.")
     placement: Literal["cpu", "gpu-per-worker", "shared-gpu"] = Field(
         "cpu", description="Where an engine replica's target and drafter actors run (see module docstring).")
     engine_num_cpus: float = Field(0.5, gt=0, description="CPUs reserved for the engine replica (scheduler loop).")

@@ -85,6 +85,7 @@ class EngineLoop:
     _thread: threading.Thread | None = None
     _ids: itertools.count = field(default_factory=itertools.count)
     error: BaseException | None = None  # set when a step failed: the engine's state is unknown, the loop stops
+    _step_started: float | None = None  # time.monotonic() when the round in progress began
     num_callback_errors: int = 0  # on_round failures (logged; they never stop the engine)
 
     def start(self) -> None:
@@ -99,6 +100,12 @@ class EngineLoop:
     @property
     def is_alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    @property
+    def seconds_in_round(self) -> float:
+        """How long the round in progress has run (0 between rounds): a hung worker shows here, not as an error."""
+        started = self._step_started
+        return 0.0 if started is None else time.monotonic() - started
 
     # ------------------------------------------------------------------------------------------------------------
     # asyncio side
@@ -166,6 +173,7 @@ class EngineLoop:
             if not engine.has_unfinished_requests():
                 continue
             t0 = time.perf_counter()
+            self._step_started = time.monotonic()
             try:
                 outputs = engine.step()
             except BaseException as exc:  # noqa: BLE001 - every waiting caller must hear of it
@@ -176,6 +184,8 @@ class EngineLoop:
                 dead.__cause__ = exc
                 self._fail_all(dead)
                 return
+            finally:
+                self._step_started = None
             wall = time.perf_counter() - t0
             for out in outputs:
                 stream = self._streams.get(out.request_id)

@@ -99,6 +99,9 @@ class DDTreeEngine:
     def check_health(self) -> None:
         if not self.loop.is_alive:
             raise RuntimeError(f"the engine loop stopped: {self.loop.error!r}")
+        if self.loop.seconds_in_round > self.args.max_round_seconds:
+            raise RuntimeError(f"an engine round has run for {self.loop.seconds_in_round:.0f} s (max_round_seconds "
+                               f"{self.args.max_round_seconds:g}): a worker is hung")
 
     def __del__(self) -> None:
         loop = getattr(self, "loop", None)

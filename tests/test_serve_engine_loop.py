@@ -163,3 +163,30 @@ def test_metrics_forget_aborted_requests(workers):
 
     assert run_loop(engine, body, on_round=metrics.on_round) == 0
     assert metrics._rounds_seen == {}
+
+
+def test_a_round_in_progress_is_timed_for_the_health_check(workers):
+    import threading
+
+    engine = make_engine(workers)
+    real_step, in_step, release = engine.step, threading.Event(), threading.Event()
+
+    def slow_step():  # a worker that hangs: the round neither returns nor raises
+        in_step.set()
+        release.wait(10)
+        return real_step()
+
+    engine.step = slow_step
+
+    async def body(loop):
+        assert loop.seconds_in_round == 0.0
+        pending = asyncio.ensure_future(loop.generate("hi", SamplingParams(temperature=0.0, max_tokens=2)))
+        await asyncio.get_running_loop().run_in_executor(None, in_step.wait, 10)
+        await asyncio.sleep(0.2)
+        hung_for = loop.seconds_in_round
+        release.set()
+        await pending
+        return hung_for, loop.seconds_in_round
+
+    hung_for, after = run_loop(engine, body)
+    assert hung_for >= 0.2 and after == 0.0
