@@ -86,6 +86,10 @@ class EngineLoop:
     _ids: itertools.count = field(default_factory=itertools.count)
     error: BaseException | None = None  # set when a step failed: the engine's state is unknown, the loop stops
     _step_started: float | None = None  # time.monotonic() when the round in progress began
+    # Closing and putting are ordered by this lock: after the loop closes its inbox (and fails what is in it),
+    # no request can be put there to wait forever.
+    _inbox_lock: threading.Lock = field(default_factory=threading.Lock)
+    _is_closed: bool = False
     num_callback_errors: int = 0  # on_round failures (logged; they never stop the engine)
 
     def start(self) -> None:
@@ -115,12 +119,10 @@ class EngineLoop:
     ) -> AsyncIterator[RequestOutput]:
         """The request's incremental outputs, the last one `finished`. Raises the engine's admission error (ValueError,
         PromptTooLongError, EngineFullError) before the first output. Leaving early aborts the request."""
-        if not self.is_alive:
-            raise RuntimeError(f"the engine loop is not running: {self.error!r}")
         loop = asyncio.get_running_loop()
         request_id = request_id or f"loop-{next(self._ids)}"
         add = _Add(prompt, params, request_id, loop, loop.create_future(), asyncio.Queue())
-        self._inbox.put(add)
+        self._put(add)
         finished = False
         try:
             await add.admitted  # raises the admission error
@@ -146,12 +148,16 @@ class EngineLoop:
 
     async def call(self, fn: Callable):
         """`fn(engine)` evaluated on the loop thread, between steps."""
-        if not self.is_alive:
-            raise RuntimeError(f"the engine loop is not running: {self.error!r}")
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        self._inbox.put(_Call(fn, loop, done))
+        self._put(_Call(fn, loop, done))
         return await done
+
+    def _put(self, item) -> None:
+        with self._inbox_lock:
+            if self._is_closed or not self.is_alive:
+                raise RuntimeError(f"the engine loop is not running: {self.error!r}")
+            self._inbox.put(item)
 
     # ------------------------------------------------------------------------------------------------------------
     # loop thread
@@ -228,6 +234,9 @@ class EngineLoop:
         return True
 
     def _fail_all(self, exc: BaseException) -> None:
+        """Close the inbox, then fail every stream and every caller waiting in it."""
+        with self._inbox_lock:
+            self._is_closed = True
         for stream in self._streams.values():
             stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, exc)
         self._streams.clear()
