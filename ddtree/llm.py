@@ -119,18 +119,23 @@ class LLM:
         finals: dict[str, RequestOutput] = {}
         order: list[str] = []
         pending = list(items)
-        while pending or self.engine.has_unfinished_requests():
-            while pending:
-                prompt, params = pending[0]
-                try:
-                    rid = self.engine.add_request(prompt, params)
-                except EngineFullError:
-                    break
-                order.append(rid)
-                pending.pop(0)
-            for out in self.engine.step():
-                if out.finished:
-                    finals[out.request_id] = out
+        try:
+            while pending or self.engine.has_unfinished_requests():
+                while pending:
+                    prompt, params = pending[0]
+                    try:
+                        rid = self.engine.add_request(prompt, params)
+                    except EngineFullError:
+                        break
+                    order.append(rid)
+                    pending.pop(0)
+                for out in self.engine.step():
+                    if out.finished:
+                        finals[out.request_id] = out
+        finally:  # interrupted (Ctrl-C, an error): nothing of this call stays queued or holds the KV cache
+            for rid in order:
+                if rid not in finals and rid in self.engine.requests:
+                    self.engine.abort_request(rid)
         return [finals[rid] for rid in order]
 
 

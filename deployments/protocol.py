@@ -184,7 +184,7 @@ class ChatCompletionRequest(_GenerationRequest):
         _require_neutral(self.top_logprobs in (None, 0), "top_logprobs", "logprobs are not supported")
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
-            raise ValueError("max_tokens and max_completion_tokens disagree; give one")
+            raise _ParamError("max_completion_tokens", "max_tokens and max_completion_tokens disagree; give one")
         return self
 
     def _max_tokens(self) -> int | None:
@@ -194,10 +194,18 @@ class ChatCompletionRequest(_GenerationRequest):
         return [m.as_template_message() for m in self.messages]
 
 
-class _Unsupported(ValueError):
+class _ParamError(ValueError):
+    """A check across fields, naming the parameter the client should change."""
+
+    code = "invalid_value"
+
     def __init__(self, param: str, message: str):
         super().__init__(message)
         self.param = param
+
+
+class _Unsupported(_ParamError):
+    code = "unsupported_parameter"
 
 
 def _require_neutral(ok: bool, param: str, message: str) -> None:
@@ -229,8 +237,8 @@ def validation_error(exc: ValidationError) -> APIError:
     # pydantic's location, less its union-member tags ("str", "list[int]", "function-after[...]"): the parameter
     param = ".".join(str(p) for p in first.get("loc", ()) if _is_param_part(p)) or None
     cause = (first.get("ctx") or {}).get("error")
-    if isinstance(cause, _Unsupported):
-        return bad_request(str(cause), cause.param, "unsupported_parameter")
+    if isinstance(cause, _ParamError):
+        return bad_request(str(cause), cause.param, cause.code)
     message = first.get("msg", "invalid request")
     if first.get("type") == "extra_forbidden":
         return bad_request(f"Unrecognized request argument: {param}", param, "unrecognized_parameter")

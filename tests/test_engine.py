@@ -462,3 +462,22 @@ def test_text_prompts_get_the_tokenizers_special_tokens(workers):
     ids, _ = engine.validate("ab", greedy())
     assert ids == [bos_id] + bos_tok.encode("ab", add_special_tokens=False)
     assert engine.validate([5, 6], greedy())[0] == [5, 6]  # token ids are taken as given
+
+
+def test_an_interrupted_generate_leaves_nothing_queued(workers):
+    llm = make_llm(workers, speculation="ddtree", budget=4, max_num_seqs=2)
+    engine, real_step, calls = llm.engine, llm.engine.step, []
+
+    def interrupted_step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_step()
+
+    engine.step = interrupted_step
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, greedy(20))
+    assert not engine.has_unfinished_requests() and not engine.requests
+    assert engine.target.num_kv_bytes_used == 0
+    engine.step = real_step
+    assert len(llm.generate(PROMPTS[:2], greedy(4))) == 2

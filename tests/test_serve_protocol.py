@@ -194,3 +194,10 @@ def test_null_optional_fields_take_their_defaults():
     assert chat.temperature == 1.0 and chat.stream is False
     err = _error(CompletionRequest, {"model": "m", "prompt": None})  # required fields stay required
     assert (err.status, err.param) == (400, "prompt")
+
+
+def test_disagreeing_token_limits_name_the_parameter():
+    err = _error(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                         "max_tokens": 5, "max_completion_tokens": 6})
+    assert (err.status, err.param, err.code) == (400, "max_completion_tokens", "invalid_value")
+    assert "disagree" in err.body()["error"]["message"] and "None" not in err.body()["error"]["message"]
