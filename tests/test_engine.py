@@ -319,6 +319,9 @@ def test_pipelined_groups_stay_balanced(workers):
         after = set(engine._drafted_group.plan.speculative_ids)
         assert len(after) == 2 and not before & after  # the groups alternate
     assert engine.timings.num_pipelined_phases == 7
+    for rid in list(engine.requests):  # aborting mid-pipeline frees everything (and leaves the shared workers clean)
+        engine.abort_request(rid)
+    assert not engine.requests and engine.target.num_kv_bytes_used == 0
 
 def test_pipelined_abort_of_a_request_in_flight(workers):
     engine = make_llm(workers, pipeline=True, speculation="ddtree", budget=8, max_num_seqs=4).engine
