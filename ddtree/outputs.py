@@ -53,3 +53,9 @@ class RequestOutput:
     @property
     def acceptance_lengths(self) -> list[int]:
         return self.stats.acceptance_lengths
+
+    def increment(self) -> "RequestOutput":
+        """This step's part only (`new_text`, `new_token_ids`), without the cumulative fields: what a stream sends
+        before the final output, so that a long answer's stream does not resend everything every round."""
+        return RequestOutput(self.request_id, [], "", [], self.new_text, list(self.new_token_ids), self.finished,
+                             self.finish_reason, RequestStats())

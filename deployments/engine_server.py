@@ -59,13 +59,15 @@ class DDTreeEngine:
         return final
 
     async def generate_stream(self, request: EngineRequest) -> AsyncIterator:
-        """The request's incremental `RequestOutput`s (use with `handle.options(stream=True)`).
+        """The request's incremental `RequestOutput`s (use with `handle.options(stream=True)`): before the last, only
+        their increments (`new_text`, `new_token_ids`; `RequestOutput.increment`); the last, finished, carries
+        everything (text, token_ids, stats).
 
         A refused request (bad input, prompt too long, queue full) yields one APIError instead of raising it: these
         are answers, not failures of the replica (Serve would log a traceback for each)."""
         try:
             async for output in self.loop.stream(request, request.params, request.request_id):
-                yield output
+                yield output if output.finished else output.increment()
         except Exception as exc:  # noqa: BLE001 - sorted into client errors and engine failures below
             error = _as_api_error(exc, request)
             if error.status >= 500:

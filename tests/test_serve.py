@@ -321,6 +321,10 @@ def test_handle_generate_and_stream_equal_offline_llm(served, offline):
     assert len(outputs) > 1 and outputs[-1].finished and not any(o.finished for o in outputs[:-1])
     assert "".join(o.new_text for o in outputs) == ref.text
     assert [t for o in outputs for t in o.new_token_ids] == ref.token_ids
+    assert all(o.token_ids == [] and o.text == "" for o in outputs[:-1])  # increments only, until the last
+    last = outputs[-1]  # everything, stats included (their budgets follow the served engine's own cost model)
+    assert last.token_ids == ref.token_ids and last.text == ref.text
+    assert last.stats.num_speculative_rounds + last.stats.num_autoregressive_rounds > 0
     token_ids = offline.tokenizer.encode("hello world", add_special_tokens=False)
     assert handle.generate.remote(token_ids, params).result().token_ids == ref.token_ids
 
