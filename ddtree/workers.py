@@ -50,6 +50,17 @@ class VerifyResult:
     accept_seconds: float  # target tokens, the walk and the KV compaction
 
 
+def _tokenizer_eos_id(model) -> int | None:
+    if model.source_path is None:  # built from tensors: no tokenizer
+        return None
+    try:
+        tokenizer = model.tokenizer
+    except (OSError, ValueError):  # a checkpoint folder without tokenizer files
+        return None
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return eos if isinstance(eos, int) else None
+
+
 class TargetWorker:
     """The target model, its KV cache, per-request sampling state, and features waiting for the drafter."""
 
@@ -61,6 +72,9 @@ class TargetWorker:
         self.max_model_len = int(model.config.max_position_embeddings)
         self.max_request_tokens = int(model.kv.max_request_tokens)  # one request's largest KV reservation
         self.eos_token_ids = list(model.config.eos_token_ids)
+        tokenizer_eos = _tokenizer_eos_id(model)
+        if tokenizer_eos is not None and tokenizer_eos not in self.eos_token_ids:
+            self.eos_token_ids.append(tokenizer_eos)  # as Hugging Face and vLLM stop at the tokenizer's EOS too
         self.vocab_size = int(model.config.vocab_size)
         self.model_dir = str(model.source_path) if model.source_path is not None else None
         self._seq_ids: dict[str, int] = {}

@@ -19,7 +19,7 @@ def llama_cpp_permute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def write_gguf(path, hf_dir, arch):
+def write_gguf(path, hf_dir, arch, extra=None):
     import gguf
     from safetensors.torch import load_file
 
@@ -38,6 +38,8 @@ def write_gguf(path, hf_dir, arch):
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_eos_token_id(2)
+    if extra is not None:
+        extra(writer)
     for name, t in tensors.items():
         parts = name.split(".")
         if parts[0] == "lm_head" or parts[1] in ("embed_tokens", "norm"):
@@ -89,3 +91,72 @@ def test_unknown_sources_raise(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ValueError, match="unsupported model_type"):
         TargetModel.load(tmp_path)
+
+
+def test_gguf_rope_scaling_and_end_tokens(tmp_path):
+    import gguf
+
+    hf_dir = write_random_target(tmp_path / "hf", model_type="llama")
+
+    def linear(writer):
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(4.0)
+        writer.add_eot_token_id(7)  # Llama 3's <|eot_id|>: generation must stop there too
+
+    write_gguf(tmp_path / "linear.gguf", hf_dir, "llama", linear)
+    cfg, _ = read_checkpoint(tmp_path / "linear.gguf")
+    assert cfg.rope_scaling == {"rope_type": "linear", "factor": 4.0} and cfg.eos_token_ids == [2, 7]
+
+    def yarn(writer):
+        writer.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        writer.add_rope_scaling_factor(4.0)
+        writer.add_rope_scaling_orig_ctx_len(32768)
+
+    write_gguf(tmp_path / "yarn.gguf", hf_dir, "llama", yarn)
+    with pytest.raises(ValueError, match="rope scaling type 'yarn'"):
+        read_checkpoint(tmp_path / "yarn.gguf")
+
+
+def _config(hf_dir):
+    return json.loads((hf_dir / "config.json").read_text())
+
+
+def test_unsupported_checkpoints_fail_before_loading(tmp_path):
+    hf_dir = write_random_target(tmp_path / "hf", model_type="qwen2")
+    config = _config(hf_dir)
+    with pytest.raises(ValueError, match="quantized checkpoints \\(fp8\\)"):
+        TargetConfig.from_hf_dict({**config, "quantization_config": {"quant_method": "fp8"}})
+    with pytest.raises(ValueError, match="rope scaling type 'yarn'"):
+        TargetConfig.from_hf_dict({**config, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    tensors["model.layers.0.self_attn.q_proj.qweight"] = torch.zeros(4, 4, dtype=torch.int32)
+    save_file(tensors, str(hf_dir / "model.safetensors"))
+    with pytest.raises(ValueError, match="not floating point"):
+        read_checkpoint(hf_dir)
+
+
+def test_sharded_folder_reads_the_files_its_index_names(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    hf_dir = write_random_target(tmp_path / "hf", model_type="qwen2")
+    original = load_file(str(hf_dir / "model.safetensors"))
+    (hf_dir / "model.safetensors").unlink()
+    names = sorted(original)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, keys in shards.items():
+        save_file({k: original[k] for k in keys}, str(hf_dir / file))
+    weight_map = {k: file for file, keys in shards.items() for k in keys}
+    (hf_dir / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    # Mistral's repos also hold the weights in their own format; a stale extra file must not be merged in either
+    save_file({"junk": torch.zeros(3)}, str(hf_dir / "consolidated.safetensors"))
+    save_file({"lm_head.weight": torch.zeros(2)}, str(hf_dir / "stale.safetensors"))
+    (hf_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 5]}))
+    cfg, read = read_checkpoint(hf_dir)
+    assert set(read) == set(original) and all(torch.equal(read[k], original[k]) for k in original)
+    assert cfg.eos_token_ids[0] == _config(hf_dir)["eos_token_id"] and 5 in cfg.eos_token_ids
+    assert len(set(cfg.eos_token_ids)) == len(cfg.eos_token_ids)
+    (hf_dir / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ValueError, match="missing"):
+        read_checkpoint(hf_dir)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_ROPE_TYPES = (None, "default", "linear", "llama3")  # ddtree.models.layers.rope_inv_freq
 
 
 @dataclass
@@ -35,6 +36,10 @@ class TargetConfig:
             raise ValueError(f"unsupported model_type {self.model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        rope_type = None if self.rope_scaling is None else \
+            self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:  # before any weight is read (a GGUF dequantises for minutes)
+            raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, linear, llama3)")
 
     @property
     def has_qk_norm(self) -> bool:
@@ -58,6 +63,11 @@ class TargetConfig:
             )
         if d.get("mlp_bias"):
             raise ValueError("checkpoints with mlp_bias are not supported")
+        quantization = d.get("quantization_config")
+        if quantization:  # FP8 / GPTQ / AWQ weights need their scales: read as plain weights they would be garbage
+            method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
+            raise ValueError(f"quantized checkpoints ({method}) are not supported: use the unquantized "
+                             f"(bfloat16 / float16) checkpoint")
         rope_params = d.get("rope_parameters") or {}
         rope_theta = d.get("rope_theta") or rope_params.get("rope_theta", 10000.0)
         rope_scaling = d.get("rope_scaling")

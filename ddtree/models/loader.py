@@ -44,7 +44,9 @@ def resolve_source(source: str | Path) -> Path:
         except ImportError as e:  # pragma: no cover - huggingface_hub ships with transformers
             raise ValueError(f"{source!r} is not a local path and huggingface_hub is not installed") from e
         try:
-            return Path(snapshot_download(str(source), allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"]))
+            # Mistral's repos also hold the same weights as consolidated.safetensors (its own format): not fetched
+            return Path(snapshot_download(str(source), allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"],
+                                          ignore_patterns=["consolidated*"]))
         except Exception as e:
             raise ValueError(f"{source!r} is not a local path and could not be fetched from the hub: {e}") from e
     raise ValueError(f"model source {source!r} does not exist (expected a folder, a .gguf file or a hub id)")
@@ -69,13 +71,40 @@ def read_safetensors_folder(path: Path) -> tuple[TargetConfig, dict[str, torch.T
     if not config_file.is_file():
         raise ValueError(f"{path} has no config.json")
     config = TargetConfig.from_hf_dict(json.loads(config_file.read_text()))
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{path} holds no .safetensors weights")
+    generation_config = path / "generation_config.json"
+    if generation_config.is_file():  # the end tokens `generate` stops at (Qwen lists more there than in config.json)
+        config.eos_token_ids = _merged_ids(config.eos_token_ids,
+                                           json.loads(generation_config.read_text()).get("eos_token_id"))
+    files = safetensors_files(path)
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         tensors.update(load_file(str(f)))
+    non_float = sorted(name for name, t in tensors.items() if not t.is_floating_point())
+    if non_float:
+        raise ValueError(f"{path}: tensors {non_float[:3]} are not floating point (a quantized checkpoint?); "
+                         f"use the unquantized checkpoint")
     return config, tensors
+
+
+def safetensors_files(path: Path) -> list[Path]:
+    """The checkpoint's weight files: those its index names when it has one (a folder may also hold other copies,
+    e.g. Mistral's consolidated.safetensors), otherwise every *.safetensors but a consolidated one."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [n for n in names if not (path / n).is_file()]
+        if missing:
+            raise ValueError(f"{path}: files {missing[:3]} named in {index.name} are missing")
+        return [path / n for n in names]
+    files = [f for f in sorted(path.glob("*.safetensors")) if not f.name.startswith("consolidated")]
+    if not files:
+        raise ValueError(f"{path} holds no .safetensors weights")
+    return files
+
+
+def _merged_ids(ids: list[int], more) -> list[int]:
+    more = [] if more is None else [more] if isinstance(more, int) else list(more)
+    return list(dict.fromkeys([*ids, *(int(i) for i in more)]))
 
 
 def _gguf_field(reader, key: str, default=None):
@@ -98,7 +127,11 @@ def read_gguf_config(reader) -> TargetConfig:
     hidden = int(a("embedding_length"))
     num_heads = int(a("attention.head_count"))
     num_tokens = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else None
-    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    # end of sequence, and of turn / message (Llama 3's <|eot_id|>, <|eom_id|>): generation stops at any of them
+    eos_ids = _merged_ids([], [_gguf_field(reader, f"tokenizer.ggml.{k}_token_id")
+                               for k in ("eos", "eot", "eom") if _gguf_field(reader, f"tokenizer.ggml.{k}_token_id")
+                               is not None])
+    rope_scaling = _gguf_rope_scaling(a)
     tied = not any(t.name == "output.weight" for t in reader.tensors)
     return TargetConfig(
         model_type=GGUF_ARCH_TO_MODEL_TYPE[arch],
@@ -111,12 +144,32 @@ def read_gguf_config(reader) -> TargetConfig:
         head_dim=int(a("attention.key_length", hidden // num_heads)),
         rms_norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(a("rope.freq_base", 10000.0)),
+        rope_scaling=rope_scaling,
         tie_word_embeddings=tied,
         max_position_embeddings=int(a("context_length", 4096)),
         sliding_window=None,
         bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
-        eos_token_ids=[] if eos is None else [int(eos)],
+        eos_token_ids=eos_ids,
     )
+
+
+def _gguf_rope_scaling(field) -> dict | None:
+    """llama.cpp's rope scaling keys as a Hugging Face `rope_scaling` ("linear" is applied; others are refused by
+    TargetConfig, as on the safetensors path)."""
+    kind = field("rope.scaling.type")
+    factor = field("rope.scaling.factor")
+    if kind is None:
+        scale_linear = field("rope.scale_linear")  # the older key
+        if scale_linear is None or float(scale_linear) == 1.0:
+            return None
+        kind, factor = "linear", scale_linear
+    if kind == "none" or (kind == "linear" and (factor is None or float(factor) == 1.0)):
+        return None
+    scaling = {"rope_type": str(kind), "factor": None if factor is None else float(factor)}
+    original = field("rope.scaling.original_context_length")
+    if original is not None:
+        scaling["original_max_position_embeddings"] = int(original)
+    return scaling
 
 
 def _unpermute_rope(w: torch.Tensor, num_heads: int) -> torch.Tensor:
