@@ -252,3 +252,33 @@ def test_packed_and_plain_weights_agree(checkpoints):
                 torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     finally:
         torch.set_num_threads(previous)
+
+
+@pytest.mark.parametrize("rope_scaling", [
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 32},
+    {"rope_type": "linear", "factor": 4.0},
+])
+def test_rope_scaling_matches_hf(tmp_path, rope_scaling):
+    import json
+
+    path = write_random_target(tmp_path / "scaled", model_type="llama", seed=7)
+    config = json.loads((path / "config.json").read_text())
+    config["rope_scaling"] = rope_scaling
+    config["rope_theta"] = 500000.0  # long wavelengths: the llama3 rule rescales some, blends others
+    (path / "config.json").write_text(json.dumps(config))
+    hf = hf_model(path, dtype=torch.float64)
+    runner = TargetModel.load(path, dtype=torch.float64, feature_layer_ids=FEATURE_LAYERS, max_kv_bytes=2**22)
+    ids = random_ids(120, torch.Generator().manual_seed(1))  # past original_max_position_embeddings
+    runner.kv.allocate(0, 128)
+    last, feats = runner.prefill([0], [ids])
+    ref_logits, ref_feats = hf_logits_and_features(hf, ids)
+    # Hugging Face computes the inverse frequencies in float32 (we keep float64): ~1e-6 apart
+    torch.testing.assert_close(last[0], ref_logits[-1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(feats[0], ref_feats, rtol=1e-5, atol=1e-5)
+    unscaled = write_random_target(tmp_path / "plain", model_type="llama", seed=7)
+    (unscaled / "config.json").write_text(json.dumps({**config, "rope_scaling": None}))  # the same but for scaling
+    plain = TargetModel.load(unscaled, dtype=torch.float64, max_kv_bytes=2**22)
+    plain.kv.allocate(0, 128)
+    # the scaling matters far beyond that tolerance
+    assert (plain.prefill([0], [ids])[0][0] - last[0]).abs().max() > 1e-2
