@@ -2,6 +2,12 @@
 
 A round can accept several tokens at once; anything accepted past a stop is discarded, and a stop string is never
 emitted (streamed text holds back any tail that could still become the start of a stop string).
+
+Decoding is incremental (as vLLM does it): each round decodes only the tokens since the last text it could
+complete, with a few tokens of left context (`prefix_offset`..`read_offset`) so that tokenizers which drop a word's
+leading space at the start of a decode (SentencePiece) or need more bytes to finish a character (byte-level BPE)
+give the same text as decoding everything; a round whose tokens end inside a character adds no text until the
+character is complete. Decoding the whole output every round cost ~0.8 ms per 4k-token request per round.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ class OutputState:
     text: str = ""  # final text (stop string and anything after it removed)
     num_text_emitted: int = 0  # characters already handed to the user
     finish_reason: str | None = None
+    prefix_offset: int = 0  # incremental decoding: left context starts here (a token index of the text tokens)
+    read_offset: int = 0  # text is complete up to this token
 
 
 class Detokenizer:
@@ -52,7 +60,7 @@ class Detokenizer:
         text_tokens = state.token_ids
         if state.finish_reason == "stop" and text_tokens and text_tokens[-1] in params.stop_token_ids:
             text_tokens = text_tokens[:-1]  # a stop token is not part of the text (EOS is special anyway)
-        text = self.decode(text_tokens)
+        text = state.text + self._new_text(state, text_tokens)
         if params.stop:
             # Only text that can hold a new stop is searched: from just before the end of the previous text, less
             # its incomplete trailing character (its bytes may complete into a stop string's first character).
@@ -69,6 +77,16 @@ class Detokenizer:
                     kept.pop()
         state.text = text
         return kept
+
+    def _new_text(self, state: OutputState, text_tokens: list[int]) -> str:
+        """Text the tokens past `read_offset` add; "" while they end inside a character (unless finished)."""
+        prefix_text = self.decode(text_tokens[state.prefix_offset : state.read_offset])
+        window_text = self.decode(text_tokens[state.prefix_offset :])
+        if state.finish_reason is None and (len(window_text) <= len(prefix_text)
+                                            or window_text.endswith(REPLACEMENT_CHAR)):
+            return ""
+        state.prefix_offset, state.read_offset = state.read_offset, len(text_tokens)
+        return window_text[len(prefix_text) :]
 
     @staticmethod
     def _first_stop(text: str, start: int, params: SamplingParams) -> int | None:

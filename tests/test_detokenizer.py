@@ -75,8 +75,31 @@ def test_stop_string_completed_by_the_bytes_of_a_later_round(split):
     tokens = ids(byte_tok, "ab🎉cd")
     first, rest = tokens[: 2 + split], tokens[2 + split :]
     d.append(s, first)
-    assert s.finish_reason is None and Detokenizer.take_new_text(s) == "ab"  # the partial character held back
+    # no text while the round's last token ends inside a character (the decode window is still open)
+    assert s.finish_reason is None and Detokenizer.take_new_text(s) == ""
     kept = d.append(s, rest)
     assert s.finish_reason == "stop" and s.text == "ab"
     assert kept == tokens[2 + split : 6]  # nothing past the stop string's last byte
-    assert Detokenizer.take_new_text(s) == ""
+    assert Detokenizer.take_new_text(s) == "ab"  # the stop string itself is never emitted
+
+
+@pytest.mark.parametrize("make", [make_byte_tokenizer, make_char_tokenizer])
+def test_incremental_text_equals_decoding_everything(make):
+    # Rounds of 1-4 tokens, cut anywhere (inside multi-byte characters too): the streamed pieces and the final text
+    # equal one decode of all tokens, while each round decodes only a short window.
+    import random
+
+    tok = make()
+    text = "héllo wörld, 12 ✓ café 🎉 naïve!" if make is make_byte_tokenizer else "hello world, 12 cafe naive!"
+    tokens = ids(tok, text)
+    rng = random.Random(0)
+    for _ in range(20):
+        d, s = Detokenizer(tok), state(tok, max_new=len(tokens))
+        pieces, i = [], 0
+        while i < len(tokens):
+            n = rng.randint(1, 4)
+            d.append(s, tokens[i : i + n])
+            pieces.append(Detokenizer.take_new_text(s))
+            i += n
+        assert s.finish_reason == "length" and s.text == tok.decode(tokens) == "".join(pieces)
+        assert s.read_offset == len(tokens)
