@@ -47,6 +47,10 @@ class AppArgs(BaseModel):
     max_waiting: PositiveInt = Field(
         256, description="Requests queued per engine replica; beyond it the API answers 429.")
     max_model_len: int | None = Field(None, ge=2, description="Context window cap. None: the model's own.")
+    default_max_tokens: PositiveInt | None = Field(
+        None, description="max_tokens of a chat request that gives none. None: the rest of the context window "
+        "(OpenAI's behaviour); each request reserves its prompt + max_tokens in the KV cache when admitted, so a "
+        "cap lets more such requests decode at once.")
     kv_cache_bytes: PositiveInt | None = Field(
         None, description="KV cache memory of the target worker. None: the worker's default.")
     attention: str = Field("auto", description="Attention backend of the workers ('auto', 'sdpa', 'flex').")

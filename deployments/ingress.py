@@ -136,7 +136,8 @@ class OpenAIIngress:
         body = protocol.parse_request(protocol.ChatCompletionRequest, await _json(request))
         self._check_model(body.model)
         engine_request = EngineRequest(messages=body.template_messages(),
-                                       params=body.sampling_params(UNLIMITED_MAX_TOKENS),
+                                       params=body.sampling_params(self.args.default_max_tokens
+                                                                   or UNLIMITED_MAX_TOKENS),
                                        request_id=protocol.new_id("chatcmpl"))
         return await self._respond(body, engine_request, chat=True)
 

@@ -48,6 +48,9 @@ def _config_app(yaml_path: Path) -> dict:
     return app
 
 
+DEFAULT_MAX_TOKENS = 12  # of a chat request that gives none
+
+
 def _tiny_overrides(checkpoints: dict) -> dict:
     return {
         "model": str(checkpoints["target"]),
@@ -59,6 +62,7 @@ def _tiny_overrides(checkpoints: dict) -> dict:
         "max_waiting": MAX_WAITING,
         "max_budget": 16,
         "worker_torch_threads": 1,  # tiny models: threads cost more than they give
+        "default_max_tokens": DEFAULT_MAX_TOKENS,
     }
 
 
@@ -383,3 +387,9 @@ def test_pipelined_engine_on_worker_actors_equals_offline_off(served, app_args, 
         assert engine.timings.num_draft_calls > 0 and actors.hops.num_calls > engine.timings.num_draft_calls
     finally:
         actors.kill()
+
+
+def test_chat_without_max_tokens_gets_the_servers_default(client):
+    out = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                         temperature=0, extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == DEFAULT_MAX_TOKENS and out.choices[0].finish_reason == "length"
