@@ -1,0 +1,26 @@
+"""`ddtree bench` end to end on tiny float64 models: every mode, several passes in turn, one table and results.json."""
+
+import json
+
+from ddtree.cli import main
+from tests.factories import make_tiny_drafter, make_tiny_target
+
+
+def test_bench_runs_every_mode_over_several_passes(tmp_path, capsys):
+    target = make_tiny_target(tmp_path / "target", logit_scale=8.0)
+    drafter = make_tiny_drafter(tmp_path / "drafter", target)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["hello world", "the cat sat on"]))
+    out = tmp_path / "out"
+    assert main(["bench", "--model", str(target), "--drafter", str(drafter), "--dtype", "float64",
+                 "--prompts", str(prompts), "--num-prompts", "0", "--max-tokens", "6", "--budgets", "2,4",
+                 "--modes", "hf,off,dflash,ddtree,auto", "--passes", "2", "--threads", "1", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "done: pass 2 of 2" in printed and "T=0 outputs identical to `off`: all modes" in printed
+    rows = {r["mode"]: r for r in json.loads((out / "results.json").read_text())}
+    assert set(rows) == {"hf generate", "off", "dflash", "ddtree B=2", "ddtree B=4", "ddtree auto"}
+    for row in rows.values():
+        assert len(row["tokens_per_second_per_pass"]) == 2 and row["num_tokens"] == 2 * 2 * 6
+        rates = sorted(row["tokens_per_second_per_pass"])
+        assert rates[0] <= row["tokens_per_second"] <= rates[1]  # the median of the passes
+    assert rows["ddtree B=4"]["tau"] >= 1.0 and rows["off"]["tau"] is None
