@@ -27,6 +27,7 @@ class ModeResult:
     num_tokens: int = 0
     seconds: float = 0.0
     acceptance_lengths: list[int] = field(default_factory=list)
+    budgets: list[int] = field(default_factory=list)  # nodes verified per speculative request-round
     timings: dict = field(default_factory=dict)
     outputs: list[list[int]] = field(default_factory=list)
     pass_rates: list[float] = field(default_factory=list)  # tokens/s of each pass
@@ -46,6 +47,7 @@ class ModeResult:
         self.num_tokens += run.num_tokens
         self.seconds += run.seconds
         self.acceptance_lengths += run.acceptance_lengths
+        self.budgets += run.budgets
         self.timings = {k: self.timings.get(k, 0) + v for k, v in run.timings.items()}
         self.outputs_vary |= run.outputs != self.outputs
 
@@ -104,6 +106,7 @@ def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams,
         for out in llm.generate(prompts[start : start + concurrency], params):
             result.num_tokens += len(out.token_ids)
             result.acceptance_lengths.extend(out.acceptance_lengths)
+            result.budgets.extend(out.stats.budgets)
             result.outputs.append(out.token_ids)
     result.seconds = time.perf_counter() - t0
     result.timings = engine.timings.as_dict()
@@ -193,8 +196,8 @@ def print_table(results: list[ModeResult]) -> None:
     by_name = {r.name: r for r in results}
     off = by_name.get("off")
     hf = by_name.get("hf generate")
-    header = ("| mode | tokens/s | x off | x HF | tau | draft ms/round | tree ms/round | verify ms/round "
-              "| accept ms/round |")
+    header = ("| mode | tokens/s | x off | x HF | tau | nodes/draft | drafted | draft ms/round | tree ms/round "
+              "| verify ms/round | accept ms/round |")
     print(header)
     print("|---" * (header.count("|") - 1) + "|")
     for r in results:
@@ -203,11 +206,15 @@ def print_table(results: list[ModeResult]) -> None:
         x_off = f"{r.tokens_per_second / off.tokens_per_second:.2f}" if off else "-"
         x_hf = f"{r.tokens_per_second / hf.tokens_per_second:.2f}" if hf else "-"
         tau = f"{r.tau:.2f}" if r.tau is not None else "-"
+        nodes = f"{sum(r.budgets) / len(r.budgets):.1f}" if r.budgets else "-"
+        spec = r.timings.get("num_speculative_request_rounds", 0)
+        request_rounds = spec + r.timings.get("num_autoregressive_request_rounds", 0)
+        drafted = f"{100 * spec / request_rounds:.0f}%" if request_rounds and r.name != "off" else "-"
         speed = f"{r.tokens_per_second:.1f}"
         if len(r.pass_rates) > 1:
             speed += f" ({min(r.pass_rates):.1f}-{max(r.pass_rates):.1f})"
-        print(f"| {r.name} | {speed} | {x_off} | {x_hf} | {tau} | {ms('draft')} | {ms('tree')} | "
-              f"{ms('verify')} | {ms('accept')} |")
+        print(f"| {r.name} | {speed} | {x_off} | {x_hf} | {tau} | {nodes} | {drafted} | {ms('draft')} | "
+              f"{ms('tree')} | {ms('verify')} | {ms('accept')} |")
     if off:
         same = [r.name for r in results if r.outputs and r.name != "off" and (r.outputs != off.outputs
                                                                                or r.outputs_vary)]
@@ -219,6 +226,7 @@ def save(results: list[ModeResult], args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     rows = [
         {"mode": r.name, "tokens_per_second": r.tokens_per_second, "tau": r.tau, "num_tokens": r.num_tokens,
+         "mean_nodes_per_draft": sum(r.budgets) / len(r.budgets) if r.budgets else None,
          "seconds": r.seconds, "timings": r.timings, "tokens_per_second_per_pass": r.pass_rates or None}
         for r in results
     ]

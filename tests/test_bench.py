@@ -24,3 +24,5 @@ def test_bench_runs_every_mode_over_several_passes(tmp_path, capsys):
         rates = sorted(row["tokens_per_second_per_pass"])
         assert rates[0] <= row["tokens_per_second"] <= rates[1]  # the median of the passes
     assert rows["ddtree B=4"]["tau"] >= 1.0 and rows["off"]["tau"] is None
+    assert rows["ddtree B=2"]["mean_nodes_per_draft"] <= 2 and rows["off"]["mean_nodes_per_draft"] is None
+    assert "| nodes/draft | drafted |" in printed
