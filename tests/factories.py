@@ -74,3 +74,20 @@ def make_tiny_drafter(
         mask_token_id=0,  # <unk>: never produced by the char tokenizer
         seed=seed,
     )
+
+
+def decode_in_random_rounds(tokenizer, tokens: list[int], max_round: int, rng):
+    """Feed `tokens` to a Detokenizer in rounds of 1..max_round tokens, as accepted trees deliver them; returns the
+    final OutputState and the text each round released."""
+    from ddtree.detokenizer import Detokenizer, OutputState
+    from ddtree.sampling_params import SamplingParams
+
+    detok = Detokenizer(tokenizer)
+    state = OutputState(SamplingParams(max_tokens=len(tokens)), frozenset(), max_new_tokens=len(tokens))
+    pieces, i = [], 0
+    while i < len(tokens):
+        n = rng.randint(1, max_round)
+        detok.append(state, tokens[i : i + n])
+        pieces.append(Detokenizer.take_new_text(state))
+        i += n
+    return state, pieces

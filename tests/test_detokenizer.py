@@ -2,6 +2,7 @@ import pytest
 
 from ddtree.detokenizer import Detokenizer, OutputState
 from ddtree.sampling_params import SamplingParams
+from tests.factories import decode_in_random_rounds
 from tests.tiny_tokenizer import make_byte_tokenizer, make_char_tokenizer
 
 
@@ -94,12 +95,6 @@ def test_incremental_text_equals_decoding_everything(make):
     tokens = ids(tok, text)
     rng = random.Random(0)
     for _ in range(20):
-        d, s = Detokenizer(tok), state(tok, max_new=len(tokens))
-        pieces, i = [], 0
-        while i < len(tokens):
-            n = rng.randint(1, 4)
-            d.append(s, tokens[i : i + n])
-            pieces.append(Detokenizer.take_new_text(s))
-            i += n
+        s, pieces = decode_in_random_rounds(tok, tokens, 4, rng)
         assert s.finish_reason == "length" and s.text == tok.decode(tokens) == "".join(pieces)
         assert s.read_offset == len(tokens)

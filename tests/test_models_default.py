@@ -60,21 +60,13 @@ def test_missing_package_error_names_the_fix(monkeypatch):
 def test_incremental_detokenizing_equals_decoding_everything_on_the_default_tokenizer():
     import random
 
-    from ddtree.detokenizer import Detokenizer, OutputState
     from ddtree.models.loader import load_tokenizer
-    from ddtree.sampling_params import SamplingParams
+    from tests.factories import decode_in_random_rounds
 
     tokenizer = load_tokenizer(default_model.default_target_dir(CACHE_DIR))
     text = "def f(x):\n    return x ** 2  # café, naïve ✓ 🎉 — 東京\n\nThe answer is 42."
     tokens = tokenizer.encode(text, add_special_tokens=False)
     rng = random.Random(0)
     for _ in range(10):
-        detok = Detokenizer(tokenizer)
-        state = OutputState(SamplingParams(max_tokens=len(tokens)), frozenset(), max_new_tokens=len(tokens))
-        pieces, i = [], 0
-        while i < len(tokens):
-            n = rng.randint(1, 5)
-            detok.append(state, tokens[i : i + n])
-            pieces.append(Detokenizer.take_new_text(state))
-            i += n
+        state, pieces = decode_in_random_rounds(tokenizer, tokens, 5, rng)
         assert state.text == "".join(pieces) == tokenizer.decode(tokens, skip_special_tokens=True) == text
