@@ -40,16 +40,17 @@ class ModeResult:
         return self.num_tokens / self.seconds if self.seconds else 0.0
 
     def absorb(self, run: "ModeResult") -> None:
-        """Add one pass of the same mode."""
-        if not self.pass_rates and self.num_tokens:
-            self.pass_rates.append(self.num_tokens / self.seconds)
+        """Add one pass of this mode (the first pass included: `record` starts from an empty result)."""
+        if self.pass_rates:
+            self.outputs_vary |= run.outputs != self.outputs
+        else:
+            self.outputs = run.outputs
         self.pass_rates.append(run.num_tokens / run.seconds)
         self.num_tokens += run.num_tokens
         self.seconds += run.seconds
         self.acceptance_lengths += run.acceptance_lengths
         self.budgets += run.budgets
         self.timings = {k: self.timings.get(k, 0) + v for k, v in run.timings.items()}
-        self.outputs_vary |= run.outputs != self.outputs
 
     @property
     def tau(self) -> float | None:
@@ -175,10 +176,7 @@ def run(args) -> int:
     by_name: dict[str, ModeResult] = {}
 
     def record(run: ModeResult) -> None:
-        if run.name in by_name:
-            by_name[run.name].absorb(run)
-        else:
-            by_name[run.name] = run
+        by_name.setdefault(run.name, ModeResult(run.name)).absorb(run)
 
     for p in range(args.passes):
         if "hf" in modes:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 from ddtree.sampling_params import SamplingParams
 
-REPLACEMENT_CHAR = "\ufffd"  # an incomplete multi-byte character at the end of the decoded text
+REPLACEMENT_CHAR = "\ufffd"  # what a decode shows for a multi-byte character whose bytes are not all there yet
 
 
 @dataclass
@@ -62,10 +62,10 @@ class Detokenizer:
             text_tokens = text_tokens[:-1]  # a stop token is not part of the text (EOS is special anyway)
         text = state.text + self._new_text(state, text_tokens)
         if params.stop:
-            # Only text that can hold a new stop is searched: from just before the end of the previous text, less
-            # its incomplete trailing character (its bytes may complete into a stop string's first character).
-            stable = len(state.text.rstrip(REPLACEMENT_CHAR))
-            cut = self._first_stop(text, start=max(0, stable - max(map(len, params.stop)) + 1), params=params)
+            # Only text that can hold a new stop is searched: from just before the end of the previous text (which
+            # holds complete characters only, `_new_text`, so it is a prefix of this one).
+            start = max(0, len(state.text) - max(map(len, params.stop)) + 1)
+            cut = self._first_stop(text, start=start, params=params)
             if cut is not None:
                 text = text[:cut]
                 state.finish_reason = "stop"
@@ -95,12 +95,10 @@ class Detokenizer:
 
     @staticmethod
     def take_new_text(state: OutputState) -> str:
-        """Text not yet emitted that is safe to emit: held back while it could still grow into a stop string or
-        end in the middle of a multi-byte character."""
+        """Text not yet emitted that is safe to emit: held back while it could still grow into a stop string (an
+        unfinished character never reaches `state.text`: `_new_text`)."""
         end = len(state.text)
         if state.finish_reason is None:
-            while end > state.num_text_emitted and state.text[end - 1] == REPLACEMENT_CHAR:
-                end -= 1
             for stop in state.params.stop:
                 for k in range(min(len(stop) - 1, end - state.num_text_emitted), 0, -1):
                     if state.text[end - k : end] == stop[:k]:

@@ -103,8 +103,9 @@ def safetensors_files(path: Path) -> list[Path]:
 
 
 def _merged_ids(ids: list[int], more) -> list[int]:
+    """`ids` then the new ones of `more` (an id, a list of ids or None; None entries skipped)."""
     more = [] if more is None else [more] if isinstance(more, int) else list(more)
-    return list(dict.fromkeys([*ids, *(int(i) for i in more)]))
+    return list(dict.fromkeys([*ids, *(int(i) for i in more if i is not None)]))
 
 
 def _gguf_field(reader, key: str, default=None):
@@ -128,9 +129,7 @@ def read_gguf_config(reader) -> TargetConfig:
     num_heads = int(a("attention.head_count"))
     num_tokens = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else None
     # end of sequence, and of turn / message (Llama 3's <|eot_id|>, <|eom_id|>): generation stops at any of them
-    eos_ids = _merged_ids([], [_gguf_field(reader, f"tokenizer.ggml.{k}_token_id")
-                               for k in ("eos", "eot", "eom") if _gguf_field(reader, f"tokenizer.ggml.{k}_token_id")
-                               is not None])
+    eos_ids = _merged_ids([], [_gguf_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")])
     rope_scaling = _gguf_rope_scaling(a)
     tied = not any(t.name == "output.weight" for t in reader.tensors)
     return TargetConfig(

@@ -194,8 +194,7 @@ def _add_prompts(args: argparse.Namespace, data_dir: Path, made: list, dropped: 
                          f"--seed)")
     done_ids = {r["prompt_id"] for r in read_jsonl(data_dir / "responses.jsonl")}
     write_prompts(data_dir, interleave_pending(existing, done_ids, added))
-    manifest = json.loads((data_dir / "manifest.json").read_text())
-    batches = manifest.get("added_prompts", [])
+    batches = _read_manifest(data_dir).get("added_prompts", [])
     batches.append({"command": " ".join(sys.argv), "seed": args.seed, "num_prompts": len(added),
                     "skipped_existing_text": len(made) - len(added),
                     "counts_by_category_and_source": _count_by_category_and_source(added),
@@ -366,9 +365,13 @@ def _dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _read_manifest(data_dir: Path) -> dict:
+    path = data_dir / "manifest.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
 def _update_manifest(data_dir: Path, fields: dict) -> None:
     data_dir.mkdir(parents=True, exist_ok=True)
-    path = data_dir / "manifest.json"
-    manifest = json.loads(path.read_text()) if path.exists() else {}
+    manifest = _read_manifest(data_dir)
     manifest.update(fields)
-    path.write_text(json.dumps(manifest, indent=1))
+    (data_dir / "manifest.json").write_text(json.dumps(manifest, indent=1))
