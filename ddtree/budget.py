@@ -34,7 +34,8 @@ Two choices keep probes informative and the start cheap:
 - The EMAs age per round, not per observation: after k rounds unobserved the newest observation weighs
   1 - (1 - ema_weight) ** k (the usual EMA for irregular samples), so one probe after a long rest mostly replaces
   the stale estimate instead of moving it by `ema_weight`; a request that pays again comes back after one probe.
-- A new request's prior gain is the EMA of gains observed over all requests (`population_gain`); `initial_gain`
+- A new request's prior gain is the EMA of gains observed over all requests (`population_gain`), which its first
+  observation moves by one round's weight (one round's acceptance is too noisy to replace it); `initial_gain`
   (optimistic, so that the drafter gets tried) applies only before anything has been observed. When the drafter
   does not pay on this workload, a new request therefore starts in fallback and is first probed under the same
   cost bound, instead of paying full-budget drafts at its start; when it pays, new requests draft from round one.
@@ -341,7 +342,10 @@ class BudgetPolicy:
             s.nodes = num_nodes if s.nodes is None else (1 - w) * s.nodes + w * num_nodes
         s.calibration_num = (1 - w) * s.calibration_num + w * num_accepted_nodes
         s.calibration_den = (1 - w) * s.calibration_den + w * predicted
-        s.gain = num_accepted_nodes if s.gain is None else (1 - w) * s.gain + w * num_accepted_nodes
+        # A request's first observation moves its prior, the population's gain, by one round's weight: one round's
+        # acceptance varies too much (0 in ~40% of rounds) to replace what all requests have shown.
+        prior = s.gain if s.gain is not None else self.population_gain
+        s.gain = num_accepted_nodes if prior is None else (1 - w) * prior + w * num_accepted_nodes
         pw = self.config.ema_weight
         pg = self.population_gain
         self.population_gain = num_accepted_nodes if pg is None else (1 - pw) * pg + pw * num_accepted_nodes

@@ -188,6 +188,22 @@ def test_new_requests_start_from_the_gain_observed_over_all_requests():
     assert "b" in strong.plan(["a", "b"]).speculative_ids
 
 
+def test_one_rejected_round_does_not_send_a_new_request_to_fallback():
+    """A request's first observation moves the population's gain by one round's weight instead of replacing it:
+    one round accepts nothing in ~40% of rounds even where drafting pays well on average."""
+    cost = linear_cost(per_token=1.0, fixed=30.0, draft=20.0)
+    policy = BudgetPolicy(BudgetConfig(), cost)
+    simulate(policy, {"a": 0}, 50, lambda rid, t, n: min(n, 3))  # drafts pay: 3 accepted nodes per round
+    policy.add("b")
+    assert policy.plan(["a", "b"]).speculative_ids == ["a", "b"]
+    policy.observe("b", predicted=3.0, num_accepted_nodes=0, num_nodes=8)
+    assert policy.states["b"].gain == pytest.approx(0.9 * policy.states["a"].gain, rel=0.05)
+    assert policy.plan(["a", "b"]).speculative_ids == ["a", "b"]
+    for _ in range(40):  # a trend, not a streak: "b" leaves
+        policy.observe("b", predicted=3.0, num_accepted_nodes=0, num_nodes=8)
+    assert "b" not in policy.plan(["a", "b"]).speculative_ids
+
+
 @pytest.mark.parametrize(
     "field, value",
     [
