@@ -1,56 +1,34 @@
 """Budget policies replayed on real drafter traces: which one commits the most tokens per second (T=0).
 
-At T=0 a request's output is fixed, so what a round at position p accepts with the first n nodes of its tree is a
-function acc(p, n) of the drafter alone: one target pass per sequence (the cached features of the evaluation data,
-`ddtree train-drafter eval-data`) and one drafter forward per position give it for every p and n (as the offline tau
-evaluation does). The engine's own `BudgetPolicy` then plays its rounds on these traces, `plan` -> `allocate` ->
-`observe` exactly as the engine calls them, with round times from a cost model measured on this machine (the one
-the engine measures at start-up). No model runs during the replay, so policies compare without timing noise:
+Records, for the evaluation data (`ddtree train-drafter eval-data`: its prompts, the target's greedy responses and
+features), what a round at every position accepts with the first n nodes of the drafter's tree (one drafter
+forward per position, as the offline tau evaluation), then replays the engine's own `BudgetPolicy` on these traces
+(`ddtree/budget_replay.py`) with a cost model measured on this machine (the one the engine measures at start-up).
+No model runs during the replay, so policies compare without timing noise:
 
-    python benchmarks/sim_budget_policy.py [--num-sequences 10] [--concurrency 1] [--threads 1]
+    python benchmarks/sim_budget_policy.py [--num-sequences 10] [--max-tokens 48 --first-sequences 2]
+                                           [--concurrency 1] [--draft-cost-scale 1] [--threads 1]
 
 Prints, per category and over all, the simulated tokens per second of `off`, fixed budgets, `auto` (the engine's
-policy), `auto, no fallback`, and `oracle` (each round the n in 0..max_budget that is best for that round alone,
-knowing its acceptance: a reference no policy can reach), with tau and the share of request-rounds drafted.
-The traces and the cost model are cached under work/sim_budget/ (delete them to remeasure; the cost model is
-measured with --threads threads: run it on a quiet machine).
+policy), `auto, no fallback`, and `oracle` (each round the n in 0..max_budget best for that round alone, knowing
+its outcome: a reference for what better predictions could win), with tau and the share of request-rounds drafted.
+Traces and the cost model are cached under work/sim_budget/ (delete them to remeasure; the cost model is measured
+with --threads threads: measure it on a quiet machine).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from ddtree.budget import BudgetConfig, BudgetPolicy, CostModel  # noqa: E402
-
-
-@dataclass
-class Trace:
-    """One evaluation sequence as the policy sees it: per anchor (round start), the node probabilities of the full
-    tree in pop order, and the indices of the tree nodes on the target's path (increasing: parents come first)."""
-
-    category: str
-    path_probs: list[list[float]]
-    matched_nodes: list[list[int]]
-
-    @property
-    def num_positions(self) -> int:
-        return len(self.path_probs)
-
-    def accepted(self, position: int, num_nodes: int) -> int:
-        """Accepted nodes of a round at `position` whose tree keeps its first `num_nodes` nodes."""
-        count = 0
-        for node in self.matched_nodes[position]:
-            if node >= num_nodes:
-                break
-            count += 1
-        return count
+from ddtree.budget_replay import Replay, Result, Trace  # noqa: E402
 
 
 def compute_traces(drafter_dir: Path, eval_dir: Path, categories: list[str], num_sequences: int,
@@ -110,117 +88,6 @@ def measure_cost_model(max_budget: int) -> CostModel:
     return engine.budget.cost
 
 
-# ------------------------------------------------------------------------------------------------ the replay
-
-
-@dataclass
-class Result:
-    seconds: float = 0.0
-    tokens: int = 0
-    request_rounds: int = 0
-    drafted_request_rounds: int = 0
-    committed_when_drafted: int = 0
-
-    def add(self, other: Result) -> None:
-        for name in self.__dataclass_fields__:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-
-    @property
-    def tokens_per_second(self) -> float:
-        return self.tokens / max(self.seconds, 1e-12)
-
-    @property
-    def tau(self) -> float:
-        return self.committed_when_drafted / max(self.drafted_request_rounds, 1)
-
-
-@dataclass
-class _Slot:
-    request_id: str
-    trace: Trace
-    position: int = 0
-
-
-@dataclass
-class Replay:
-    """Requests (traces) run `concurrency` at a time; a finished one is replaced by the next (continuous batching)."""
-
-    cost: CostModel
-    concurrency: int = 1
-    results: dict[str, Result] = field(default_factory=dict)  # per category
-
-    def run_policy(self, policy: BudgetPolicy, traces: list[Trace]) -> dict[str, Result]:
-        def choose(slots: list[_Slot]) -> tuple[list[_Slot], list[int], int]:
-            plan = policy.plan([s.request_id for s in slots])
-            by_id = {s.request_id: s for s in slots}
-            speculative = [by_id[r] for r in plan.speculative_ids]
-            probs = [s.trace.path_probs[s.position][:b] for s, b in zip(speculative, plan.max_budgets)]
-            counts = policy.allocate(plan.speculative_ids, probs, len(plan.autoregressive_ids)) if probs else []
-            return speculative, counts, len(plan.autoregressive_ids)
-
-        def learn(slot: _Slot, num_nodes: int, accepted: int) -> None:
-            predicted = sum(slot.trace.path_probs[slot.position][:num_nodes])
-            policy.observe(slot.request_id, predicted, accepted, num_nodes)
-
-        return self._run(traces, choose, learn, policy.add, policy.remove)
-
-    def run_oracle(self, traces: list[Trace], max_budget: int) -> dict[str, Result]:
-        """One request at a time: each round the node count (0 = autoregressive) best for that round alone."""
-        ar = self.cost.verify_seconds(1)
-        draft = self.cost.draft_seconds(1)
-
-        def choose(slots: list[_Slot]) -> tuple[list[_Slot], list[int], int]:
-            (slot,) = slots
-            best_n, best_rate = 0, 1.0 / ar
-            for n in range(1, max_budget + 1):
-                rate = (1 + slot.trace.accepted(slot.position, n)) / (draft + self.cost.verify_seconds(1 + n))
-                if rate > best_rate:
-                    best_n, best_rate = n, rate
-            return ([slot], [best_n], 0) if best_n else ([], [], 1)
-
-        if self.concurrency != 1:
-            raise ValueError("the oracle replays one request at a time")
-        return self._run(traces, choose, lambda *a: None, lambda r: None, lambda r: None)
-
-    def _run(self, traces, choose, learn, add, remove) -> dict[str, Result]:
-        results: dict[str, Result] = {}
-        queue = list(enumerate(traces))
-        slots: list[_Slot] = []
-        while queue or slots:
-            while queue and len(slots) < self.concurrency:
-                i, trace = queue.pop(0)
-                slots.append(_Slot(f"r{i}", trace))
-                add(slots[-1].request_id)
-            speculative, counts, num_autoregressive = choose(slots)
-            num_tokens = len(slots) + sum(counts)
-            round_seconds = self.cost.draft_seconds(len(speculative)) + self.cost.verify_seconds(num_tokens)
-            drafted = {id(s) for s in speculative}
-            for slot in slots:
-                r = results.setdefault(slot.trace.category, Result())
-                r.seconds += round_seconds / len(slots)  # the round's time, shared evenly
-                r.request_rounds += 1
-            for slot, n in zip(speculative, counts):
-                accepted = slot.trace.accepted(slot.position, n)
-                learn(slot, n, accepted)
-                r = results[slot.trace.category]
-                r.drafted_request_rounds += 1
-                r.committed_when_drafted += 1 + accepted
-                self._advance(slot, 1 + accepted, r)
-            for slot in slots:
-                if id(slot) not in drafted:
-                    self._advance(slot, 1, results[slot.trace.category])
-            for slot in [s for s in slots if s.position >= s.trace.num_positions]:
-                slots.remove(slot)
-                remove(slot.request_id)
-        return results
-
-    @staticmethod
-    def _advance(slot: _Slot, num_tokens: int, result: Result) -> None:
-        num_tokens = min(num_tokens, slot.trace.num_positions - slot.position)
-        slot.position += num_tokens
-        result.tokens += num_tokens
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafter", default=None, help="drafter folder (default: the shipped one)")
@@ -245,7 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     drafter_dir = resolve_drafter_path(None, args.drafter)
     args.cache_dir.mkdir(parents=True, exist_ok=True)
-    traces_path = args.cache_dir / f"traces-{drafter_dir.name}-{args.num_sequences}-{args.max_budget}.json"
+    weights = drafter_dir / "model.safetensors"
+    key = hashlib.sha1(f"{weights.resolve()}:{weights.stat().st_mtime_ns}".encode()).hexdigest()[:12]
+    traces_path = args.cache_dir / f"traces-{key}-{args.num_sequences}-{args.max_budget}.json"
     if traces_path.exists():
         traces = [Trace(**t) for t in json.loads(traces_path.read_text())]
     else:
@@ -270,9 +139,7 @@ def main(argv: list[str] | None = None) -> int:
 
     replay = Replay(cost, args.concurrency)
     rows: dict[str, dict[str, Result]] = {}
-    off = BudgetPolicy(BudgetConfig(fixed_budget=1), cost)
-    rows["off"] = Replay(cost, args.concurrency)._run(
-        traces, lambda slots: ([], [], len(slots)), lambda *a: None, off.add, off.remove)
+    rows["off"] = replay.run_off(traces)
     for b in args.budgets:
         rows[f"B={b}"] = replay.run_policy(BudgetPolicy(BudgetConfig(fixed_budget=b), cost), traces)
     rows["auto"] = replay.run_policy(BudgetPolicy(BudgetConfig(max_budget=args.max_budget), cost), traces)
