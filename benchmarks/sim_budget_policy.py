@@ -134,8 +134,8 @@ def main(argv: list[str] | None = None) -> int:
         cost_path.write_text(json.dumps({"verify": cost.verify_points, "draft": cost.draft_points}))
     cost.draft_points = [(n, seconds * args.draft_cost_scale) for n, seconds in cost.draft_points]
     cost.refresh_weight = 0.0  # the replay's clock is this model: it never drifts
-    print(f"\nverify ms: " + ", ".join(f"{n}: {s * 1e3:.1f}" for n, s in cost.verify_points)
-          + f"; draft ms: " + ", ".join(f"{n}: {s * 1e3:.1f}" for n, s in cost.draft_points))
+    print("\nverify ms: " + ", ".join(f"{n}: {s * 1e3:.1f}" for n, s in cost.verify_points)
+          + "; draft ms: " + ", ".join(f"{n}: {s * 1e3:.1f}" for n, s in cost.draft_points))
 
     replay = Replay(cost, args.concurrency)
     rows: dict[str, dict[str, Result]] = {}
