@@ -21,6 +21,9 @@ from ddtree.llm import LLM
 from ddtree.sampling_params import SamplingParams
 
 
+MODES = ("hf", "off", "dflash", "ddtree", "auto", "auto-no-ngram")
+
+
 @dataclass
 class ModeResult:
     name: str
@@ -28,6 +31,7 @@ class ModeResult:
     seconds: float = 0.0
     acceptance_lengths: list[int] = field(default_factory=list)
     budgets: list[int] = field(default_factory=list)  # nodes verified per speculative request-round
+    num_ngram_tokens: int = 0  # accepted from n-gram chains in rounds without a draft
     timings: dict = field(default_factory=dict)
     outputs: list[list[int]] = field(default_factory=list)
     pass_rates: list[float] = field(default_factory=list)  # tokens/s of each pass
@@ -50,6 +54,7 @@ class ModeResult:
         self.seconds += run.seconds
         self.acceptance_lengths += run.acceptance_lengths
         self.budgets += run.budgets
+        self.num_ngram_tokens += run.num_ngram_tokens
         self.timings = {k: self.timings.get(k, 0) + v for k, v in run.timings.items()}
 
     @property
@@ -67,7 +72,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompts per category (with --prompts: the first N of the file, 0 for all)")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--budgets", default="8,16,32,64,128", help="fixed DDTree budgets to run")
-    parser.add_argument("--modes", default="hf,off,dflash,ddtree,auto", help="which modes to run")
+    parser.add_argument("--modes", default="hf,off,dflash,ddtree,auto",
+                        help="which modes to run (also: auto-no-ngram, auto without n-gram proposals)")
     parser.add_argument("--concurrency", type=int, default=1, help="requests in flight at once")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None)
@@ -108,6 +114,7 @@ def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams,
             result.num_tokens += len(out.token_ids)
             result.acceptance_lengths.extend(out.acceptance_lengths)
             result.budgets.extend(out.stats.budgets)
+            result.num_ngram_tokens += out.stats.num_ngram_tokens
             result.outputs.append(out.token_ids)
     result.seconds = time.perf_counter() - t0
     result.timings = engine.timings.as_dict()
@@ -144,6 +151,9 @@ def run(args) -> int:
     if args.passes < 1:
         raise ValueError(f"--passes must be >= 1, got {args.passes}")
     modes = args.modes.split(",")
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        raise ValueError(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join(MODES)}")
     budgets = [int(b) for b in args.budgets.split(",") if b]
     target, drafter, tokenizer = build_workers(
         args.model, args.drafter, device=args.device, dtype=args.dtype, need_drafter=True,
@@ -168,6 +178,8 @@ def run(args) -> int:
         configs += [(f"ddtree B={b}", EngineConfig(speculation="ddtree", budget=b)) for b in budgets]
     if "auto" in modes:
         configs.append(("ddtree auto", EngineConfig(speculation="ddtree", budget="auto")))
+    if "auto-no-ngram" in modes:
+        configs.append(("ddtree auto, no n-gram", EngineConfig(speculation="ddtree", budget="auto", ngram_tokens=0)))
     engines = []
     for name, config in configs:
         config.max_num_seqs = args.concurrency
@@ -194,8 +206,8 @@ def print_table(results: list[ModeResult]) -> None:
     by_name = {r.name: r for r in results}
     off = by_name.get("off")
     hf = by_name.get("hf generate")
-    header = ("| mode | tokens/s | x off | x HF | tau | nodes/draft | drafted | draft ms/round | tree ms/round "
-              "| verify ms/round | accept ms/round |")
+    header = ("| mode | tokens/s | x off | x HF | tau | nodes/draft | drafted | n-gram tokens | draft ms/round "
+              "| tree ms/round | verify ms/round | accept ms/round |")
     print(header)
     print("|---" * (header.count("|") - 1) + "|")
     for r in results:
@@ -208,10 +220,11 @@ def print_table(results: list[ModeResult]) -> None:
         spec = r.timings.get("num_speculative_request_rounds", 0)
         request_rounds = spec + r.timings.get("num_autoregressive_request_rounds", 0)
         drafted = f"{100 * spec / request_rounds:.0f}%" if request_rounds and r.name != "off" else "-"
+        ngram = f"{100 * r.num_ngram_tokens / r.num_tokens:.0f}%" if r.num_ngram_tokens else "-"
         speed = f"{r.tokens_per_second:.1f}"
         if len(r.pass_rates) > 1:
             speed += f" ({min(r.pass_rates):.1f}-{max(r.pass_rates):.1f})"
-        print(f"| {r.name} | {speed} | {x_off} | {x_hf} | {tau} | {nodes} | {drafted} | {ms('draft')} | "
+        print(f"| {r.name} | {speed} | {x_off} | {x_hf} | {tau} | {nodes} | {drafted} | {ngram} | {ms('draft')} | "
               f"{ms('tree')} | {ms('verify')} | {ms('accept')} |")
     if off:
         same = [r.name for r in results if r.outputs and r.name != "off" and (r.outputs != off.outputs
@@ -225,6 +238,7 @@ def save(results: list[ModeResult], args) -> None:
     rows = [
         {"mode": r.name, "tokens_per_second": r.tokens_per_second, "tau": r.tau, "num_tokens": r.num_tokens,
          "mean_nodes_per_draft": sum(r.budgets) / len(r.budgets) if r.budgets else None,
+         "num_ngram_tokens": r.num_ngram_tokens,
          "seconds": r.seconds, "timings": r.timings, "tokens_per_second_per_pass": r.pass_rates or None}
         for r in results
     ]

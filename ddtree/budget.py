@@ -175,6 +175,9 @@ class BudgetPolicy:
     cost: CostModel
     states: dict[str, RequestBudgetState] = field(default_factory=dict)
     population_gain: float | None = None  # EMA of accepted nodes per speculative round over all requests
+    # n-gram proposals (ddtree.ngram): per chain depth d, an EMA over all requests of whether verifying the chain
+    # alone would have accepted its first d tokens (a node's value); the prior is what SmolLM2's own answers gave
+    ngram_acceptance: list[float] = field(default_factory=lambda: [0.5, 0.35, 0.25])
 
     def add(self, request_id: str) -> None:
         self.states[request_id] = RequestBudgetState()
@@ -304,8 +307,13 @@ class BudgetPolicy:
         )
         s.num_rounds_rested = 0
 
-    def allocate(self, request_ids: list[str], path_probs: list[list[float]], num_autoregressive: int) -> list[int]:
-        """Node count per speculating request. `path_probs[i]` are request i's node probabilities in pop order."""
+    def allocate(self, request_ids: list[str], path_probs: list[list[float]], num_autoregressive: int,
+                 num_drafted: int | None = None) -> list[int]:
+        """Node count per request with a tree. `path_probs[i]` are request i's node values in pop order: the first
+        `num_drafted` requests (default: all) were drafted (values calibrated per request); the others carry only
+        an n-gram chain (values from `ngram_values`, no drafter cost). `num_autoregressive` requests verify their
+        root alone."""
+        num_drafted = len(request_ids) if num_drafted is None else num_drafted
         if self.config.fixed_budget is not None:
             return [min(self.config.fixed_budget, len(p)) for p in path_probs]
         values = []  # (calibrated value, request index); within a request values are non-increasing
@@ -314,11 +322,11 @@ class BudgetPolicy:
             # A probe asks whether the drafter pays again, so its tree is sized by the draft's own probabilities:
             # the stale calibration that put the request in fallback would give it no nodes, and it would learn
             # nothing.
-            c = 1.0 if s.is_fallback else s.calibration
+            c = 1.0 if i >= num_drafted or s.is_fallback else s.calibration
             values.extend((min(1.0, c * p), i) for p in probs)
         values.sort(key=lambda v: -v[0])  # stable: ties keep each request's pop order
         num_requests = len(request_ids) + num_autoregressive
-        draft_seconds = self.cost.draft_seconds(len(request_ids))
+        draft_seconds = self.cost.draft_seconds(num_drafted)
         best_rate, best_k, expected = -1.0, 0, float(num_requests)
         for k in range(len(values) + 1):
             if k > 0:
@@ -331,10 +339,28 @@ class BudgetPolicy:
             counts[i] += 1
         return counts
 
+    def ngram_values(self, chain_length: int) -> list[float]:
+        """Values of an n-gram chain's nodes: the observed chance that the chain alone is accepted that deep."""
+        while len(self.ngram_acceptance) < chain_length:  # deeper than the prior: decay as it does
+            self.ngram_acceptance.append(0.7 * self.ngram_acceptance[-1])
+        return list(self.ngram_acceptance[:chain_length])
+
+    def observe_ngram(self, num_verified: int, num_accepted: int) -> None:
+        """A chain of which `num_verified` tokens were verified and the first `num_accepted` were (or, merged into
+        a drafted tree, would have been) accepted."""
+        w = self.config.ema_weight
+        for d in range(num_verified):
+            self.ngram_acceptance[d] = (1 - w) * self.ngram_acceptance[d] + w * float(d < num_accepted)
+        for d in range(1, len(self.ngram_acceptance)):  # values must not grow with depth (chains stay trees)
+            self.ngram_acceptance[d] = min(self.ngram_acceptance[d], self.ngram_acceptance[d - 1])
+
     def observe(
-        self, request_id: str, predicted: float, num_accepted_nodes: int, num_nodes: int | None = None
+        self, request_id: str, predicted: float, num_accepted_nodes: int, num_nodes: int | None = None,
+        num_accepted_without_draft: int = 0,
     ) -> None:
-        """After a speculative round: `predicted` = S(b) of the `num_nodes` verified nodes (uncalibrated)."""
+        """After a speculative round: `predicted` = S(b) of the `num_nodes` verified nodes (uncalibrated);
+        `num_accepted_without_draft`: what the round's n-gram chain alone would have accepted. Drafting's gain is
+        the accepted nodes beyond that (a request in fallback verifies its chain too)."""
         s = self.states[request_id]
         # The estimates aged over the rounds it rested: the newest observation weighs what those rounds would have.
         w = 1.0 - (1.0 - self.config.ema_weight) ** (1 + s.num_rounds_rested)
@@ -344,11 +370,12 @@ class BudgetPolicy:
         s.calibration_den = (1 - w) * s.calibration_den + w * predicted
         # A request's first observation moves its prior, the population's gain, by one round's weight: one round's
         # acceptance varies too much (0 in ~40% of rounds) to replace what all requests have shown.
+        gain = num_accepted_nodes - num_accepted_without_draft
         prior = s.gain if s.gain is not None else self.population_gain
-        s.gain = num_accepted_nodes if prior is None else (1 - w) * prior + w * num_accepted_nodes
+        s.gain = gain if prior is None else (1 - w) * prior + w * gain
         pw = self.config.ema_weight
         pg = self.population_gain
-        self.population_gain = num_accepted_nodes if pg is None else (1 - pw) * pg + pw * num_accepted_nodes
+        self.population_gain = gain if pg is None else (1 - pw) * pg + pw * gain
         if s.is_fallback:  # this was a probe: stay out unless it paid
             if self.plan_would_keep(s):
                 s.is_fallback, s.probe_interval, s.num_rounds_rested = False, 0, 0

@@ -3,9 +3,11 @@
 One round (`Engine.step`), as in DESIGN.md:
 
     admit + prefill     waiting requests that fit in KV memory join; their first token comes from the prefill
-    plan                which running requests draft this round (speculative) and which decode one token
+    plan                which running requests draft this round (speculative) and which decode without a draft
     draft               ONE drafter forward for all speculative requests: top-K log-probs for positions 1..L
-    build trees         the top-B prefixes of each request, all requests at once, then the global node allocation
+    build trees         the top-B prefixes of each request, all requests at once; in auto mode each request's
+                        n-gram proposal (ddtree.ngram) merged in, or as the whole tree of a request in fallback;
+                        then the global node allocation
     verify              ONE target forward over every request's packed tree (a root-only tree when autoregressive),
                         target tokens, acceptance walk, KV compaction: all inside the target worker
     observe + emit      budgets learn from the accepted lengths; stops are applied; finished requests leave
@@ -26,6 +28,7 @@ import torch
 
 from ddtree.budget import BudgetConfig, BudgetPolicy, CostModel, RoundPlan, check_max_probe_overhead
 from ddtree.detokenizer import Detokenizer, OutputState
+from ddtree.ngram import NgramIndex, chain_acceptance, merge_chain
 from ddtree.outputs import RequestOutput, RequestStats
 from ddtree.sampling_params import SamplingParams
 from ddtree.scheduler import EngineFullError, Scheduler
@@ -54,6 +57,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own context window
     allow_fallback: bool = True  # auto mode: requests whose drafts do not pay decode autoregressively
     max_probe_overhead: float = 0.03  # fallback probes may cost at most this fraction of a request's time
+    # auto mode: up to this many n-gram (prompt lookup) tokens from the request's own history join its tree, or
+    # form the tree of a request in fallback (no drafter call); the allocation keeps those that pay. 0: none.
+    ngram_tokens: int = 3
     # Two request groups in flight: draft one while the target verifies the other (pays when the drafter has its
     # own device and the verify pass is compute-bound; docs/serving.md has measurements). "auto": when the cost
     # model predicts it faster and the workers run concurrently (on actors).
@@ -69,6 +75,8 @@ class EngineConfig:
         check_max_probe_overhead(self.max_probe_overhead)
         if not isinstance(self.pipeline, bool) and self.pipeline != "auto":
             raise ValueError(f"pipeline must be true, false or 'auto', got {self.pipeline!r}")
+        if isinstance(self.ngram_tokens, bool) or not isinstance(self.ngram_tokens, int) or self.ngram_tokens < 0:
+            raise ValueError(f"ngram_tokens must be an integer >= 0, got {self.ngram_tokens!r}")
         for name in ("max_budget", "max_num_seqs", "max_waiting"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
@@ -108,12 +116,17 @@ class _Request:
     stats: RequestStats
     root_token_id: int | None = None  # last committed token, not yet in the KV cache
     num_text_tokens_emitted: int = 0
+    ngrams: NgramIndex | None = None  # prompt + committed tokens (auto mode with ngram_tokens > 0)
 
 
 @dataclass
 class _DraftedTrees:
-    trees: list[DraftTree] = field(default_factory=list)
+    trees: list[DraftTree] = field(default_factory=list)  # per speculative request
     predicted: list[float] = field(default_factory=list)  # S(b) of the kept nodes, uncalibrated
+    # n-gram chains as verified (after the allocation cut them), per request id; requests in fallback with a chain
+    # have their tree in ngram_trees
+    chains: dict[str, list[int]] = field(default_factory=dict)
+    ngram_trees: dict[str, DraftTree] = field(default_factory=dict)
 
 
 @dataclass
@@ -132,7 +145,8 @@ def _without(group: _DraftedGroup, request_ids: set[str]) -> _DraftedGroup | Non
     if not keep:
         return None
     plan = RoundPlan([group.plan.speculative_ids[i] for i in keep], [], [group.plan.max_budgets[i] for i in keep])
-    drafted = _DraftedTrees([group.drafted.trees[i] for i in keep], [group.drafted.predicted[i] for i in keep])
+    drafted = _DraftedTrees([group.drafted.trees[i] for i in keep], [group.drafted.predicted[i] for i in keep],
+                            {r: c for r, c in group.drafted.chains.items() if r not in request_ids})
     return _DraftedGroup(plan, drafted)
 
 
@@ -158,6 +172,9 @@ class Engine:
         if config.speculation == "dflash":  # the DFlash baseline verifies its whole argmax chain
             fixed_budget = min(fixed_budget or self.block_len, self.block_len)
         self.max_budget = (fixed_budget or config.max_budget) if self.drafter is not None else 0
+        is_auto = self.drafter is not None and config.speculation == "ddtree" and fixed_budget is None
+        self.ngram_tokens = config.ngram_tokens if is_auto else 0
+        self.max_tree_nodes = self.max_budget + self.ngram_tokens  # a verify pass's scratch entries beyond the root
         self.max_model_len = self._context_window(config.max_model_len, target)
         if cost is None:
             cost = self.measure_cost_model()
@@ -182,11 +199,11 @@ class Engine:
         prompt, every new token and one verify pass's scratch: `_admit_and_prefill`), so that every request
         accepted here can be admitted once the cache is free instead of waiting forever."""
         window = min(requested or target.max_model_len, target.max_model_len)
-        fits = target.max_request_tokens - 1 - self.max_budget
+        fits = target.max_request_tokens - 1 - self.max_tree_nodes
         if fits < 2:
             raise ValueError(
                 f"the KV cache holds {target.max_request_tokens} tokens per request, too few for a verify pass of "
-                f"{1 + self.max_budget} tokens: give it more bytes (kv_cache_bytes) or lower max_budget"
+                f"{1 + self.max_tree_nodes} tokens: give it more bytes (kv_cache_bytes) or lower max_budget"
             )
         if fits < window:
             logger.warning("context window capped at %d tokens (was %d): that is what one request can reserve "
@@ -268,7 +285,7 @@ class Engine:
         if not running:
             return outputs
         plan = self._plan(running)
-        drafted = self._collect_draft(plan, self._submit_draft(plan))
+        drafted = self._collect_draft(plan, self._submit_draft(plan), plan.autoregressive_ids)
         result = self._collect_verify(plan, self._submit_verify(plan, drafted))
         self._observe(plan, drafted, result)
         return outputs + self._emit(plan, result)
@@ -336,7 +353,7 @@ class Engine:
         def try_allocate(rid: str) -> bool:
             req = self.requests[rid]
             # Room for the prompt, every new token, and one verify pass's scratch entries.
-            capacity = len(req.prompt_token_ids) + req.output.max_new_tokens + 1 + self.max_budget
+            capacity = len(req.prompt_token_ids) + req.output.max_new_tokens + 1 + self.max_tree_nodes
             return self.target.allocate(rid, capacity, req.output.params)
 
         admitted = self.scheduler.admit(try_allocate)
@@ -349,6 +366,8 @@ class Engine:
         for rid, token in zip(admitted, first_tokens):
             self.budget.add(rid)
             req = self.requests[rid]
+            if self.ngram_tokens:
+                req.ngrams = NgramIndex(req.prompt_token_ids)
             req.stats.first_token_time = time.perf_counter()
             outputs.append(self._append_tokens(req, [token]))
         return [o for o in outputs if o is not None]
@@ -368,36 +387,86 @@ class Engine:
         features = self.target.take_features(plan.speculative_ids)
         return self.drafter.draft_async(plan.speculative_ids, roots, features, self.max_budget)
 
-    def _collect_draft(self, plan: RoundPlan, pending) -> _DraftedTrees:
-        """The drafter's top-K as trees, cut to the round's global node allocation."""
+    def _collect_draft(self, plan: RoundPlan, pending, ngram_candidates: list[str] = ()) -> _DraftedTrees:
+        """The drafter's top-K as trees (each with its request's n-gram chain merged in, in auto mode), and the
+        n-gram chains of `ngram_candidates` (requests decoding without a draft this round) as trees of their own,
+        all cut to the round's global node allocation."""
         drafted = _DraftedTrees()
-        if pending is None:
-            return drafted
-        topk_logprobs, topk_token_ids = pending.result()
-        draft_seconds = pending.seconds
+        trees: list[DraftTree] = []
+        path_probs: list[list[float]] = []
         t1 = time.perf_counter()
-        if self.config.speculation == "dflash":
-            trees = chain_trees_from_topk(topk_logprobs, topk_token_ids, plan.max_budgets)
-        else:
-            trees = build_trees_from_topk(topk_logprobs, topk_token_ids, plan.max_budgets)
-        # One host sync per round: node probabilities become plain floats for the budget policy.
-        flat_probs = torch.cat([t.path_logprobs for t in trees]).exp().tolist()
-        path_probs, start = [], 0
-        for t in trees:
-            path_probs.append(flat_probs[start : start + t.num_nodes])
-            start += t.num_nodes
-        counts = self.budget.allocate(plan.speculative_ids, path_probs, len(plan.autoregressive_ids))
-        drafted.trees = [_truncate(t, n) for t, n in zip(trees, counts)]
-        drafted.predicted = [sum(p[:n]) for p, n in zip(path_probs, counts)]
-        self.timings.draft += draft_seconds
-        self.timings.num_draft_calls += 1
+        if pending is not None:
+            topk_logprobs, topk_token_ids = pending.result()
+            self.timings.draft += pending.seconds
+            self.timings.num_draft_calls += 1
+            self.budget.cost.observe_draft(len(plan.speculative_ids), pending.seconds)
+            t1 = time.perf_counter()
+            if self.config.speculation == "dflash":
+                trees = chain_trees_from_topk(topk_logprobs, topk_token_ids, plan.max_budgets)
+            else:
+                trees = build_trees_from_topk(topk_logprobs, topk_token_ids, plan.max_budgets)
+            # One host sync per round: node probabilities become plain floats for the budget policy.
+            flat_probs = torch.cat([t.path_logprobs for t in trees]).exp().tolist()
+            start = 0
+            for t in trees:
+                path_probs.append(flat_probs[start : start + t.num_nodes])
+                start += t.num_nodes
+        chain_nodes: dict[str, tuple[list[int], list[int]]] = {}  # request id -> (chain, its nodes in the tree)
+        request_ids = list(plan.speculative_ids)
+        if self.ngram_tokens:
+            for i, rid in enumerate(plan.speculative_ids):
+                chain = self.requests[rid].ngrams.propose(self.ngram_tokens)
+                if chain:
+                    trees[i], path_probs[i], nodes = self._merge_chain(trees[i], path_probs[i], chain)
+                    chain_nodes[rid] = (chain, nodes)
+            for rid in ngram_candidates:
+                chain = self.requests[rid].ngrams.propose(self.ngram_tokens)
+                if chain:
+                    tree, probs, nodes = self._merge_chain(None, [], chain)
+                    trees.append(tree)
+                    path_probs.append(probs)
+                    chain_nodes[rid] = (chain, nodes)
+                    request_ids.append(rid)
+        if not trees:
+            return drafted
+        num_drafted = len(plan.speculative_ids)
+        num_root_only = len(plan.autoregressive_ids) - (len(request_ids) - num_drafted)
+        counts = self.budget.allocate(request_ids, path_probs, num_root_only, num_drafted=num_drafted)
+        kept = [_truncate(t, n) for t, n in zip(trees, counts)]
+        drafted.trees = kept[:num_drafted]
+        drafted.predicted = [sum(p[:n]) for p, n in zip(path_probs[:num_drafted], counts[:num_drafted])]
+        for rid, tree, n in zip(request_ids, kept, counts):
+            if rid in chain_nodes:
+                chain, nodes = chain_nodes[rid]
+                num_kept = sum(1 for node in nodes if node < n)  # a prefix of the chain: parents come first
+                if num_kept:
+                    drafted.chains[rid] = chain[:num_kept]
+        drafted.ngram_trees = {rid: t for rid, t in zip(request_ids[num_drafted:], kept[num_drafted:]) if t.num_nodes}
         self.timings.tree += time.perf_counter() - t1
-        self.budget.cost.observe_draft(len(plan.speculative_ids), draft_seconds)
         return drafted
+
+    def _merge_chain(self, tree: DraftTree | None, values: list[float], chain: list[int]
+                     ) -> tuple[DraftTree, list[float], list[int]]:
+        """`tree` (None: an empty one) with an n-gram chain merged in, nodes re-ordered by value (ddtree.ngram)."""
+        device = "cpu" if tree is None else tree.token_ids.device  # the target worker moves trees to its device
+        token_ids = [] if tree is None else tree.token_ids.tolist()
+        parents = [] if tree is None else tree.parents.tolist()
+        token_ids, parents, values, nodes = merge_chain(
+            token_ids, parents, values, chain, self.budget.ngram_values(len(chain)))
+        depths = []
+        for p in parents:
+            depths.append(1 if p < 0 else depths[p] + 1)
+        merged = DraftTree(
+            torch.tensor(token_ids, dtype=torch.int64, device=device),
+            torch.tensor(parents, dtype=torch.int64, device=device),
+            torch.tensor(depths, dtype=torch.int64, device=device),
+            torch.tensor(values, dtype=torch.float32, device=device).log(),
+        )
+        return merged, values, nodes
 
     def _submit_verify(self, plan: RoundPlan, drafted: _DraftedTrees):
         request_ids = plan.speculative_ids + plan.autoregressive_ids
-        trees = drafted.trees + [None] * len(plan.autoregressive_ids)
+        trees = drafted.trees + [drafted.ngram_trees.get(r) for r in plan.autoregressive_ids]
         roots = [self.requests[r].root_token_id for r in request_ids]
         return self.target.verify_async(request_ids, trees, roots)
 
@@ -413,14 +482,26 @@ class Engine:
 
     def _observe(self, plan: RoundPlan, drafted: _DraftedTrees, result: VerifyResult) -> None:
         for i, rid in enumerate(plan.speculative_ids):
-            num_accepted = len(result.accepted_token_ids[i])
-            self.budget.observe(rid, drafted.predicted[i], num_accepted, drafted.trees[i].num_nodes)
+            accepted = result.accepted_token_ids[i]
+            chain = drafted.chains.get(rid)
+            # what the chain alone would have accepted: drafting's gain is the rest
+            without_draft = chain_acceptance(chain, accepted + [result.bonus_token_ids[i]]) if chain else 0
+            if chain:
+                self.budget.observe_ngram(len(chain), without_draft)
+            self.budget.observe(rid, drafted.predicted[i], len(accepted), drafted.trees[i].num_nodes, without_draft)
             stats = self.requests[rid].stats
-            stats.acceptance_lengths.append(num_accepted + 1)
+            stats.acceptance_lengths.append(len(accepted) + 1)
             stats.budgets.append(drafted.trees[i].num_nodes)
             stats.num_speculative_rounds += 1
-        for rid in plan.autoregressive_ids:
-            self.requests[rid].stats.num_autoregressive_rounds += 1
+        num_speculative = len(plan.speculative_ids)
+        for j, rid in enumerate(plan.autoregressive_ids):
+            stats = self.requests[rid].stats
+            stats.num_autoregressive_rounds += 1
+            chain = drafted.chains.get(rid)
+            if chain:
+                num_accepted = len(result.accepted_token_ids[num_speculative + j])
+                self.budget.observe_ngram(len(chain), num_accepted)
+                stats.num_ngram_tokens += num_accepted
 
     def _emit(self, plan: RoundPlan, result: VerifyResult) -> list[RequestOutput]:
         t0 = time.perf_counter()
@@ -435,6 +516,8 @@ class Engine:
 
     def _append_tokens(self, req: _Request, tokens: list[int]) -> RequestOutput | None:
         kept = self.detokenizer.append(req.output, tokens)
+        if req.ngrams is not None:
+            req.ngrams.extend(kept)
         req.root_token_id = kept[-1] if kept else req.root_token_id
         new_text = self.detokenizer.take_new_text(req.output)
         if req.output.finish_reason is not None:

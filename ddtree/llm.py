@@ -19,7 +19,9 @@ class LLM:
     "dflash" (the drafter's argmax chain, the single-path baseline) or "off" (plain autoregressive decoding).
     `budget`: "auto" (adaptive per request and per round) or a fixed node count per speculative request.
     `allow_fallback` (auto budget): requests whose drafts do not pay decode autoregressively, probed again at most
-    `max_probe_overhead` of their time (docs/engine.md, "Budgets and fallback").
+    `max_probe_overhead` of their time (docs/engine.md, "Budgets and fallback"). `ngram_tokens` (auto budget): up
+    to this many tokens proposed from the request's own history (prompt lookup) join its tree, or are verified
+    alone by a request in fallback; 0 turns them off.
     """
 
     def __init__(
@@ -38,6 +40,7 @@ class LLM:
         attention: str = "auto",
         allow_fallback: bool = True,
         max_probe_overhead: float = 0.03,
+        ngram_tokens: int = 3,
     ) -> None:
         from ddtree.workers import build_workers
 
@@ -49,6 +52,7 @@ class LLM:
             max_model_len=max_model_len,
             allow_fallback=allow_fallback,
             max_probe_overhead=max_probe_overhead,
+            ngram_tokens=ngram_tokens,
         )
         target, drafter_worker, tokenizer = build_workers(
             model,

@@ -11,6 +11,7 @@ class RequestStats:
     budgets: list[int] = field(default_factory=list)  # nodes verified per speculative round
     num_autoregressive_rounds: int = 0
     num_speculative_rounds: int = 0
+    num_ngram_tokens: int = 0  # tokens accepted from n-gram chains in rounds without a draft (fallback)
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
@@ -28,6 +29,7 @@ class RequestStats:
             "budgets": list(self.budgets),
             "num_speculative_rounds": self.num_speculative_rounds,
             "num_autoregressive_rounds": self.num_autoregressive_rounds,
+            "num_ngram_tokens": self.num_ngram_tokens,
             "time_to_first_token_s": None
             if self.first_token_time is None
             else self.first_token_time - self.arrival_time,

@@ -43,6 +43,9 @@ class DraftTree:
     def num_nodes(self) -> int:
         return int(self.token_ids.numel())
 
+    def to(self, device: torch.device | str) -> "DraftTree":
+        return DraftTree(*(t.to(device) for t in (self.token_ids, self.parents, self.depths, self.path_logprobs)))
+
     @staticmethod
     def empty(device: torch.device | str = "cpu") -> "DraftTree":
         """The tree of an autoregressive step: no nodes, only the root."""

@@ -119,7 +119,7 @@ class TargetWorker:
         t0 = time.perf_counter()
         seq_ids = [self._seq_ids[r] for r in request_ids]
         device = self.model.device
-        trees = [t if t is not None else DraftTree.empty(device) for t in trees]
+        trees = [t.to(device) if t is not None else DraftTree.empty(device) for t in trees]
         num_cached = [self.model.kv.num_committed(s) for s in seq_ids]
         packed = pack(trees, root_token_ids, num_cached, device=device)
         logits, features = self.model.verify(seq_ids, packed)  # [N, V], [N, F]

@@ -58,6 +58,9 @@ class AppArgs(BaseModel):
         True, description="In 'auto' budget mode, requests whose drafts do not pay decode autoregressively.")
     max_probe_overhead: float = Field(
         0.03, gt=0, le=1, description="Fallback probes may cost at most this fraction of a request's time.")
+    ngram_tokens: int = Field(
+        3, ge=0, description="In 'auto' budget mode, up to this many tokens proposed from the request's own history "
+        "(prompt lookup) join its draft tree, or are verified alone by a request in fallback. 0: none.")
     pipeline: bool | Literal["auto"] = Field(
         "auto", description="Two request groups in flight: the drafter actor drafts one while the target actor "
                            "verifies the other. Pays when the drafter has its own device and verify passes are "

@@ -36,6 +36,7 @@ class DDTreeEngine:
             max_model_len=self.args.max_model_len,
             allow_fallback=self.args.allow_fallback,
             max_probe_overhead=self.args.max_probe_overhead,
+            ngram_tokens=self.args.ngram_tokens,
             pipeline=self.args.pipeline,
         )
         target = self.actors.target_proxy

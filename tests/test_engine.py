@@ -132,7 +132,6 @@ def test_stops_apply_to_tokens_accepted_in_one_round(workers):
 
 def test_eos_and_context_length(workers, checkpoints):
     target, drafter, tok = workers
-    llm = make_llm(workers, speculation="ddtree", budget=16)
     free = make_llm(workers, speculation="off").generate(PROMPTS[0], greedy(40))[0]
     eos_target = free.token_ids[3]
     target.eos_token_ids.append(eos_target)  # pretend that token is EOS for a moment
@@ -209,6 +208,44 @@ def test_fallback_skips_the_drafter_and_recovers(workers):
     assert all(finals[i].stats.num_speculative_rounds >= 2 for i in ids)
 
 
+# The drafter never pays, a verify of a few tokens costs what one does: only n-gram chains speculate.
+NGRAM_ONLY_COST = CostModel([(1, 0.010), (8, 0.0102), (64, 0.05)], [(1, 0.050), (16, 0.060)])
+
+
+def test_ngram_chains_of_requests_in_fallback_are_exact_and_accepted(workers):
+    prompts = ["the cat the cat the cat the", "ab ab ab ab ab", "12 + 7 = 12 + 7 ="]
+    reference = make_llm(workers, speculation="off").generate(prompts, greedy(40))
+    target, drafter, tok = workers
+    for ngram_tokens in (3, 1):
+        engine = Engine(EngineConfig(max_num_seqs=2, ngram_tokens=ngram_tokens), target, drafter, tok,
+                        cost=copy.deepcopy(NGRAM_ONLY_COST))
+        outputs = LLM.from_engine(engine).generate(prompts, greedy(40))
+        assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
+        assert engine.timings.num_draft_calls == 0
+        assert sum(o.stats.num_ngram_tokens for o in outputs) > 0
+        assert engine.budget.ngram_acceptance != [0.5, 0.35, 0.25]  # learned from the chains
+    # fixed budgets and the DFlash baseline stay pure: no n-gram nodes
+    for config in (dict(budget=4), dict(speculation="dflash")):
+        engine = make_llm(workers, **config).engine
+        assert engine.ngram_tokens == 0 and engine.max_tree_nodes == engine.max_budget
+
+
+def test_ngram_chains_merge_into_drafted_trees_exactly(workers):
+    prompts = ["the cat the cat the cat the", "ab ab ab ab ab"]
+    reference = make_llm(workers, speculation="off").generate(prompts, greedy(40))
+    llm = make_llm(workers, max_num_seqs=2, allow_fallback=False)
+    outputs = llm.generate(prompts, greedy(40))
+    assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
+    budgets = [b for o in outputs for b in o.stats.budgets]
+    assert max(budgets) > 0 and llm.engine.budget.ngram_acceptance != [0.5, 0.35, 0.25]
+
+
+def test_ngram_config_is_validated():
+    for bad in (-1, 1.5, True, "3"):
+        with pytest.raises(ValueError, match="ngram_tokens"):
+            EngineConfig(ngram_tokens=bad)
+
+
 def _chi_square_p_value(observed: Counter, expected_probs: dict, n: int) -> float:
     """Pearson chi-square with categories of expected count < 5 pooled; Wilson-Hilferty approximation."""
     stat, pooled_obs, pooled_exp, dof = 0.0, 0, 0.0, -1
@@ -231,13 +268,15 @@ def _chi_square_p_value(observed: Counter, expected_probs: dict, n: int) -> floa
     return 0.5 * math.erfc(z / math.sqrt(2))
 
 
-def test_sampling_matches_the_target_distribution(checkpoints, workers):
-    """Three sampled tokens after a fixed prompt (two of them through a verify round with a 16-node tree) are
-    distributed as the target's own top-k=3, T=1 distribution, computed exactly with Hugging Face."""
+@pytest.mark.parametrize("proposals", ["tree", "ngram"])
+def test_sampling_matches_the_target_distribution(checkpoints, workers, proposals):
+    """Three sampled tokens after a fixed prompt (two of them through a verify round with a 16-node tree, or with
+    n-gram chains from the prompt's repeats) are distributed as the target's own top-k=3, T=1 distribution,
+    computed exactly with Hugging Face."""
     from transformers import AutoModelForCausalLM
 
     tok = workers[2]
-    prompt = tok.encode("the cat", add_special_tokens=False)
+    prompt = tok.encode("the cat" if proposals == "tree" else "the cat the cat the", add_special_tokens=False)
     hf = AutoModelForCausalLM.from_pretrained(checkpoints[0], dtype=torch.float64).eval()
 
     def dist(ids):
@@ -252,12 +291,20 @@ def test_sampling_matches_the_target_distribution(checkpoints, workers):
             for c, pc in dist(prompt + [a, b]).items():
                 expected[(a, b, c)] = pa * pb * pc
     params = SamplingParams(temperature=1.0, top_k=3, max_tokens=3, ignore_eos=True)
-    llm = make_llm(workers, speculation="ddtree", budget=16, max_num_seqs=8)
+    if proposals == "tree":
+        llm = make_llm(workers, speculation="ddtree", budget=16, max_num_seqs=8)
+    else:
+        target, drafter, _ = workers
+        llm = LLM.from_engine(Engine(EngineConfig(max_num_seqs=8), target, drafter, tok,
+                                     cost=copy.deepcopy(NGRAM_ONLY_COST)))
     n = 1500
     torch.manual_seed(1234)
     outs = llm.generate([prompt] * n, params)
     observed = Counter(tuple(o.token_ids) for o in outs)
-    assert sum(a for o in outs for a in o.acceptance_lengths if a > 1) > 0  # drafts were accepted sometimes
+    if proposals == "tree":
+        assert sum(a for o in outs for a in o.acceptance_lengths if a > 1) > 0  # drafts were accepted sometimes
+    else:
+        assert llm.engine.timings.num_draft_calls == 0 and sum(o.stats.num_ngram_tokens for o in outs) > 0
     assert _chi_square_p_value(observed, expected, n) > 1e-4
     # The same test rejects a wrong distribution (the draft-free argmax chain is far from it).
     wrong = Counter({max(expected, key=expected.get): n})
