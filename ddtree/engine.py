@@ -103,6 +103,7 @@ class RoundTimings:
     num_pipelined_phases: int = 0  # steps run with two request groups in flight (pipeline=True or "auto")
     num_speculative_request_rounds: int = 0
     num_autoregressive_request_rounds: int = 0
+    num_ngram_tokens: int = 0  # accepted from the n-gram chains of requests in fallback
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -502,6 +503,7 @@ class Engine:
                 num_accepted = len(result.accepted_token_ids[num_speculative + j])
                 self.budget.observe_ngram(len(chain), num_accepted)
                 stats.num_ngram_tokens += num_accepted
+                self.timings.num_ngram_tokens += num_accepted
 
     def _emit(self, plan: RoundPlan, result: VerifyResult) -> list[RequestOutput]:
         t0 = time.perf_counter()

@@ -7,6 +7,7 @@ deployment, replica and application). Recorded once per round from the engine lo
     ddtree_round_budget                      Histogram  draft tree nodes verified per speculative request-round
     ddtree_speculative_requests              Gauge      requests that drafted in the last round
     ddtree_autoregressive_requests           Gauge      requests in fallback (no draft) in the last round
+    ddtree_ngram_tokens_total                Counter    tokens accepted from the n-gram chains of requests in fallback
     ddtree_running_requests                  Gauge      requests being decoded
     ddtree_queue_depth                       Gauge      requests waiting for admission
     ddtree_kv_cache_bytes_used               Gauge      target KV cache bytes in use (refreshed every `kv_every_s`)
@@ -52,6 +53,8 @@ class EngineMetrics:
                                 boundaries=_BUDGET_BOUNDARIES)
         self.speculative = Gauge("ddtree_speculative_requests", "Requests that drafted in the last round.")
         self.fallback = Gauge("ddtree_autoregressive_requests", "Requests decoding without a draft (fallback).")
+        self.ngram_tokens = Counter("ddtree_ngram_tokens_total",
+                                    "Tokens accepted from n-gram chains of requests in fallback (no draft).")
         self.running = Gauge("ddtree_running_requests", "Requests being decoded.")
         self.queue_depth = Gauge("ddtree_queue_depth", "Requests waiting for admission.")
         self.kv_bytes = Gauge("ddtree_kv_cache_bytes_used", "Target KV cache bytes in use.")
@@ -94,6 +97,8 @@ class EngineMetrics:
         self._last_timings = timings
         self.speculative.set(delta["num_speculative_request_rounds"])
         self.fallback.set(delta["num_autoregressive_request_rounds"])
+        if delta["num_ngram_tokens"]:
+            self.ngram_tokens.inc(delta["num_ngram_tokens"])
         self.running.set(report.num_running)
         self.queue_depth.set(report.num_waiting)
         self.round_seconds.observe(report.wall_seconds)
