@@ -345,11 +345,11 @@ class BudgetPolicy:
             self.ngram_acceptance.append(0.7 * self.ngram_acceptance[-1])
         return list(self.ngram_acceptance[:chain_length])
 
-    def observe_ngram(self, num_verified: int, num_accepted: int) -> None:
-        """A chain of which `num_verified` tokens were verified and the first `num_accepted` were (or, merged into
-        a drafted tree, would have been) accepted."""
+    def observe_ngram(self, num_known: int, num_accepted: int) -> None:
+        """A proposed chain whose first `num_known` depths have a known outcome: the first `num_accepted` of them
+        would be accepted by verifying the chain alone, the rest not."""
         w = self.config.ema_weight
-        for d in range(num_verified):
+        for d in range(num_known):
             self.ngram_acceptance[d] = (1 - w) * self.ngram_acceptance[d] + w * float(d < num_accepted)
         for d in range(1, len(self.ngram_acceptance)):  # values must not grow with depth (chains stay trees)
             self.ngram_acceptance[d] = min(self.ngram_acceptance[d], self.ngram_acceptance[d - 1])

@@ -124,9 +124,9 @@ class _Request:
 class _DraftedTrees:
     trees: list[DraftTree] = field(default_factory=list)  # per speculative request
     predicted: list[float] = field(default_factory=list)  # S(b) of the kept nodes, uncalibrated
-    # n-gram chains as verified (after the allocation cut them), per request id; requests in fallback with a chain
-    # have their tree in ngram_trees
-    chains: dict[str, list[int]] = field(default_factory=dict)
+    # n-gram chains proposed this round, per request id (whether or not the allocation kept their nodes); requests
+    # in fallback whose chain was kept verify it as their tree (ngram_trees)
+    proposals: dict[str, list[int]] = field(default_factory=dict)
     ngram_trees: dict[str, DraftTree] = field(default_factory=dict)
 
 
@@ -147,7 +147,7 @@ def _without(group: _DraftedGroup, request_ids: set[str]) -> _DraftedGroup | Non
         return None
     plan = RoundPlan([group.plan.speculative_ids[i] for i in keep], [], [group.plan.max_budgets[i] for i in keep])
     drafted = _DraftedTrees([group.drafted.trees[i] for i in keep], [group.drafted.predicted[i] for i in keep],
-                            {r: c for r, c in group.drafted.chains.items() if r not in request_ids})
+                            {r: c for r, c in group.drafted.proposals.items() if r not in request_ids})
     return _DraftedGroup(plan, drafted)
 
 
@@ -412,21 +412,20 @@ class Engine:
             for t in trees:
                 path_probs.append(flat_probs[start : start + t.num_nodes])
                 start += t.num_nodes
-        chain_nodes: dict[str, tuple[list[int], list[int]]] = {}  # request id -> (chain, its nodes in the tree)
         request_ids = list(plan.speculative_ids)
         if self.ngram_tokens:
             for i, rid in enumerate(plan.speculative_ids):
                 chain = self.requests[rid].ngrams.propose(self.ngram_tokens)
                 if chain:
-                    trees[i], path_probs[i], nodes = self._merge_chain(trees[i], path_probs[i], chain)
-                    chain_nodes[rid] = (chain, nodes)
+                    trees[i], path_probs[i] = self._merge_chain(trees[i], path_probs[i], chain)
+                    drafted.proposals[rid] = chain
             for rid in ngram_candidates:
                 chain = self.requests[rid].ngrams.propose(self.ngram_tokens)
                 if chain:
-                    tree, probs, nodes = self._merge_chain(None, [], chain)
+                    tree, probs = self._merge_chain(None, [], chain)
                     trees.append(tree)
                     path_probs.append(probs)
-                    chain_nodes[rid] = (chain, nodes)
+                    drafted.proposals[rid] = chain
                     request_ids.append(rid)
         if not trees:
             return drafted
@@ -436,23 +435,17 @@ class Engine:
         kept = [_truncate(t, n) for t, n in zip(trees, counts)]
         drafted.trees = kept[:num_drafted]
         drafted.predicted = [sum(p[:n]) for p, n in zip(path_probs[:num_drafted], counts[:num_drafted])]
-        for rid, tree, n in zip(request_ids, kept, counts):
-            if rid in chain_nodes:
-                chain, nodes = chain_nodes[rid]
-                num_kept = sum(1 for node in nodes if node < n)  # a prefix of the chain: parents come first
-                if num_kept:
-                    drafted.chains[rid] = chain[:num_kept]
         drafted.ngram_trees = {rid: t for rid, t in zip(request_ids[num_drafted:], kept[num_drafted:]) if t.num_nodes}
         self.timings.tree += time.perf_counter() - t1
         return drafted
 
     def _merge_chain(self, tree: DraftTree | None, values: list[float], chain: list[int]
-                     ) -> tuple[DraftTree, list[float], list[int]]:
+                     ) -> tuple[DraftTree, list[float]]:
         """`tree` (None: an empty one) with an n-gram chain merged in, nodes re-ordered by value (ddtree.ngram)."""
         device = "cpu" if tree is None else tree.token_ids.device  # the target worker moves trees to its device
         token_ids = [] if tree is None else tree.token_ids.tolist()
         parents = [] if tree is None else tree.parents.tolist()
-        token_ids, parents, values, nodes = merge_chain(
+        token_ids, parents, values = merge_chain(
             token_ids, parents, values, chain, self.budget.ngram_values(len(chain)))
         depths = []
         for p in parents:
@@ -463,7 +456,7 @@ class Engine:
             torch.tensor(depths, dtype=torch.int64, device=device),
             torch.tensor(values, dtype=torch.float32, device=device).log(),
         )
-        return merged, values, nodes
+        return merged, values
 
     def _submit_verify(self, plan: RoundPlan, drafted: _DraftedTrees):
         request_ids = plan.speculative_ids + plan.autoregressive_ids
@@ -484,11 +477,8 @@ class Engine:
     def _observe(self, plan: RoundPlan, drafted: _DraftedTrees, result: VerifyResult) -> None:
         for i, rid in enumerate(plan.speculative_ids):
             accepted = result.accepted_token_ids[i]
-            chain = drafted.chains.get(rid)
-            # what the chain alone would have accepted: drafting's gain is the rest
-            without_draft = chain_acceptance(chain, accepted + [result.bonus_token_ids[i]]) if chain else 0
-            if chain:
-                self.budget.observe_ngram(len(chain), without_draft)
+            # what the request's chain alone would have accepted: drafting's gain is the rest
+            without_draft = self._observe_proposal(drafted.proposals.get(rid), accepted + [result.bonus_token_ids[i]])
             self.budget.observe(rid, drafted.predicted[i], len(accepted), drafted.trees[i].num_nodes, without_draft)
             stats = self.requests[rid].stats
             stats.acceptance_lengths.append(len(accepted) + 1)
@@ -498,12 +488,22 @@ class Engine:
         for j, rid in enumerate(plan.autoregressive_ids):
             stats = self.requests[rid].stats
             stats.num_autoregressive_rounds += 1
-            chain = drafted.chains.get(rid)
-            if chain:
-                num_accepted = len(result.accepted_token_ids[num_speculative + j])
-                self.budget.observe_ngram(len(chain), num_accepted)
-                stats.num_ngram_tokens += num_accepted
-                self.timings.num_ngram_tokens += num_accepted
+            accepted = result.accepted_token_ids[num_speculative + j]
+            self._observe_proposal(drafted.proposals.get(rid), accepted + [result.bonus_token_ids[num_speculative + j]])
+            stats.num_ngram_tokens += len(accepted)
+            self.timings.num_ngram_tokens += len(accepted)
+
+    def _observe_proposal(self, chain: list[int] | None, committed: list[int]) -> int:
+        """How many of a proposed chain's tokens the target's own (`committed`: accepted + bonus) confirm, recorded
+        for the chain values, whether or not the chain was verified: at T=0 the target's tokens along the committed
+        path are what verifying the chain alone would have compared it with (at T>0 too: samples are keyed by
+        position). Depths past the committed tokens, after a confirmed prefix, stay unknown."""
+        if not chain:
+            return 0
+        num_confirmed = chain_acceptance(chain, committed)
+        is_rejection_known = num_confirmed < min(len(chain), len(committed))
+        self.budget.observe_ngram(num_confirmed + int(is_rejection_known), num_confirmed)
+        return num_confirmed
 
     def _emit(self, plan: RoundPlan, result: VerifyResult) -> list[RequestOutput]:
         t0 = time.perf_counter()

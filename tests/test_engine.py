@@ -230,6 +230,17 @@ def test_ngram_chains_of_requests_in_fallback_are_exact_and_accepted(workers):
         assert engine.ngram_tokens == 0 and engine.max_tree_nodes == engine.max_budget
 
 
+def test_ngram_values_learn_from_chains_that_were_not_verified(workers):
+    # A second verify token costs three first ones: no chain pays, none is verified, yet every round compares the
+    # proposal with the target's own tokens, so the values keep following the workload.
+    target, drafter, tok = workers
+    expensive = CostModel([(1, 0.010), (2, 0.030), (64, 1.0)], [(1, 0.050), (16, 0.060)])
+    engine = Engine(EngineConfig(max_num_seqs=2), target, drafter, tok, cost=expensive)
+    outputs = LLM.from_engine(engine).generate(["the cat the cat the cat the", "ab ab ab ab ab"], greedy(40))
+    assert sum(o.stats.num_ngram_tokens for o in outputs) == 0 and engine.timings.num_draft_calls == 0
+    assert engine.budget.ngram_acceptance != [0.5, 0.35, 0.25]
+
+
 def test_ngram_chains_merge_into_drafted_trees_exactly(workers):
     prompts = ["the cat the cat the cat the", "ab ab ab ab ab"]
     reference = make_llm(workers, speculation="off").generate(prompts, greedy(40))

@@ -40,11 +40,9 @@ def brute_force_proposal(tokens, k, max_n=3):
 def test_merge_chain_shares_nodes_and_keeps_every_prefix_a_tree():
     # tree: 5 (0.6) -> 6 (0.3); 7 (0.2) at the root
     tokens, parents, values = [5, 6, 7], [-1, 0, -1], [0.6, 0.3, 0.2]
-    merged_tokens, merged_parents, merged_values, nodes = merge_chain(tokens, parents, values, [5, 8, 9],
-                                                                      [0.5, 0.35, 0.25])
+    merged_tokens, merged_parents, merged_values = merge_chain(tokens, parents, values, [5, 8, 9], [0.5, 0.35, 0.25])
     assert merged_values == sorted(merged_values, reverse=True)
     assert len(merged_tokens) == 5  # 5 is shared, 8 and 9 are new
-    assert [merged_tokens[n] for n in nodes] == [5, 8, 9]
     for i, p in enumerate(merged_parents):
         assert p < i  # parents first: any first k nodes are a tree
     paths = {}
@@ -54,10 +52,8 @@ def test_merge_chain_shares_nodes_and_keeps_every_prefix_a_tree():
     assert merged_values[merged_tokens.index(8)] == 0.35
 
     # a chain alone is a tree of its own; a chain value above the tree's raises the shared node
-    t, p, v, n = merge_chain([], [], [], [4, 4], [0.5, 0.4])
-    assert (t, p, v, n) == ([4, 4], [-1, 0], [0.5, 0.4], [0, 1])
-    t, p, v, n = merge_chain([5], [-1], [0.1], [5], [0.5])
-    assert (t, v, n) == ([5], [0.5], [0])
+    assert merge_chain([], [], [], [4, 4], [0.5, 0.4]) == ([4, 4], [-1, 0], [0.5, 0.4])
+    assert merge_chain([5], [-1], [0.1], [5], [0.5]) == ([5], [-1], [0.5])
 
 
 def test_chain_acceptance_counts_the_confirmed_prefix():
