@@ -32,22 +32,14 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from ddtree.models.dflash import load_dflash, load_draft_vocab
     from ddtree.training.data import FeatureReader, read_sequences, stored_layer_ids
-    from ddtree.training.evaluate import evaluate_tau
+    from ddtree.training.evaluate import evaluate_tau, load_for_evaluation
     from ddtree.training.prompts import CATEGORIES
-    from ddtree.training.target import load_target
     from ddtree.workers import resolve_drafter_path
 
     torch.set_num_threads(args.threads)
     drafter_dir = resolve_drafter_path(None, args.drafter)
-    _, drafter = load_dflash(drafter_dir)
-    target, _ = load_target("smollm2-135m-instruct")
-    embed = target.get_input_embeddings().weight.detach()
-    lm_head = target.get_output_embeddings().weight.detach()
-    del target
-    draft_vocab = load_draft_vocab(drafter_dir, lm_head.shape[0])
-    draft_token_ids = None if draft_vocab is None else torch.tensor(draft_vocab)
+    drafter, embed, lm_head, draft_token_ids = load_for_evaluation(drafter_dir)
     sequences = read_sequences(args.data_dir)
     if not 0 < args.num_seen < len(sequences):
         raise ValueError(f"--num-seen must be in (0, {len(sequences)}): the data set has {len(sequences)} sequences")

@@ -33,21 +33,12 @@ from ddtree.budget_replay import Replay, Result, Trace  # noqa: E402
 
 def compute_traces(drafter_dir: Path, eval_dir: Path, categories: list[str], num_sequences: int,
                    max_budget: int) -> list[Trace]:
-    import torch
 
-    from ddtree.models.dflash import load_dflash, load_draft_vocab
     from ddtree.training.data import FeatureReader, read_sequences, stored_layer_ids
-    from ddtree.training.evaluate import draft_topk_at_every_anchor
-    from ddtree.training.target import load_target
+    from ddtree.training.evaluate import draft_topk_at_every_anchor, load_for_evaluation
     from ddtree.tree import build_tree_from_topk
 
-    _, drafter = load_dflash(drafter_dir)
-    target, _ = load_target("smollm2-135m-instruct")
-    embed = target.get_input_embeddings().weight.detach()
-    lm_head = target.get_output_embeddings().weight.detach()
-    del target
-    draft_vocab = load_draft_vocab(drafter_dir, lm_head.shape[0])
-    draft_token_ids = None if draft_vocab is None else torch.tensor(draft_vocab)
+    drafter, embed, lm_head, draft_token_ids = load_for_evaluation(drafter_dir)
     traces = []
     for category in categories:
         data_dir = eval_dir / category

@@ -49,11 +49,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from ddtree.models.dflash import load_dflash, load_draft_vocab
     from ddtree.training.data import FeatureReader, read_sequences, stored_layer_ids
-    from ddtree.training.evaluate import draft_topk_at_every_anchor
+    from ddtree.training.evaluate import draft_topk_at_every_anchor, load_for_evaluation
     from ddtree.training.prompts import CATEGORIES
-    from ddtree.training.target import load_target
     from ddtree.tree import build_tree_from_topk
     from ddtree.workers import resolve_drafter_path
 
@@ -63,13 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     cost = CostModel([tuple(p) for p in points["verify"]], [tuple(p) for p in points["draft"]])
     torch.set_num_threads(args.threads)
     drafter_dir = resolve_drafter_path(None, args.drafter)
-    _, drafter = load_dflash(drafter_dir)
-    target, _ = load_target("smollm2-135m-instruct")
-    embed = target.get_input_embeddings().weight.detach()
-    lm_head = target.get_output_embeddings().weight.detach()
-    del target
-    draft_vocab = load_draft_vocab(drafter_dir, lm_head.shape[0])
-    draft_token_ids = None if draft_vocab is None else torch.tensor(draft_vocab)
+    drafter, embed, lm_head, draft_token_ids = load_for_evaluation(drafter_dir)
     chain_values = [0.5, 0.35, 0.25, 0.18, 0.12][: args.ngram_tokens]  # only their order matters for fixed B
     variants = [(0, True)] + [(b, ngram) for b in args.budgets for ngram in (False, True)]
     names = ["n-gram alone" if b == 0 else f"B={b}" + (" + n-gram" if ngram else "") for b, ngram in variants]

@@ -47,6 +47,25 @@ class TauResult:
                 **{f"tau_tree_B{b}": round(self.tau_tree(b), 3) for b in sorted(self.num_rounds_tree)}}
 
 
+def load_for_evaluation(
+    drafter_dir: Path, target: str = "smollm2-135m-instruct", device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> tuple[DFlashDraftModel, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """What the offline evaluation needs: the drafter (in the dtype it is served in), the target's frozen input
+    embedding and LM head, and the draft vocabulary's token ids (None: the full vocabulary), on `device`."""
+    from ddtree.models.dflash import load_dflash, load_draft_vocab
+    from ddtree.training.target import load_target
+
+    _, drafter = load_dflash(drafter_dir, device=device, dtype=dtype)
+    target_model, _ = load_target(target, dtype=dtype)
+    embed = target_model.get_input_embeddings().weight.detach().to(device)
+    lm_head = target_model.get_output_embeddings().weight.detach().to(device)
+    del target_model
+    draft_vocab = load_draft_vocab(drafter_dir, lm_head.shape[0])
+    draft_token_ids = None if draft_vocab is None else torch.tensor(draft_vocab, device=device)
+    return drafter, embed, lm_head, draft_token_ids
+
+
 @torch.no_grad()
 def draft_topk_at_every_anchor(
     drafter: DFlashDraftModel,

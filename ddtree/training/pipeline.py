@@ -276,22 +276,14 @@ def _vocab(args: argparse.Namespace) -> None:
 def _eval(args: argparse.Namespace) -> None:
     import torch
 
-    from ddtree.models.dflash import load_dflash, load_draft_vocab
     from ddtree.training.data import FeatureReader, read_sequences, stored_layer_ids
-    from ddtree.training.evaluate import evaluate_tau, format_table, write_results
+    from ddtree.training.evaluate import evaluate_tau, format_table, load_for_evaluation, write_results
     from ddtree.training.prompts import CATEGORIES
-    from ddtree.training.target import load_target
 
     torch.set_num_threads(args.num_threads)
     drafter_dir = args.drafter or args.out_dir / "drafter"
-    # the drafter in the dtype it is served in (bfloat16 on a GPU), with the target's frozen embedding and head
-    _, drafter = load_dflash(drafter_dir, device=args.device, dtype=args.dtype)
-    target_model, _ = load_target(args.target, dtype=args.dtype)
-    embed = target_model.get_input_embeddings().weight.detach().to(args.device)
-    lm_head = target_model.get_output_embeddings().weight.detach().to(args.device)
-    del target_model
-    draft_vocab = load_draft_vocab(drafter_dir, lm_head.shape[0])  # evaluate what serving will draft over
-    draft_token_ids = None if draft_vocab is None else torch.tensor(draft_vocab, device=args.device)
+    # the drafter in the dtype it is served in (bfloat16 on a GPU), over the draft vocabulary serving drafts over
+    drafter, embed, lm_head, draft_token_ids = load_for_evaluation(drafter_dir, args.target, args.device, args.dtype)
     budgets = tuple(args.budgets)
     results = []
     start = time.time()
@@ -309,7 +301,7 @@ def _eval(args: argparse.Namespace) -> None:
     command = " ".join(sys.argv)
     write_results(drafter_dir / "tau.json", results,
                   {"command": command, "eval_dir": str(args.eval_dir), "seconds": round(time.time() - start),
-                   "draft_vocab_size": None if draft_vocab is None else len(draft_vocab),
+                   "draft_vocab_size": None if draft_token_ids is None else len(draft_token_ids),
                    "device": str(args.device), "dtype": _dtype_name(args.dtype)})
     (drafter_dir / "tau.md").write_text(f"`{command}`\n\n{table}\n")
 
