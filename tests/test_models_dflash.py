@@ -271,3 +271,25 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="mask_token_id"):
         DFlashConfig.from_dict({"hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,
                                 "num_attention_heads": 1, "vocab_size": 8, "dflash_config": {}})
+
+
+def test_a_drafter_grown_by_layers_computes_what_it_grew_from():
+    from ddtree.training.train import grow_drafter
+
+    small = make_model(tiny_config(num_hidden_layers=2), seed=0)
+    grown = make_model(tiny_config(num_hidden_layers=4, block_size=8), seed=5)
+    grow_drafter(grown, small, "small")
+    torch.manual_seed(2)
+    c, s = 6, 4
+    feats = torch.randn(1, c, small.config.num_target_features, dtype=torch.float64)
+    block = torch.randn(1, s, small.config.hidden_size, dtype=torch.float64)
+    args = (torch.arange(c, c + s).unsqueeze(0), torch.arange(c).unsqueeze(0), None)
+    with torch.no_grad():
+        expected = small(block, small.project_context(feats), *args)
+        got = grown(block, grown.project_context(feats), *args)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert grown.layers[3].mlp.gate_proj.weight.abs().sum() > 0  # the new layers still learn (only outputs are 0)
+    with pytest.raises(ValueError, match="more than"):
+        grow_drafter(make_model(tiny_config(num_hidden_layers=1)), small, "small")
+    with pytest.raises(ValueError, match="another shape"):
+        grow_drafter(make_model(tiny_config(num_hidden_layers=4, intermediate_size=64)), small, "small")

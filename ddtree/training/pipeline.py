@@ -79,7 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--full-softmax", action="store_true", help="train with the softmax over the whole vocab")
     parser.add_argument("--num-negatives", type=int, default=8192,
                         help="sampled-softmax negatives per step (tokens outside the training data)")
-    parser.add_argument("--init-from", type=Path, default=None, help="start from this DFlash drafter folder")
+    parser.add_argument("--init-from", type=Path, default=None,
+                        help="start from this DFlash drafter folder (the same shape, or fewer layers: the extra "
+                             "layers start as identities, so training starts from what it computes)")
     # vocab
     parser.add_argument("--draft-vocab-size", type=int, default=16384,
                         help="tokens in the draft vocabulary (the most frequent training labels)")

@@ -50,7 +50,7 @@ class TrainConfig:
     checkpoint_every: int = 100
     is_softmax_restricted: bool = True  # sampled softmax: data tokens + random negatives (see FrozenTargetHead)
     num_negatives: int = 8192
-    init_from: str | None = None  # a DFlash drafter folder to start from (same shape), instead of random weights
+    init_from: str | None = None  # a DFlash drafter to start from (same shape or fewer layers: grow_drafter)
     seed: int = 0
 
 
@@ -216,6 +216,29 @@ def training_progress(step: int, hours: float, train_config: "TrainConfig") -> f
     return min(1.0, progress)
 
 
+# Keys of a DFlash config that differ between a drafter and the same drafter grown by layers.
+_DEPTH_KEYS = {"num_hidden_layers": 0, "layer_types": 0, "max_window_layers": 0, "block_size": 0}
+
+
+def grow_drafter(drafter: DFlashDraftModel, init: DFlashDraftModel, name: str) -> None:
+    """`drafter` starts as `init`: the same weights, and, when `drafter` has more layers, the extra layers (after
+    init's) with zero output projections (o_proj, down_proj), so that they add nothing to the residual stream: the
+    grown drafter computes exactly what `init` does, and training starts from there ("--num-draft-layers 3
+    --init-from <a 2-layer drafter>"). The block size may differ (the weights do not depend on it)."""
+    if init.config.to_dict() | _DEPTH_KEYS != drafter.config.to_dict() | _DEPTH_KEYS:
+        raise ValueError(f"{name} has another shape than the drafter being trained")
+    num_init, num_layers = init.config.num_hidden_layers, drafter.config.num_hidden_layers
+    if num_init > num_layers:
+        raise ValueError(f"{name} has {num_init} layers, more than the {num_layers} of the drafter being trained")
+    missing, unexpected = drafter.load_state_dict(init.state_dict(), strict=False)
+    if unexpected or any(not k.startswith("layers.") or int(k.split(".")[1]) < num_init for k in missing):
+        raise ValueError(f"{name}: weights do not match the drafter being trained ({missing}, {unexpected})")
+    with torch.no_grad():
+        for layer in drafter.layers[num_init:]:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+
+
 def train(
     data_dir: Path,
     target: str,
@@ -250,9 +273,7 @@ def train(
         from ddtree.models.dflash import load_dflash
 
         init_config, init_drafter = load_dflash(train_config.init_from)
-        if init_config.to_dict() | {"block_size": 0} != config.to_dict() | {"block_size": 0}:
-            raise ValueError(f"{train_config.init_from} has another shape than the drafter being trained")
-        drafter.load_state_dict(init_drafter.state_dict())
+        grow_drafter(drafter, init_drafter, str(train_config.init_from))
     else:
         with torch.no_grad():
             # The drafter's output feeds the target's LM head: start at the scale the head expects (the target's
