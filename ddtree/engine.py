@@ -414,11 +414,17 @@ class Engine:
                 start += t.num_nodes
         request_ids = list(plan.speculative_ids)
         if self.ngram_tokens:
-            for i, rid in enumerate(plan.speculative_ids):
-                chain = self.requests[rid].ngrams.propose(self.ngram_tokens)
-                if chain:
-                    trees[i], path_probs[i] = self._merge_chain(trees[i], path_probs[i], chain)
-                    drafted.proposals[rid] = chain
+            chains = {rid: self.requests[rid].ngrams.propose(self.ngram_tokens) for rid in plan.speculative_ids}
+            if trees and any(chains.values()):
+                # The merge re-orders a tree in Python: it goes into what an allocation without chains keeps (plus
+                # room for the chain), since chain nodes only raise the value a tree node must have to be kept.
+                first = self.budget.allocate(plan.speculative_ids, path_probs, len(plan.autoregressive_ids))
+                for i, rid in enumerate(plan.speculative_ids):
+                    if chains[rid]:
+                        keep = first[i] + len(chains[rid])
+                        trees[i], path_probs[i] = self._merge_chain(_truncate(trees[i], keep), path_probs[i][:keep],
+                                                                    chains[rid])
+                        drafted.proposals[rid] = chains[rid]
             for rid in ngram_candidates:
                 chain = self.requests[rid].ngrams.propose(self.ngram_tokens)
                 if chain:
