@@ -370,7 +370,7 @@ class BudgetPolicy:
         s.calibration_den = (1 - w) * s.calibration_den + w * predicted
         # A request's first observation moves its prior, the population's gain, by one round's weight: one round's
         # acceptance varies too much (0 in ~40% of rounds) to replace what all requests have shown.
-        gain = num_accepted_nodes - num_accepted_without_draft
+        gain = max(0, num_accepted_nodes - num_accepted_without_draft)  # < 0 only where the allocation cut the chain
         prior = s.gain if s.gain is not None else self.population_gain
         s.gain = gain if prior is None else (1 - w) * prior + w * gain
         pw = self.config.ema_weight
