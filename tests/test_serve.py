@@ -273,8 +273,10 @@ def test_invalid_json_is_a_400(served):
 
 
 def test_full_queue_answers_429_and_disconnects_abort(served):
-    long_body = {"model": MODEL_NAME, "prompt": "the cat", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
-                 "stream": True}
+    # Sampled, so that neither drafts nor n-gram chains (a greedy tiny model soon repeats itself) finish 400 tokens
+    # before all four requests are in.
+    long_body = {"model": MODEL_NAME, "prompt": "the cat", "max_tokens": 400, "temperature": 1.0, "seed": 0,
+                 "ignore_eos": True, "stream": True}
     streams = []
     lock = threading.Lock()
 
@@ -287,7 +289,7 @@ def test_full_queue_answers_429_and_disconnects_abort(served):
     threads = [threading.Thread(target=open_stream) for _ in range(MAX_NUM_SEQS + MAX_WAITING)]
     for t in threads:
         t.start()
-        time.sleep(0.3)
+        time.sleep(0.05)
     deadline = time.time() + 30
     while time.time() < deadline:
         info = _engine_info(served)
