@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                         probs = tree.path_logprobs.exp().tolist()
                     chain = index.propose(args.ngram_tokens) if use_ngram else []
                     if chain:
-                        tokens, parents, probs = merge_chain(tokens, parents, probs, chain,
+                        tokens, parents, _, probs = merge_chain(tokens, parents, probs, chain,
                                                                 chain_values[: len(chain)])
                     children: dict[int, dict[int, int]] = {}
                     for node, (parent, token) in enumerate(zip(parents, tokens)):

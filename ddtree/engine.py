@@ -406,12 +406,21 @@ class Engine:
                 trees = chain_trees_from_topk(topk_logprobs, topk_token_ids, plan.max_budgets)
             else:
                 trees = build_trees_from_topk(topk_logprobs, topk_token_ids, plan.max_budgets)
-            # One host sync per round: node probabilities become plain floats for the budget policy.
-            flat_probs = torch.cat([t.path_logprobs for t in trees]).exp().tolist()
-            start = 0
+            # One host sync per round: node probabilities (and, to merge n-gram chains, tokens and parents) become
+            # plain numbers for the budget policy. Token ids are exact in float64.
+            columns = [torch.cat([t.path_logprobs for t in trees]).exp().double()]
+            if self.ngram_tokens:
+                columns += [torch.cat([t.token_ids for t in trees]).double(),
+                            torch.cat([t.parents for t in trees]).double()]
+            host = torch.stack(columns).tolist()
+            node_tokens, node_parents, start = [], [], 0
             for t in trees:
-                path_probs.append(flat_probs[start : start + t.num_nodes])
-                start += t.num_nodes
+                end = start + t.num_nodes
+                path_probs.append(host[0][start:end])
+                if self.ngram_tokens:
+                    node_tokens.append([int(x) for x in host[1][start:end]])
+                    node_parents.append([int(x) for x in host[2][start:end]])
+                start = end
         request_ids = list(plan.speculative_ids)
         if self.ngram_tokens:
             chains = {rid: self.requests[rid].ngrams.propose(self.ngram_tokens) for rid in plan.speculative_ids}
@@ -422,13 +431,14 @@ class Engine:
                 for i, rid in enumerate(plan.speculative_ids):
                     if chains[rid]:
                         keep = first[i] + len(chains[rid])
-                        trees[i], path_probs[i] = self._merge_chain(_truncate(trees[i], keep), path_probs[i][:keep],
-                                                                    chains[rid])
+                        trees[i], path_probs[i] = self._merge_chain(
+                            node_tokens[i][:keep], node_parents[i][:keep], path_probs[i][:keep], chains[rid],
+                            trees[i].token_ids.device)
                         drafted.proposals[rid] = chains[rid]
             for rid in ngram_candidates:
                 chain = self.requests[rid].ngrams.propose(self.ngram_tokens)
                 if chain:
-                    tree, probs = self._merge_chain(None, [], chain)
+                    tree, probs = self._merge_chain([], [], [], chain, "cpu")
                     trees.append(tree)
                     path_probs.append(probs)
                     drafted.proposals[rid] = chain
@@ -445,17 +455,12 @@ class Engine:
         self.timings.tree += time.perf_counter() - t1
         return drafted
 
-    def _merge_chain(self, tree: DraftTree | None, values: list[float], chain: list[int]
-                     ) -> tuple[DraftTree, list[float]]:
-        """`tree` (None: an empty one) with an n-gram chain merged in, nodes re-ordered by value (ddtree.ngram)."""
-        device = "cpu" if tree is None else tree.token_ids.device  # the target worker moves trees to its device
-        token_ids = [] if tree is None else tree.token_ids.tolist()
-        parents = [] if tree is None else tree.parents.tolist()
-        token_ids, parents, values = merge_chain(
+    def _merge_chain(self, token_ids: list[int], parents: list[int], values: list[float], chain: list[int],
+                     device) -> tuple[DraftTree, list[float]]:
+        """A tree (its nodes as lists, in pop order; none: only the root) with an n-gram chain merged in, nodes
+        re-ordered by value (ddtree.ngram), on `device` (the target worker moves trees to its own)."""
+        token_ids, parents, depths, values = merge_chain(
             token_ids, parents, values, chain, self.budget.ngram_values(len(chain)))
-        depths = []
-        for p in parents:
-            depths.append(1 if p < 0 else depths[p] + 1)
         merged = DraftTree(
             torch.tensor(token_ids, dtype=torch.int64, device=device),
             torch.tensor(parents, dtype=torch.int64, device=device),

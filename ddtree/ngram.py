@@ -45,14 +45,14 @@ class NgramIndex:
 
 def merge_chain(
     token_ids: list[int], parents: list[int], values: list[float], chain: list[int], chain_values: list[float]
-) -> tuple[list[int], list[int], list[float]]:
+) -> tuple[list[int], list[int], list[int], list[float]]:
     """A tree (nodes in decreasing value, parents first) with a chain from the root merged in.
 
     A chain token already in the tree along the chain's path keeps its node, valued max(its value, the chain's);
     the rest become new nodes. Every node is then valued at most its parent (values along the chain decrease, and
     a tree node under a chain node keeps its own smaller value), so sorting by decreasing value (stable, parents
     before children on ties) leaves the tree prefix-closed: any first k nodes form a tree.
-    Returns (token_ids, parents, values)."""
+    Returns (token_ids, parents, depths, values)."""
     tokens, parent_of, value_of = list(token_ids), list(parents), list(values)
     children: dict[int, dict[int, int]] = {}
     for node, (parent, token) in enumerate(zip(parent_of, tokens)):
@@ -75,7 +75,7 @@ def merge_chain(
     order = sorted(range(len(tokens)), key=lambda i: (-value_of[i], depth[i], i))
     new_index = {old: new for new, old in enumerate(order)}
     return ([tokens[i] for i in order], [-1 if parent_of[i] < 0 else new_index[parent_of[i]] for i in order],
-            [value_of[i] for i in order])
+            [depth[i] for i in order], [value_of[i] for i in order])
 
 
 def chain_acceptance(chain: list[int], target_tokens: list[int]) -> int:

@@ -40,7 +40,8 @@ def brute_force_proposal(tokens, k, max_n=3):
 def test_merge_chain_shares_nodes_and_keeps_every_prefix_a_tree():
     # tree: 5 (0.6) -> 6 (0.3); 7 (0.2) at the root
     tokens, parents, values = [5, 6, 7], [-1, 0, -1], [0.6, 0.3, 0.2]
-    merged_tokens, merged_parents, merged_values = merge_chain(tokens, parents, values, [5, 8, 9], [0.5, 0.35, 0.25])
+    merged_tokens, merged_parents, merged_depths, merged_values = merge_chain(tokens, parents, values, [5, 8, 9],
+                                                                              [0.5, 0.35, 0.25])
     assert merged_values == sorted(merged_values, reverse=True)
     assert len(merged_tokens) == 5  # 5 is shared, 8 and 9 are new
     for i, p in enumerate(merged_parents):
@@ -49,11 +50,12 @@ def test_merge_chain_shares_nodes_and_keeps_every_prefix_a_tree():
     for i, (t, p) in enumerate(zip(merged_tokens, merged_parents)):
         paths[i] = (paths[p] if p >= 0 else ()) + (t,)
     assert sorted(paths.values()) == sorted([(5,), (5, 6), (7,), (5, 8), (5, 8, 9)])
+    assert merged_depths == [len(paths[i]) for i in range(len(merged_tokens))]
     assert merged_values[merged_tokens.index(8)] == 0.35
 
     # a chain alone is a tree of its own; a chain value above the tree's raises the shared node
-    assert merge_chain([], [], [], [4, 4], [0.5, 0.4]) == ([4, 4], [-1, 0], [0.5, 0.4])
-    assert merge_chain([5], [-1], [0.1], [5], [0.5]) == ([5], [-1], [0.5])
+    assert merge_chain([], [], [], [4, 4], [0.5, 0.4]) == ([4, 4], [-1, 0], [1, 2], [0.5, 0.4])
+    assert merge_chain([5], [-1], [0.1], [5], [0.5]) == ([5], [-1], [1], [0.5])
 
 
 def test_chain_acceptance_counts_the_confirmed_prefix():

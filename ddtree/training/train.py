@@ -272,7 +272,7 @@ def train(
     if train_config.init_from is not None:
         from ddtree.models.dflash import load_dflash
 
-        init_config, init_drafter = load_dflash(train_config.init_from)
+        _, init_drafter = load_dflash(train_config.init_from)
         grow_drafter(drafter, init_drafter, str(train_config.init_from))
     else:
         with torch.no_grad():
