@@ -44,6 +44,7 @@ Two choices keep probes informative and the start cheap:
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -68,6 +69,10 @@ class CostModel:
 
     def verify_seconds(self, num_tokens: int) -> float:
         return _interpolate(self.verify_points, num_tokens)
+
+    def verify_seconds_range(self, first: int, count: int) -> list[float]:
+        """`verify_seconds(n)` for n = first, first + 1, ..., first + count - 1, in one sweep of the points."""
+        return _interpolate_range(self.verify_points, first, count)
 
     def draft_seconds(self, num_requests: int) -> float:
         return 0.0 if num_requests == 0 else _interpolate(self.draft_points, num_requests)
@@ -94,6 +99,29 @@ def _interpolate(points: list[tuple[int, float]], x: int) -> float:
     else:
         (x0, y0), (x1, y1) = points[i - 1], points[i]
     return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 1e-9)
+
+
+def _interpolate_range(points: list[tuple[int, float]], first: int, count: int) -> list[float]:
+    """`_interpolate(points, x)` for x = first .. first + count - 1, segment by segment."""
+    end = first + count
+    if len(points) == 1 or count <= 0:
+        return [_interpolate(points, x) for x in range(first, end)]
+    out: list[float] = []
+    x = first
+    if x < points[0][0]:
+        n = min(end, points[0][0]) - x
+        out += [points[0][1]] * n
+        x += n
+    for i in range(1, len(points)):  # segment points[i - 1] .. points[i]; the last one extrapolates
+        (x0, y0), (x1, y1) = points[i - 1], points[i]
+        stop = end if i == len(points) - 1 else min(end, x1 + 1)
+        if x < stop:
+            out += [max(y0 + (y1 - y0) * (v - x0) / (x1 - x0), 1e-9) for v in range(x, stop)]
+            x = stop
+    for px, py in points:  # measured points exactly, as `_interpolate` gives them
+        if first <= px < end:
+            out[px - first] = py
+    return out
 
 
 def _refresh(points: list[tuple[int, float]], x: int, seconds: float, weight: float) -> None:
@@ -316,27 +344,28 @@ class BudgetPolicy:
         num_drafted = len(request_ids) if num_drafted is None else num_drafted
         if self.config.fixed_budget is not None:
             return [min(self.config.fixed_budget, len(p)) for p in path_probs]
-        values = []  # (calibrated value, request index); within a request values are non-increasing
+        # All nodes in decreasing calibrated value (a flat list and its owners; the sort is stable, so ties keep
+        # each request's pop order, and values within a request are non-increasing).
+        values: list[float] = []
+        owners: list[int] = []
         for i, (rid, probs) in enumerate(zip(request_ids, path_probs)):
             s = self.states[rid]
             # A probe asks whether the drafter pays again, so its tree is sized by the draft's own probabilities:
             # the stale calibration that put the request in fallback would give it no nodes, and it would learn
             # nothing.
             c = 1.0 if i >= num_drafted or s.is_fallback else s.calibration
-            values.extend((min(1.0, c * p), i) for p in probs)
-        values.sort(key=lambda v: -v[0])  # stable: ties keep each request's pop order
+            values.extend([min(1.0, c * p) for p in probs] if c > 1.0 else [c * p for p in probs])
+            owners.extend([i] * len(probs))
+        order = sorted(range(len(values)), key=values.__getitem__, reverse=True)
         num_requests = len(request_ids) + num_autoregressive
         draft_seconds = self.cost.draft_seconds(num_drafted)
-        best_rate, best_k, expected = -1.0, 0, float(num_requests)
-        for k in range(len(values) + 1):
-            if k > 0:
-                expected += values[k - 1][0]
-            rate = expected / (draft_seconds + self.cost.verify_seconds(num_requests + k))
-            if rate > best_rate:
-                best_rate, best_k = rate, k
+        verify_seconds = self.cost.verify_seconds_range(num_requests, len(values) + 1)
+        expected = itertools.accumulate((values[j] for j in order), initial=float(num_requests))
+        rates = [e / (draft_seconds + v) for e, v in zip(expected, verify_seconds)]
+        best_k = rates.index(max(rates))  # the first maximum: the fewest nodes at the best rate
         counts = [0] * len(request_ids)
-        for _, i in values[:best_k]:
-            counts[i] += 1
+        for j in order[:best_k]:
+            counts[owners[j]] += 1
         return counts
 
     def ngram_values(self, chain_length: int) -> list[float]:

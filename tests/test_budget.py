@@ -1,4 +1,5 @@
 import math
+import random
 
 import pytest
 
@@ -34,6 +35,44 @@ def test_allocate_stops_when_tokens_cost_more_than_they_return():
     policy.add("a")
     counts = policy.allocate(["a"], [[0.99, 0.95, 0.9, 0.01, 0.01, 0.01]], num_autoregressive=0)
     assert counts == [3]
+
+
+def test_verify_seconds_range_equals_pointwise_interpolation():
+    for points in ([(1, 0.5)], [(4, 1.0), (9, 1.5)], [(1, 1.0), (2, 1.5), (8, 1.6), (64, 4.0), (65, 9.0)]):
+        c = CostModel(points, [(1, 0.1)])
+        for first, count in ((1, 80), (3, 5), (7, 1), (70, 10), (5, 0)):
+            assert c.verify_seconds_range(first, count) == [c.verify_seconds(n) for n in range(first, first + count)]
+
+
+def test_allocate_equals_a_scan_of_every_total():
+    """The allocation keeps the node total with the best expected tokens per second (the fewest on ties), taking
+    nodes in decreasing calibrated value, ties in request order: checked against a direct scan."""
+    rng = random.Random(0)
+    for trial in range(30):
+        cost = CostModel([(n, 0.01 + rng.uniform(0, 0.002) * n) for n in (1, 4, 16, 64)],
+                         [(r, 0.005 * r) for r in (1, 8)])
+        policy = BudgetPolicy(BudgetConfig(), cost)
+        rids = [f"r{i}" for i in range(rng.randint(1, 6))]
+        probs = []
+        for rid in rids:
+            policy.add(rid)
+            policy.observe(rid, predicted=2.0, num_accepted_nodes=rng.choice([0, 1, 3, 4]))
+            probs.append(sorted((round(rng.random(), 1) for _ in range(rng.randint(0, 12))), reverse=True))
+        num_drafted, num_ar = rng.randint(0, len(rids)), rng.randint(0, 3)
+        nodes = []
+        for i, (rid, p) in enumerate(zip(rids, probs)):
+            c = 1.0 if i >= num_drafted else policy.states[rid].calibration
+            nodes += [(min(1.0, c * v), i) for v in p]
+        nodes.sort(key=lambda n: -n[0])
+        total = len(rids) + num_ar
+        best, best_rate, expected_tokens = 0, 0.0, float(total)
+        for k in range(len(nodes) + 1):
+            expected_tokens += nodes[k - 1][0] if k else 0.0
+            rate = expected_tokens / (cost.draft_seconds(num_drafted) + cost.verify_seconds(total + k))
+            if rate > best_rate:
+                best, best_rate = k, rate
+        expected = [sum(1 for _, i in nodes[:best] if i == r) for r in range(len(rids))]
+        assert policy.allocate(rids, probs, num_ar, num_drafted=num_drafted) == expected, trial
 
 
 def test_calibration_scales_values():
