@@ -1,6 +1,7 @@
 """The whole `ddtree train-drafter` pipeline on a tiny random Llama target with a character tokenizer: it works for
 any Llama-family folder, both generation engines agree, and training/evaluation produce a DFlash checkpoint."""
 
+import importlib.util
 import json
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from ddtree.cli import main
+from ddtree.models import default as default_model
 from ddtree.models.dflash import load_dflash
 from ddtree.training.generate import (
     generate_responses,
@@ -127,3 +129,16 @@ def test_cli_prompts_add_to_an_existing_data_directory(tmp_path):
     with pytest.raises(ValueError, match="another --seed"):
         main(data + ["--add", "--seed", "1", "--categories", "math", "--math-templates", "broad",
                      "--num-prompts-per-category", "3"])
+
+
+@pytest.mark.skipif(importlib.util.find_spec(default_model.PACKAGE) is None, reason=f"run: {default_model.INSTALL_HINT}")
+def test_prompts_step_with_chat_prompts_the_target_writes_itself(tmp_path):
+    """`--chat-source self` on the embedded SmolLM2: whole user messages it wrote (each sample seeded on its own,
+    so a rerun writes the same ones: seeded sampling is tested with the engine)."""
+    assert main(["train-drafter", "prompts", "--data-dir", str(tmp_path), "--categories", "chat",
+                 "--chat-source", "self", "--num-prompts-per-category", "2", "--num-threads", "2"]) == 0
+    records = [json.loads(line) for line in (tmp_path / "prompts.jsonl").read_text().splitlines()]
+    assert len(records) == 2 and {r["source"] for r in records} == {"self"}
+    assert len({r["text"] for r in records}) == 2 and all(len(r["text"].split()) >= 4 for r in records)
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert "self_prompts.py" in manifest["sources"]["chat"]

@@ -86,3 +86,34 @@ def test_broad_math_templates_stay_apart_from_the_eval_sets():
     assert not eval_sources & {p.source for p in broad}
     kept, dropped = drop_overlapping(broad)
     assert not dropped
+
+
+def test_self_written_prompts_are_filtered():
+    from ddtree.training.self_prompts import keep_self_prompt
+
+    ok = "Can you help me plan a birthday party for my friends?"
+    assert keep_self_prompt(ok, "stop")
+    assert not keep_self_prompt(ok, "length")  # cut by the token limit: not a whole message
+    assert not keep_self_prompt("Help me.", "stop")  # too short
+    assert not keep_self_prompt(ok + " <|im_start|>assistant", "stop")
+    assert not keep_self_prompt("Can you tell me about the homenageth_menthу of Sklаstabo please?", "stop")
+    assert not keep_self_prompt("Can you tell me how the Silk Road shaped trade?", "stop")  # a chat eval topic
+
+
+def test_user_turn_prefix_is_the_template_up_to_the_user_text():
+    from tests.tiny_tokenizer import make_char_tokenizer
+
+    from ddtree.training.self_prompts import user_turn_prefix
+
+    tokenizer = make_char_tokenizer()
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False)
+    prefix = user_turn_prefix(tokenizer)
+    assert rendered.startswith(prefix + "hello") and prefix
+
+
+def test_chat_pairs_replace_the_templated_chat_prompts_only():
+    pairs = [("self", f"Please help me with task number {i} today.") for i in range(5)]
+    plain = make_training_prompts(5, seed=3)
+    mixed = make_training_prompts(5, seed=3, chat_pairs=pairs + pairs[:1])
+    assert [p for p in mixed if p.category != "chat"] == [p for p in plain if p.category != "chat"]
+    assert [(p.source, p.text) for p in mixed if p.category == "chat"] == pairs  # repeats dropped
