@@ -133,12 +133,18 @@ def test_cli_prompts_add_to_an_existing_data_directory(tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec(default_model.PACKAGE) is None, reason=f"run: {default_model.INSTALL_HINT}")
 def test_prompts_step_with_chat_prompts_the_target_writes_itself(tmp_path):
-    """`--chat-source self` on the embedded SmolLM2: whole user messages it wrote (each sample seeded on its own,
-    so a rerun writes the same ones: seeded sampling is tested with the engine)."""
-    assert main(["train-drafter", "prompts", "--data-dir", str(tmp_path), "--categories", "chat",
-                 "--chat-source", "self", "--num-prompts-per-category", "2", "--num-threads", "2"]) == 0
+    """`--self-written code` on the embedded SmolLM2: whole user messages it wrote, starting with the code opening
+    (each sample seeded on its own, so a rerun writes the same ones: seeded sampling is tested with the engine);
+    math stays templated."""
+    assert main(["train-drafter", "prompts", "--data-dir", str(tmp_path), "--categories", "code", "math",
+                 "--self-written", "code", "--num-prompts-per-category", "2", "--num-threads", "2"]) == 0
     records = [json.loads(line) for line in (tmp_path / "prompts.jsonl").read_text().splitlines()]
-    assert len(records) == 2 and {r["source"] for r in records} == {"self"}
-    assert len({r["text"] for r in records}) == 2 and all(len(r["text"].split()) >= 4 for r in records)
+    code = [r for r in records if r["category"] == "code"]
+    assert len(records) == 4 and {r["source"] for r in code} == {"self"}
+    assert all(r["text"].startswith("Write a Python function") and len(r["text"].split()) >= 4 for r in code)
+    assert len({r["text"] for r in code}) == 2
     manifest = json.loads((tmp_path / "manifest.json").read_text())
-    assert "self_prompts.py" in manifest["sources"]["chat"]
+    assert "self_prompts.py" in manifest["sources"]["code"] and "templated" in manifest["sources"]["math"]
+    with pytest.raises(ValueError, match="not among --categories"):
+        main(["train-drafter", "prompts", "--data-dir", str(tmp_path / "x"), "--categories", "math",
+              "--self-written", "code"])

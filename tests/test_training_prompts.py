@@ -111,9 +111,9 @@ def test_user_turn_prefix_is_the_template_up_to_the_user_text():
     assert rendered.startswith(prefix + "hello") and prefix
 
 
-def test_chat_pairs_replace_the_templated_chat_prompts_only():
+def test_written_prompts_replace_their_category_only():
     pairs = [("self", f"Please help me with task number {i} today.") for i in range(5)]
     plain = make_training_prompts(5, seed=3)
-    mixed = make_training_prompts(5, seed=3, chat_pairs=pairs + pairs[:1])
+    mixed = make_training_prompts(5, seed=3, written={"chat": pairs + pairs[:1]})
     assert [p for p in mixed if p.category != "chat"] == [p for p in plain if p.category != "chat"]
     assert [(p.source, p.text) for p in mixed if p.category == "chat"] == pairs  # repeats dropped

@@ -50,9 +50,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prompt categories to make")
     parser.add_argument("--math-templates", default="both", choices=("basic", "broad", "both"),
                         help="math word-problem template sets (basic: the first drafters' data)")
-    parser.add_argument("--chat-source", default="templates", choices=("templates", "self"),
-                        help="chat prompts from topic templates, or written by the target itself (sampled from its "
-                             "chat template up to the user's text; runs the target on --device)")
+    parser.add_argument("--self-written", nargs="+", default=[], choices=("chat", "code"),
+                        help="categories whose prompts the target writes itself instead of the templates (sampled "
+                             "from its chat template up to the user's text; runs the target on --device)")
     parser.add_argument("--add", action="store_true",
                         help="add prompts (made with --seed) to an existing data directory: texts already there are "
                              "skipped, the new ones are interleaved with the pending ones")
@@ -158,14 +158,18 @@ def _prompts(args: argparse.Namespace, data_dir: Path) -> None:
                          f"delete it to remake)")
     if args.add and not exists:
         raise ValueError(f"--add: {data_dir}/prompts.jsonl does not exist (run the prompts step without --add)")
-    chat_pairs = None
-    if args.chat_source == "self" and "chat" in args.categories:
-        from ddtree.training.self_prompts import make_self_prompts
+    from ddtree.training.self_prompts import make_self_prompts
 
-        chat_pairs = make_self_prompts(args.target, args.num_prompts_per_category, args.seed, device=args.device,
-                                       dtype=args.dtype, num_threads=args.num_threads)
+    outside = [c for c in args.self_written if c not in args.categories]
+    if outside:
+        raise ValueError(f"--self-written {' '.join(outside)}: not among --categories {' '.join(args.categories)}")
+    written = {}
+    for category in args.self_written:
+        written[category] = make_self_prompts(args.target, args.num_prompts_per_category, args.seed,
+                                              category=category, device=args.device, dtype=args.dtype,
+                                              num_threads=args.num_threads)
     prompts = make_training_prompts(args.num_prompts_per_category, seed=args.seed, categories=tuple(args.categories),
-                                    math_templates=args.math_templates, chat_pairs=chat_pairs)
+                                    math_templates=args.math_templates, written=written)
     kept, dropped = drop_overlapping(prompts)
     if args.add:
         _add_prompts(args, data_dir, kept, dropped)
@@ -178,9 +182,9 @@ def _prompts(args: argparse.Namespace, data_dir: Path) -> None:
         "dropped_for_eval_overlap": {"ngram": 8, "prompt_ids": dropped},
         "sources": {
             "math": "templated word problems, ddtree/training/prompts.py:_math_train",
-            "chat": ("written by the target itself, ddtree/training/self_prompts.py" if args.chat_source == "self"
-                     else "templated questions over topic lists, ddtree/training/prompts.py:_chat_train"),
+            "chat": "templated questions over topic lists, ddtree/training/prompts.py:_chat_train",
             "code": "signatures/docstrings of installed stdlib + site-packages functions, prompts.py:_code_prompts",
+            **{c: "written by the target itself, ddtree/training/self_prompts.py" for c in args.self_written},
         },
         "target": args.target, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     })

@@ -417,10 +417,10 @@ MATH_TEMPLATE_SETS = {
 
 def make_training_prompts(num_per_category: int, seed: int = 0, categories: tuple[str, ...] = CATEGORIES,
                           math_templates: str = "both",
-                          chat_pairs: list[tuple[str, str]] | None = None) -> list[Prompt]:
-    """Training prompts of `categories`, interleaved so any prefix of the list is balanced. `chat_pairs`, (source,
-    text) pairs made elsewhere (the target's self-written prompts, `self_prompts.py`), replace the templated chat
-    prompts."""
+                          written: dict[str, list[tuple[str, str]]] | None = None) -> list[Prompt]:
+    """Training prompts of `categories`, interleaved so any prefix of the list is balanced. `written[category]`,
+    (source, text) pairs made elsewhere (the target's self-written prompts, `self_prompts.py`), replace that
+    category's generated prompts."""
     if num_per_category <= 0:
         raise ValueError(f"num_per_category must be positive, got {num_per_category}")
     unknown = [c for c in categories if c not in CATEGORIES]
@@ -437,8 +437,8 @@ def make_training_prompts(num_per_category: int, seed: int = 0, categories: tupl
         "chat": _unique([_chat_train(rng) for _ in range(num_per_category * 3)])[:num_per_category],
         "code": _unique(_code_prompts(num_per_category, rng)) if "code" in categories else [],
     }
-    if chat_pairs is not None:  # after the templated draws, so the other categories stay those of the seed
-        by_category["chat"] = _unique(chat_pairs)[:num_per_category]
+    for category, pairs in (written or {}).items():  # after the draws, so the other categories stay the seed's
+        by_category[category] = _unique(pairs)[:num_per_category]
     prompts: list[Prompt] = []
     for i in range(num_per_category):
         for category in CATEGORIES:

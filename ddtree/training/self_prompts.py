@@ -17,6 +17,8 @@ from __future__ import annotations
 from ddtree.training.prompts import _TOPICS_EVAL
 
 SOURCE = "self"
+# What a self-written prompt of each category starts with: the target continues the user's message from there.
+OPENINGS = {"chat": "", "code": "Write a Python function"}
 _MARKER = "\x00USER_TEXT\x00"
 _EVAL_TOPICS = tuple(t.lower() for t in _TOPICS_EVAL)
 
@@ -43,11 +45,12 @@ def keep_self_prompt(text: str, finish_reason: str) -> bool:
     return not any(topic in lowered for topic in _EVAL_TOPICS)
 
 
-def make_self_prompts(target: str | None, num_prompts: int, seed: int, *, device: str = "cpu", dtype=None,
-                      num_threads: int = 1, batch_size: int = 64, max_tokens: int = 128,
-                      max_attempts_factor: int = 4) -> list[tuple[str, str]]:
-    """`num_prompts` distinct (source, text) pairs sampled from `target` (None: the embedded default), seeded per
-    attempt (seed * 10**6 + attempt), so a rerun with the same arguments writes the same prompts."""
+def make_self_prompts(target: str | None, num_prompts: int, seed: int, *, category: str = "chat",
+                      device: str = "cpu", dtype=None, num_threads: int = 1, batch_size: int = 64,
+                      max_tokens: int = 128, max_attempts_factor: int = 4) -> list[tuple[str, str]]:
+    """`num_prompts` distinct (source, text) pairs of `category` (its user messages start with OPENINGS[category])
+    sampled from `target` (None: the embedded default), seeded per attempt (seed * 10**6 + attempt), so a rerun
+    with the same arguments writes the same prompts."""
     import torch
 
     from ddtree.llm import LLM
@@ -55,6 +58,9 @@ def make_self_prompts(target: str | None, num_prompts: int, seed: int, *, device
 
     if num_prompts <= 0:
         raise ValueError(f"num_prompts must be positive, got {num_prompts}")
+    if category not in OPENINGS:
+        raise ValueError(f"the target writes prompts of categories {sorted(OPENINGS)}, not {category!r}")
+    opening = OPENINGS[category]
     torch.set_num_threads(num_threads)
     llm = LLM(model=_model_arg(target), speculation="off", device=str(device),
               dtype=None if dtype is None else str(dtype).removeprefix("torch."), max_num_seqs=batch_size)
@@ -67,15 +73,15 @@ def make_self_prompts(target: str | None, num_prompts: int, seed: int, *, device
         seeds = range(seed * 10**6 + attempt, seed * 10**6 + attempt + batch_size)
         attempt += batch_size
         params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=max_tokens, seed=s) for s in seeds]
-        for out in llm.generate([prefix] * len(params), params):
-            text = out.text.strip()
+        for out in llm.generate([prefix + opening] * len(params), params):
+            text = (opening + out.text).strip()
             if keep_self_prompt(text, out.finish_reason) and text.lower() not in seen:
                 seen.add(text.lower())
                 kept.append((SOURCE, text))
-        print(f"[prompts] self-written: {len(kept)} kept of {attempt} sampled", flush=True)
+        print(f"[prompts] self-written {category}: {len(kept)} kept of {attempt} sampled", flush=True)
     if not kept:
         raise ValueError(f"the target wrote no usable user prompt in {attempt} samples (is it an instruction-tuned "
-                         f"chat model?); use --chat-source templates")
+                         f"chat model?); leave the category out of --self-written")
     return kept[:num_prompts]
 
 
