@@ -53,7 +53,7 @@ class EngineConfig:
     budget: int | str = "auto"  # "auto": adaptive per round; an int: fixed nodes per speculative request
     max_budget: int = 64  # cap per request in "auto" mode (and the drafter's top-K)
     max_num_seqs: int = 16  # requests decoded together
-    max_waiting: int = 1024  # queued requests before add_request answers EngineFullError
+    max_waiting: int = 1024  # queued requests beyond the free seats before add_request answers EngineFullError
     max_model_len: int | None = None  # None: the model's own context window
     allow_fallback: bool = True  # auto mode: requests whose drafts do not pay decode autoregressively
     max_probe_overhead: float = 0.03  # fallback probes may cost at most this fraction of a request's time

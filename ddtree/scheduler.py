@@ -19,9 +19,14 @@ class Scheduler:
     running: list[str] = field(default_factory=list)
 
     def add(self, request_id: str) -> None:
-        if len(self.waiting) >= self.max_waiting:
+        """Queue a request. `max_waiting` counts the requests beyond the free seats: requests that arrive together
+        at an idle engine (all queued before the next round admits them) take the free seats first, so a burst of
+        max_num_seqs + max_waiting requests is accepted."""
+        free_seats = max(0, self.max_num_seqs - len(self.running))
+        if len(self.waiting) >= self.max_waiting + free_seats:
             raise EngineFullError(
-                f"the engine's queue is full ({self.max_waiting} requests waiting); retry later"
+                f"the engine's queue is full ({len(self.running)} requests running, {len(self.waiting)} waiting); "
+                f"retry later"
             )
         self.waiting.append(request_id)
 

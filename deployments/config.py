@@ -45,7 +45,8 @@ class AppArgs(BaseModel):
     max_budget: PositiveInt = Field(64, description="Cap on nodes per request in 'auto' mode.")
     max_num_seqs: PositiveInt = Field(16, description="Requests decoded together by one engine replica.")
     max_waiting: PositiveInt = Field(
-        256, description="Requests queued per engine replica; beyond it the API answers 429.")
+        256, description="Requests queued per engine replica beyond its free seats (max_num_seqs); beyond it the "
+        "API answers 429.")
     max_model_len: int | None = Field(None, ge=2, description="Context window cap. None: the model's own.")
     default_max_tokens: PositiveInt | None = Field(
         None, description="max_tokens of a chat request that gives none. None: the rest of the context window "

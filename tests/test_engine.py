@@ -154,7 +154,7 @@ def test_eos_and_context_length(workers, checkpoints):
 
 
 def test_invalid_requests_leave_nothing_behind(workers):
-    llm = make_llm(workers, speculation="ddtree", budget=4, max_waiting=2)
+    llm = make_llm(workers, speculation="ddtree", budget=4, max_num_seqs=2, max_waiting=2)
     engine = llm.engine
     with pytest.raises(ValueError, match="empty"):
         engine.add_request("", greedy())
@@ -165,10 +165,15 @@ def test_invalid_requests_leave_nothing_behind(workers):
     with pytest.raises(ValueError, match="prompt"):
         llm.generate(["fine", ""], greedy())
     assert not engine.has_unfinished_requests()
-    engine.add_request("a", greedy(2))
-    engine.add_request("b", greedy(2))
+    # A burst at an idle engine: the free seats, then max_waiting more (all queued before a round admits them).
+    for prompt in "abcd":
+        engine.add_request(prompt, greedy(20))
     with pytest.raises(EngineFullError):
-        engine.add_request("c", greedy(2))
+        engine.add_request("e", greedy(2))
+    engine.step()  # two admitted, two still waiting: still full
+    assert (engine.num_running, engine.num_waiting) == (2, 2)
+    with pytest.raises(EngineFullError):
+        engine.add_request("e", greedy(2))
     while engine.has_unfinished_requests():
         engine.step()
     with pytest.raises(ValueError, match="speculation"):
