@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ddtree.packing import PackedBatch
+from ddtree.sampling_params import GREEDY_TEMPERATURE
 
 
 @dataclass
@@ -65,7 +66,7 @@ def target_tokens_sampled(
 
     seq_index [N] gives each token's request, positions [N] its position in the sequence; temperature, top_p, top_k
     and seeds have one entry per request.
-    Temperature 0 means greedy (argmax); top_k 0 and top_p 1.0 disable those filters (applied in that order, after
+    Temperature 0 (or below GREEDY_TEMPERATURE) means greedy (argmax); top_k 0 and top_p 1.0 disable those filters (applied in that order, after
     the temperature; top-k keeps ties at the k-th logit, top-p keeps the most probable tokens until their mass
     reaches top_p). The noise of a token is keyed by (its request's seed, its position): a seeded request draws the
     same tokens whatever else is in the batch and whatever its tree looks like.
@@ -91,7 +92,7 @@ def target_tokens_sampled(
 
     device = logits.device
     seq_index = seq_index.to(device)
-    is_sampled_request = [t > 0 for t in temps]
+    is_sampled_request = [t >= GREEDY_TEMPERATURE for t in temps]
     if not any(is_sampled_request):
         return logits.argmax(dim=-1)
     if all(is_sampled_request):
@@ -113,7 +114,8 @@ def _sample(
     seeds: Sequence[int],
 ) -> torch.Tensor:
     device, vocab = logits.device, logits.shape[1]
-    temp_t = torch.tensor([t if t > 0 else 1.0 for t in temps], dtype=torch.float32, device=device)  # [R]
+    temp_t = torch.tensor([t if t >= GREEDY_TEMPERATURE else 1.0 for t in temps], dtype=torch.float32,
+                          device=device)  # [R]
     scores = logits.float() / temp_t[seq_index, None]  # [n, V]
     if any(k > 0 for k in top_ks):
         k_t = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_ks], device=device)[seq_index]  # [n]

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# Temperatures below this decode greedily (vLLM's epsilon): logits divided by a smaller one overflow float32, and
+# the "sample" would be whichever of the infinite scores argmax meets first.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass
@@ -23,7 +28,8 @@ class SamplingParams:
             value = getattr(self, name)
             _check(value is None or isinstance(value, (list, tuple)), name, "a list", value)
             setattr(self, name, list(value or []))
-        _check(_is_number(self.temperature) and self.temperature >= 0, "temperature", "a number >= 0", self.temperature)
+        _check(_is_number(self.temperature) and 0 <= self.temperature < math.inf, "temperature",
+               f"a finite number >= 0 (below {GREEDY_TEMPERATURE}: greedy)", self.temperature)
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]", self.top_p)
         _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", "an integer >= 0 (0 disables it)", self.top_k)
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1", self.max_tokens)
@@ -41,7 +47,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 def _is_int(x: object) -> bool:

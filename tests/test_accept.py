@@ -249,6 +249,15 @@ def test_seeded_requests_do_not_depend_on_the_rest_of_the_batch() -> None:
     assert torch.equal(mixed[seq_index == 3], mixed_logits[seq_index == 3].argmax(-1))
 
 
+def test_tiny_temperatures_sample_the_argmax() -> None:
+    """Logits divided by 1e-40 overflow float32 (several +inf, and 0 / 0 = NaN): below GREEDY_TEMPERATURE a request
+    is greedy instead of sampling whichever infinite score argmax meets first."""
+    logits = torch.tensor([[-1.0, 0.5, 3.0, 0.0, 2.0]] * 3)
+    tokens = target_tokens_sampled(logits, torch.tensor([0, 1, 2]), torch.zeros(3, dtype=torch.long),
+                                   [1e-6, 1e-40, 1e-50], [1.0] * 3, [0] * 3, [1, 2, 3])
+    assert tokens.tolist() == [2, 2, 2]
+
+
 def test_sampling_input_validation() -> None:
     logits, seq = torch.zeros(3, 4), torch.zeros(3, dtype=torch.long)
     for temperature, top_p, top_k in ((-1.0, 1.0, 0), (1.0, 0.0, 0), (1.0, 1.5, 0), (1.0, 1.0, -2), (1.0, 1.0, 1.5)):

@@ -8,6 +8,7 @@ from ddtree.sampling_params import SamplingParams
     [
         ("temperature", -0.1),
         ("temperature", float("nan")),
+        ("temperature", float("inf")),
         ("top_p", 0.0),
         ("top_p", 1.5),
         ("top_k", -1),
@@ -22,6 +23,11 @@ from ddtree.sampling_params import SamplingParams
 def test_invalid_values_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_tiny_temperatures_are_greedy():
+    assert SamplingParams(temperature=1e-40).is_greedy and SamplingParams(temperature=1e-6).is_greedy
+    assert not SamplingParams(temperature=1e-4).is_greedy
 
 
 def test_defaults_and_single_stop_string():
