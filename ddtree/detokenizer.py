@@ -60,14 +60,20 @@ class Detokenizer:
         text_tokens = state.token_ids
         if state.finish_reason == "stop" and text_tokens and text_tokens[-1] in params.stop_token_ids:
             text_tokens = text_tokens[:-1]  # a stop token is not part of the text (EOS is special anyway)
-        text = state.text + self._new_text(state, text_tokens)
+        new_text = self._new_text(state, text_tokens)
+        text = state.text + new_text
         if params.stop:
+            searched = text
+            if not new_text and state.finish_reason is None:
+                # The round's tokens end inside a character: the text before that character is complete and may
+                # hold a stop string (found now, so that no later round's tokens are kept past it).
+                searched = text + self._complete_pending_text(state, text_tokens)
             # Only text that can hold a new stop is searched: from just before the end of the previous text (which
             # holds complete characters only, `_new_text`, so it is a prefix of this one).
             start = max(0, len(state.text) - max(map(len, params.stop)) + 1)
-            cut = self._first_stop(text, start=start, params=params)
+            cut = self._first_stop(searched, start=start, params=params)
             if cut is not None:
-                text = text[:cut]
+                text = searched[:cut]
                 state.finish_reason = "stop"
                 # Keep only the tokens needed to produce the text up to (and including) the stop string.
                 while len(kept) > 1 and self._first_stop(
@@ -87,6 +93,12 @@ class Detokenizer:
             return ""
         state.prefix_offset, state.read_offset = state.read_offset, len(text_tokens)
         return window_text[len(prefix_text) :]
+
+    def _complete_pending_text(self, state: OutputState, text_tokens: list[int]) -> str:
+        """The complete characters of the tokens past `read_offset` while they end inside a character."""
+        prefix_text = self.decode(text_tokens[state.prefix_offset : state.read_offset])
+        window_text = self.decode(text_tokens[state.prefix_offset :])
+        return window_text[len(prefix_text) :].rstrip(REPLACEMENT_CHAR)
 
     @staticmethod
     def _first_stop(text: str, start: int, params: SamplingParams) -> int | None:

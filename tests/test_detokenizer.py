@@ -84,6 +84,18 @@ def test_stop_string_completed_by_the_bytes_of_a_later_round(split):
     assert Detokenizer.take_new_text(s) == "ab"  # the stop string itself is never emitted
 
 
+def test_stop_string_found_in_a_round_that_ends_inside_a_character():
+    # The round holding the stop string ends with the first byte of "é": its text is withheld until the character
+    # completes, but the stop before it is found in this round, and nothing after it is kept.
+    byte_tok = make_byte_tokenizer()
+    d, s = Detokenizer(byte_tok), state(byte_tok, stop=["a"])
+    tokens = ids(byte_tok, "baécd")
+    kept = d.append(s, tokens[:3])
+    assert s.finish_reason == "stop" and s.text == "b" and kept == tokens[:2]
+    assert d.append(s, tokens[3:]) == [] and s.token_ids == tokens[:2]
+    assert Detokenizer.take_new_text(s) == "b"
+
+
 @pytest.mark.parametrize("make", [make_byte_tokenizer, make_char_tokenizer])
 def test_incremental_text_equals_decoding_everything(make):
     # Rounds of 1-4 tokens, cut anywhere (inside multi-byte characters too): the streamed pieces and the final text
