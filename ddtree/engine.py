@@ -492,17 +492,13 @@ class Engine:
             without_draft = self._observe_proposal(drafted.proposals.get(rid), accepted + [result.bonus_token_ids[i]])
             self.budget.observe(rid, drafted.predicted[i], len(accepted), drafted.trees[i].num_nodes, without_draft)
             stats = self.requests[rid].stats
-            stats.acceptance_lengths.append(len(accepted) + 1)
             stats.budgets.append(drafted.trees[i].num_nodes)
             stats.num_speculative_rounds += 1
         num_speculative = len(plan.speculative_ids)
         for j, rid in enumerate(plan.autoregressive_ids):
-            stats = self.requests[rid].stats
-            stats.num_autoregressive_rounds += 1
+            self.requests[rid].stats.num_autoregressive_rounds += 1
             accepted = result.accepted_token_ids[num_speculative + j]
             self._observe_proposal(drafted.proposals.get(rid), accepted + [result.bonus_token_ids[num_speculative + j]])
-            stats.num_ngram_tokens += len(accepted)
-            self.timings.num_ngram_tokens += len(accepted)
 
     def _observe_proposal(self, chain: list[int] | None, committed: list[int]) -> int:
         """How many of a proposed chain's tokens the target's own (`committed`: accepted + bonus) confirm, recorded
@@ -517,11 +513,24 @@ class Engine:
         return num_confirmed
 
     def _emit(self, plan: RoundPlan, result: VerifyResult) -> list[RequestOutput]:
+        """Commit each request's accepted tokens and bonus token. Its statistics count what the round committed:
+        tokens accepted past a stop are discarded, and not counted either (the budget policy learned from the
+        whole verify result in `_observe`)."""
         t0 = time.perf_counter()
         outputs = []
+        num_speculative = len(plan.speculative_ids)
         for i, rid in enumerate(plan.speculative_ids + plan.autoregressive_ids):
+            req = self.requests[rid]
             tokens = result.accepted_token_ids[i] + [result.bonus_token_ids[i]]
-            out = self._append_tokens(self.requests[rid], tokens)
+            num_before = len(req.output.token_ids)
+            out = self._append_tokens(req, tokens)
+            num_committed = max(0, len(req.output.token_ids) - num_before)
+            if i < num_speculative:
+                req.stats.acceptance_lengths.append(num_committed)
+            else:  # an n-gram chain's tokens, if it verified one
+                num_ngram = min(len(result.accepted_token_ids[i]), num_committed)
+                req.stats.num_ngram_tokens += num_ngram
+                self.timings.num_ngram_tokens += num_ngram
             if out is not None:
                 outputs.append(out)
         self.timings.emit += time.perf_counter() - t0

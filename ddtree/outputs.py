@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 
 @dataclass
 class RequestStats:
-    acceptance_lengths: list[int] = field(default_factory=list)  # per speculative round, bonus token included
+    # per speculative round: the tokens it committed, bonus token included (tokens accepted past a stop are not)
+    acceptance_lengths: list[int] = field(default_factory=list)
     budgets: list[int] = field(default_factory=list)  # nodes verified per speculative round
     num_autoregressive_rounds: int = 0
     num_speculative_rounds: int = 0

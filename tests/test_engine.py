@@ -118,16 +118,22 @@ def test_stops_apply_to_tokens_accepted_in_one_round(workers):
     free_text = off.generate(PROMPTS[1], greedy(40))[0]
     stop = free_text.text[10:12]
     assert len(stop) == 2 and free_text.text.index(stop) > 0
+    outputs = []
     for llm in (off, spec):
         out = llm.generate(PROMPTS[1], greedy(40, stop=[stop]))[0]
         assert out.finish_reason == "stop" and out.text == free_text.text[: free_text.text.index(stop)]
+        outputs.append((llm, out))
     stop_id = free_text.token_ids[6]
     for llm in (off, spec):
         out = llm.generate(PROMPTS[1], greedy(40, stop_token_ids=[stop_id]))[0]
         first = free_text.token_ids.index(stop_id)
         assert out.finish_reason == "stop" and out.token_ids == free_text.token_ids[: first + 1]
+        outputs.append((llm, out))
         out = llm.generate(PROMPTS[1], greedy(5))[0]
         assert out.finish_reason == "length" and out.token_ids == free_text.token_ids[:5]
+        outputs.append((llm, out))
+    for out in [out for llm, out in outputs if llm is spec]:  # the prefill's token, then what each round committed
+        assert 1 + sum(out.acceptance_lengths) == len(out.token_ids)  # tokens past a stop are not counted
 
 
 def test_eos_and_context_length(workers, checkpoints):
