@@ -242,11 +242,13 @@ class Engine:
         if isinstance(prompt, str):
             # the tokenizer's own special tokens (BOS for Llama/Mistral), as Hugging Face and vLLM encode a prompt
             prompt_token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-        else:
+        elif isinstance(prompt, (list, tuple)):
             prompt_token_ids = list(prompt)
             vocab = self.target.vocab_size
-            if not all(isinstance(t, int) and 0 <= t < vocab for t in prompt_token_ids):
+            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt_token_ids):
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        else:
+            raise ValueError(f"the prompt must be a string or a list of token ids, got {type(prompt).__name__}")
         if not prompt_token_ids:
             raise ValueError("the prompt is empty")
         room = self.max_model_len - len(prompt_token_ids)

@@ -78,6 +78,9 @@ class LLM:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
         """One final output per prompt, in order. Prompts are strings or lists of token ids."""
+        if not isinstance(prompts, (str, list, tuple)):
+            raise ValueError(f"prompts must be a string, a list of token ids, or a list of those; got "
+                             f"{type(prompts).__name__}")
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params_list = _per_prompt(params, len(prompts))

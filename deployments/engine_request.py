@@ -20,6 +20,14 @@ class EngineRequest:
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt and messages")
+        if self.prompt is not None and not (
+            isinstance(self.prompt, str)
+            or isinstance(self.prompt, (list, tuple))
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in self.prompt)
+        ):
+            raise ValueError(f"the prompt must be a string or a list of token ids (ints), got {self.prompt!r:.80}")
+        if isinstance(self.prompt, tuple):
+            self.prompt = list(self.prompt)
         if self.params is None:
             self.params = SamplingParams()
         if not isinstance(self.params, SamplingParams):

@@ -16,7 +16,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 
 from ddtree.sampling_params import SamplingParams
 from deployments.errors import APIError, bad_request
@@ -122,7 +122,7 @@ class _GenerationRequest(BaseModel):
 
 
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]  # strict: `true` is not token 1
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None

@@ -168,6 +168,11 @@ def test_invalid_requests_leave_nothing_behind(workers):
         engine.add_request([1, 10_000], greedy())
     with pytest.raises(ValueError, match="SamplingParams"):
         engine.add_request("hi", {"temperature": 0})
+    for prompt in (123, None, b"hi", [True, 2]):
+        with pytest.raises(ValueError, match="prompt"):
+            engine.add_request(prompt, greedy())
+    with pytest.raises(ValueError, match="prompts"):
+        llm.generate(None, greedy())
     with pytest.raises(ValueError, match="prompt"):
         llm.generate(["fine", ""], greedy())
     assert not engine.has_unfinished_requests()

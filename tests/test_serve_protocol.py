@@ -112,6 +112,8 @@ def test_completion_request_to_sampling_params():
         ({"model": "m", "prompt": "hi", "max_tokens": 0}, "max_tokens", "invalid_value"),
         ({"model": "m", "prompt": ["a", "b"]}, "prompt", "invalid_value"),
         ({"model": "m", "prompt": ""}, "prompt", "invalid_value"),
+        ({"model": "m", "prompt": [True, 2]}, "prompt", "invalid_value"),  # not token 1
+        ({"model": "m", "prompt": [1.0, 2]}, "prompt", "invalid_value"),
         ({"model": "m", "prompt": "hi", "speculation": "off"}, "speculation", "unrecognized_parameter"),
         ({"model": "m"}, "prompt", "missing_parameter"),
     ],
@@ -120,6 +122,14 @@ def test_bad_completion_requests_name_the_parameter(body, param, code):
     err = _error(CompletionRequest, body)
     assert (err.status, err.param, err.code, err.type) == (400, param, code, "invalid_request_error")
     assert set(err.body()["error"]) == {"message", "type", "param", "code"}
+
+
+@pytest.mark.parametrize("prompt", [123, None, b"hi", [True], ["a"], (1.0,)])
+def test_python_handle_prompts_that_are_not_text_or_token_ids_are_client_errors(prompt):
+    from deployments.engine_request import EngineRequest
+
+    with pytest.raises(ValueError, match="prompt"):
+        EngineRequest(prompt=prompt)
 
 
 def test_chat_request_messages_and_limits():
