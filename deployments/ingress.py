@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
+from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ddtree.sampling_params import SamplingParams
@@ -170,7 +171,9 @@ class OpenAIIngress:
             outputs.cancel()
             raise
         events = self._sse(first, outputs, body, request_id, chat)
-        return StreamingResponse(events, media_type="text/event-stream")
+        # `_sse` cancels in its `finally`; a client gone before the body starts never starts `_sse`, and closing an
+        # unstarted generator runs no `finally`: Starlette's background task runs after the response either way.
+        return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(outputs.cancel))
 
     async def _sse(self, first, outputs, body, request_id: str, chat: bool) -> AsyncIterator[str]:
         created = int(time.time())
