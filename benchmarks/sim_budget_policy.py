@@ -10,8 +10,11 @@ No model runs during the replay, so policies compare without timing noise:
                                            [--concurrency 1] [--draft-cost-scale 1] [--threads 1]
 
 Prints, per category and over all, the simulated tokens per second of `off`, fixed budgets, `auto` (the engine's
-policy), `auto, no fallback`, and `oracle` (each round the n in 0..max_budget best for that round alone, knowing
-its outcome: a reference for what better predictions could win), with tau and the share of request-rounds drafted.
+policy, with its n-gram chains), `auto, no n-gram`, `auto, no fallback`, and `oracle` (each round the n in
+0..max_budget best for that round alone, knowing its outcome, drafter only: a reference for what better predictions
+could win), with tau, the share of request-rounds drafted and the share of tokens from chains verified without a
+draft.
+
 Traces and the cost model are cached under work/sim_budget/ (delete them to remeasure; the cost model is measured
 with --threads threads: measure it on a quiet machine).
 """
@@ -47,11 +50,13 @@ def compute_traces(drafter_dir: Path, eval_dir: Path, categories: list[str], num
             first = seq.prompt_length
             values, ids = draft_topk_at_every_anchor(drafter, embed, lm_head, reader(seq), seq.token_ids, first,
                                                      max_budget, draft_token_ids=draft_token_ids)
-            trace = Trace(category, [], [])
+            trace = Trace(category, [], [], [], [], list(seq.token_ids), first)
             for row, anchor in enumerate(range(first, len(seq.token_ids) - 1)):
                 tree = build_tree_from_topk(values[row], ids[row], max_budget)
                 trace.path_probs.append(tree.path_logprobs.exp().tolist())
                 trace.matched_nodes.append(_matched_nodes(tree, seq.token_ids[anchor + 1 :]))
+                trace.tree_tokens.append(tree.token_ids.tolist())
+                trace.tree_parents.append(tree.parents.tolist())
             traces.append(trace)
             print(f"[traces] {category} {seq.prompt_id}: {trace.num_positions} positions", flush=True)
     return traces
@@ -92,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=1, help="requests in flight at once")
     parser.add_argument("--draft-cost-scale", type=float, default=1.0,
                         help="multiply the drafter's measured seconds (a slower drafter: where drafting pays less)")
+    parser.add_argument("--ngram-tokens", type=int, default=3, help="n-gram chain length of the auto rows (as the "
+                        "engine's default); 'auto, no n-gram' runs without")
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
 
@@ -105,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     args.cache_dir.mkdir(parents=True, exist_ok=True)
     weights = drafter_dir / "model.safetensors"
     key = hashlib.sha1(f"{weights.resolve()}:{weights.stat().st_mtime_ns}".encode()).hexdigest()[:12]
-    traces_path = args.cache_dir / f"traces-{key}-{args.num_sequences}-{args.max_budget}.json"
+    traces_path = args.cache_dir / f"traces-v2-{key}-{args.num_sequences}-{args.max_budget}.json"  # v2: tokens
     if traces_path.exists():
         traces = [Trace(**t) for t in json.loads(traces_path.read_text())]
     else:
@@ -114,8 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.first_sequences is not None:
         traces = [t for c in CATEGORIES for t in [t for t in traces if t.category == c][: args.first_sequences]]
     if args.max_tokens is not None:
-        traces = [Trace(t.category, t.path_probs[: args.max_tokens - 1], t.matched_nodes[: args.max_tokens - 1])
-                  for t in traces]
+        traces = [t.truncated(args.max_tokens - 1) for t in traces]
     cost_path = args.cache_dir / f"cost-{args.threads}threads.json"
     if cost_path.exists():
         points = json.loads(cost_path.read_text())
@@ -133,9 +139,12 @@ def main(argv: list[str] | None = None) -> int:
     rows["off"] = replay.run_off(traces)
     for b in args.budgets:
         rows[f"B={b}"] = replay.run_policy(BudgetPolicy(BudgetConfig(fixed_budget=b), cost), traces)
-    rows["auto"] = replay.run_policy(BudgetPolicy(BudgetConfig(max_budget=args.max_budget), cost), traces)
+    rows["auto"] = replay.run_policy(BudgetPolicy(BudgetConfig(max_budget=args.max_budget), cost), traces,
+                                     ngram_tokens=args.ngram_tokens)
+    rows["auto, no n-gram"] = replay.run_policy(BudgetPolicy(BudgetConfig(max_budget=args.max_budget), cost), traces)
     rows["auto, no fallback"] = replay.run_policy(
-        BudgetPolicy(BudgetConfig(max_budget=args.max_budget, allow_fallback=False), cost), traces)
+        BudgetPolicy(BudgetConfig(max_budget=args.max_budget, allow_fallback=False), cost), traces,
+        ngram_tokens=args.ngram_tokens)
     if args.concurrency == 1:
         rows["oracle"] = replay.run_oracle(traces, args.max_budget)
 
@@ -147,13 +156,14 @@ def main(argv: list[str] | None = None) -> int:
         res["all"] = total
     base = {c: rows["off"][c].tokens_per_second for c in categories}
     print(f"\n{len(traces)} sequences, concurrency {args.concurrency}: simulated tok/s (x off), tau, drafted %\n")
-    print("| policy | " + " | ".join(categories) + " | tau (all) | drafted (all) |")
-    print("|---" * (3 + len(categories)) + "|")
+    print("| policy | " + " | ".join(categories) + " | tau (all) | drafted (all) | n-gram tokens (all) |")
+    print("|---" * (4 + len(categories)) + "|")
     for name, res in rows.items():
         cells = [f"{res[c].tokens_per_second:.1f} ({res[c].tokens_per_second / base[c]:.2f}x)" for c in categories]
         a = res["all"]
         print(f"| {name} | " + " | ".join(cells)
-              + f" | {a.tau:.2f} | {100 * a.drafted_request_rounds / max(a.request_rounds, 1):.0f}% |")
+              + f" | {a.tau:.2f} | {100 * a.drafted_request_rounds / max(a.request_rounds, 1):.0f}%"
+              + f" | {100 * a.ngram_tokens / max(a.tokens, 1):.0f}% |")
     return 0
 
 

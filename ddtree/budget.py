@@ -48,6 +48,8 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
+from ddtree.ngram import chain_acceptance
+
 
 @dataclass
 class CostModel:
@@ -382,6 +384,18 @@ class BudgetPolicy:
             self.ngram_acceptance[d] = (1 - w) * self.ngram_acceptance[d] + w * float(d < num_accepted)
         for d in range(1, len(self.ngram_acceptance)):  # values must not grow with depth (chains stay trees)
             self.ngram_acceptance[d] = min(self.ngram_acceptance[d], self.ngram_acceptance[d - 1])
+
+    def observe_proposal(self, chain: list[int] | None, committed: list[int]) -> int:
+        """How many of a proposed chain's tokens the target's own (`committed`: accepted + bonus) confirm, recorded
+        for the chain values, whether or not the chain was verified: at T=0 the target's tokens along the committed
+        path are what verifying the chain alone would have compared it with (at T>0 too: samples are keyed by
+        position). Depths past the committed tokens, after a confirmed prefix, stay unknown."""
+        if not chain:
+            return 0
+        num_confirmed = chain_acceptance(chain, committed)
+        is_rejection_known = num_confirmed < min(len(chain), len(committed))
+        self.observe_ngram(num_confirmed + int(is_rejection_known), num_confirmed)
+        return num_confirmed
 
     def observe(
         self, request_id: str, predicted: float, num_accepted_nodes: int, num_nodes: int | None = None,

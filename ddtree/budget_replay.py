@@ -10,23 +10,37 @@ evaluation data and prints the comparison.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ddtree.budget import BudgetPolicy, CostModel
+from ddtree.ngram import NgramIndex, merge_chain
 
 
 @dataclass
 class Trace:
     """One evaluation sequence as the policy sees it: per anchor (round start), the node probabilities of the full
-    tree in pop order, and the indices of the tree nodes on the target's path (increasing: parents come first)."""
+    tree in pop order, and the indices of the tree nodes on the target's path (increasing: parents come first).
+
+    For n-gram proposals a trace also holds the trees' tokens and parents, and the sequence's token ids with the
+    prompt length: the round at position p has the root `token_ids[prompt_length + p]` (the first response token,
+    from prefill, at p = 0), the history `token_ids[: prompt_length + p + 1]` to propose from, and the target's
+    continuation after it."""
 
     category: str
     path_probs: list[list[float]]
     matched_nodes: list[list[int]]
+    tree_tokens: list[list[int]] | None = None
+    tree_parents: list[list[int]] | None = None
+    token_ids: list[int] | None = None
+    prompt_length: int = 0
 
     @property
     def num_positions(self) -> int:
         return len(self.path_probs)
+
+    @property
+    def has_tokens(self) -> bool:
+        return self.tree_tokens is not None and self.token_ids is not None
 
     def accepted(self, position: int, num_nodes: int) -> int:
         """Accepted nodes of a round at `position` whose tree keeps its first `num_nodes` nodes."""
@@ -36,6 +50,33 @@ class Trace:
                 break
             count += 1
         return count
+
+    def history(self, position: int) -> list[int]:
+        return self.token_ids[: self.prompt_length + position + 1]
+
+    def continuation(self, position: int) -> list[int]:
+        return self.token_ids[self.prompt_length + position + 1 :]
+
+    def truncated(self, num_positions: int) -> Trace:
+        """The first `num_positions` rounds' positions only (a response's first tokens)."""
+        cut = slice(0, num_positions)
+        return replace(self, path_probs=self.path_probs[cut], matched_nodes=self.matched_nodes[cut],
+                       tree_tokens=None if self.tree_tokens is None else self.tree_tokens[cut],
+                       tree_parents=None if self.tree_parents is None else self.tree_parents[cut])
+
+
+def accepted_along(token_ids: list[int], parents: list[int], continuation: list[int]) -> int:
+    """Nodes of a tree (given as lists) that the target's continuation follows from the root."""
+    children: dict[int, dict[int, int]] = {}
+    for node, (parent, token) in enumerate(zip(parents, token_ids)):
+        children.setdefault(parent, {})[token] = node
+    node, depth = -1, 0
+    for token in continuation:
+        node = children.get(node, {}).get(token)
+        if node is None:
+            break
+        depth += 1
+    return depth
 
 
 @dataclass
@@ -47,6 +88,7 @@ class Result:
     request_rounds: int = 0
     drafted_request_rounds: int = 0
     committed_when_drafted: int = 0
+    ngram_tokens: int = 0  # tokens accepted from n-gram chains verified without a draft
 
     def add(self, other: Result) -> None:
         for name in self.__dataclass_fields__:
@@ -66,6 +108,17 @@ class _Slot:
     request_id: str
     trace: Trace
     position: int = 0
+    ngrams: NgramIndex | None = None
+
+
+@dataclass
+class _Verified:
+    """What one request verified in a round: its tree's nodes, how many were accepted, and whether it was drafted
+    (a request in fallback may verify an n-gram chain)."""
+
+    num_nodes: int
+    num_accepted: int
+    is_drafted: bool
 
 
 @dataclass
@@ -77,70 +130,117 @@ class Replay:
 
     def run_off(self, traces: list[Trace]) -> dict[str, Result]:
         """Every request decodes autoregressively."""
-        return self._run(traces, lambda slots: ([], [], len(slots)), lambda *a: None, lambda r: None, lambda r: None)
+        return self._run(traces, lambda slots: {}, lambda r: None, lambda r: None)
 
-    def run_policy(self, policy: BudgetPolicy, traces: list[Trace]) -> dict[str, Result]:
-        def choose(slots: list[_Slot]) -> tuple[list[_Slot], list[int], int]:
+    def run_policy(self, policy: BudgetPolicy, traces: list[Trace], ngram_tokens: int = 0) -> dict[str, Result]:
+        """The engine's round: plan -> (draft) -> allocate -> verify -> observe. With `ngram_tokens`, n-gram chains
+        join as in the engine's auto mode: merged into drafted trees (into what a first allocation keeps, plus the
+        chain), verified alone by requests in fallback, valued and learned by the policy."""
+        if ngram_tokens and not all(t.has_tokens for t in traces):
+            raise ValueError("n-gram proposals need traces with tree tokens and the sequence's token ids")
+
+        def choose(slots: list[_Slot]) -> dict[int, _Verified]:
             plan = policy.plan([s.request_id for s in slots])
-            by_id = {s.request_id: s for s in slots}
-            speculative = [by_id[r] for r in plan.speculative_ids]
-            probs = [s.trace.path_probs[s.position][:b] for s, b in zip(speculative, plan.max_budgets)]
-            counts = policy.allocate(plan.speculative_ids, probs, len(plan.autoregressive_ids)) if probs else []
-            return speculative, counts, len(plan.autoregressive_ids)
+            index_of = {s.request_id: i for i, s in enumerate(slots)}
+            speculative = [index_of[r] for r in plan.speculative_ids]
+            values = [slots[i].trace.path_probs[slots[i].position][:b]
+                      for i, b in zip(speculative, plan.max_budgets)]
+            trees = [self._tree(slots[i], len(v)) for i, v in zip(speculative, values)] if ngram_tokens else []
+            chains = {i: slots[i].ngrams.propose(ngram_tokens) for i in index_of.values()} if ngram_tokens else {}
+            request_ids, verifying = list(plan.speculative_ids), list(speculative)
+            if any(chains.get(i) for i in speculative):
+                first = policy.allocate(plan.speculative_ids, values, len(plan.autoregressive_ids))
+                for k, i in enumerate(speculative):
+                    if chains[i]:
+                        keep = first[k] + len(chains[i])
+                        tokens, parents, _, values[k] = merge_chain(
+                            trees[k][0][:keep], trees[k][1][:keep], values[k][:keep], chains[i],
+                            policy.ngram_values(len(chains[i])))
+                        trees[k] = (tokens, parents)
+            for rid in plan.autoregressive_ids:
+                i = index_of[rid]
+                if chains.get(i):
+                    tokens, parents, _, chain_values = merge_chain([], [], [], chains[i],
+                                                                   policy.ngram_values(len(chains[i])))
+                    trees.append((tokens, parents))
+                    values.append(chain_values)
+                    request_ids.append(rid)
+                    verifying.append(i)
+            if not verifying:
+                return {}
+            num_root_only = len(slots) - len(verifying)
+            counts = policy.allocate(request_ids, values, num_root_only, num_drafted=len(speculative))
+            verified: dict[int, _Verified] = {}
+            for k, (i, n) in enumerate(zip(verifying, counts)):
+                slot = slots[i]
+                is_drafted = k < len(speculative)
+                if ngram_tokens:
+                    continuation = slot.trace.continuation(slot.position)
+                    accepted = accepted_along(trees[k][0][:n], trees[k][1][:n], continuation)
+                    committed = continuation[: accepted + 1]
+                else:
+                    accepted = slot.trace.accepted(slot.position, n)
+                without_draft = policy.observe_proposal(chains.get(i), committed) if ngram_tokens else 0
+                if is_drafted:
+                    policy.observe(slot.request_id, sum(values[k][:n]), accepted, n, without_draft)
+                verified[i] = _Verified(n, accepted, is_drafted)
+            return verified
 
-        def learn(slot: _Slot, num_nodes: int, accepted: int) -> None:
-            predicted = sum(slot.trace.path_probs[slot.position][:num_nodes])
-            policy.observe(slot.request_id, predicted, accepted, num_nodes)
-
-        return self._run(traces, choose, learn, policy.add, policy.remove)
+        return self._run(traces, choose, policy.add, policy.remove, ngram_tokens=ngram_tokens)
 
     def run_oracle(self, traces: list[Trace], max_budget: int) -> dict[str, Result]:
         """One request at a time: each round the node count (0 = autoregressive) best for that round alone."""
         ar = self.cost.verify_seconds(1)
         draft = self.cost.draft_seconds(1)
 
-        def choose(slots: list[_Slot]) -> tuple[list[_Slot], list[int], int]:
+        def choose(slots: list[_Slot]) -> dict[int, _Verified]:
             (slot,) = slots
             best_n, best_rate = 0, 1.0 / ar
             for n in range(1, max_budget + 1):
                 rate = (1 + slot.trace.accepted(slot.position, n)) / (draft + self.cost.verify_seconds(1 + n))
                 if rate > best_rate:
                     best_n, best_rate = n, rate
-            return ([slot], [best_n], 0) if best_n else ([], [], 1)
+            return {0: _Verified(best_n, slot.trace.accepted(slot.position, best_n), True)} if best_n else {}
 
         if self.concurrency != 1:
             raise ValueError("the oracle replays one request at a time")
-        return self._run(traces, choose, lambda *a: None, lambda r: None, lambda r: None)
+        return self._run(traces, choose, lambda r: None, lambda r: None)
 
-    def _run(self, traces, choose, learn, add, remove) -> dict[str, Result]:
-        """`choose(slots)` -> (speculating slots, their node counts, number autoregressive); `learn(slot, nodes,
-        accepted)` after each speculative round; `add` / `remove` a request id as it joins / leaves."""
+    @staticmethod
+    def _tree(slot: _Slot, num_nodes: int) -> tuple[list[int], list[int]]:
+        trace, p = slot.trace, slot.position
+        return trace.tree_tokens[p][:num_nodes], trace.tree_parents[p][:num_nodes]
+
+    def _run(self, traces, choose, add, remove, ngram_tokens: int = 0) -> dict[str, Result]:
+        """`choose(slots)` -> {slot index: what it verified} for the requests verifying a tree this round (the others
+        verify their root alone), observations made; `add` / `remove` a request id as it joins / leaves."""
         results: dict[str, Result] = {}
         queue = list(enumerate(traces))
         slots: list[_Slot] = []
         while queue or slots:
             while queue and len(slots) < self.concurrency:
                 i, trace = queue.pop(0)
-                slots.append(_Slot(f"r{i}", trace))
-                add(slots[-1].request_id)
-            speculative, counts, _ = choose(slots)
-            num_tokens = len(slots) + sum(counts)
-            round_seconds = self.cost.draft_seconds(len(speculative)) + self.cost.verify_seconds(num_tokens)
-            drafted = {id(s) for s in speculative}
-            for slot in slots:
+                slot = _Slot(f"r{i}", trace)
+                if ngram_tokens:
+                    slot.ngrams = NgramIndex(trace.history(0))
+                slots.append(slot)
+                add(slot.request_id)
+            verified = choose(slots)
+            num_drafted = sum(v.is_drafted for v in verified.values())
+            num_tokens = len(slots) + sum(v.num_nodes for v in verified.values())
+            round_seconds = self.cost.draft_seconds(num_drafted) + self.cost.verify_seconds(num_tokens)
+            for i, slot in enumerate(slots):
                 r = results.setdefault(slot.trace.category, Result())
                 r.seconds += round_seconds / len(slots)  # the round's time, shared evenly
                 r.request_rounds += 1
-            for slot, n in zip(speculative, counts):
-                accepted = slot.trace.accepted(slot.position, n)
-                learn(slot, n, accepted)
-                r = results[slot.trace.category]
-                r.drafted_request_rounds += 1
-                r.committed_when_drafted += 1 + accepted
-                self._advance(slot, 1 + accepted, r)
-            for slot in slots:
-                if id(slot) not in drafted:
-                    self._advance(slot, 1, results[slot.trace.category])
+                v = verified.get(i)
+                num_accepted = v.num_accepted if v is not None else 0
+                if v is not None and v.is_drafted:
+                    r.drafted_request_rounds += 1
+                    r.committed_when_drafted += 1 + num_accepted
+                elif v is not None:
+                    r.ngram_tokens += num_accepted
+                self._advance(slot, 1 + num_accepted, r)
             for slot in [s for s in slots if s.position >= s.trace.num_positions]:
                 slots.remove(slot)
                 remove(slot.request_id)
@@ -149,5 +249,8 @@ class Replay:
     @staticmethod
     def _advance(slot: _Slot, num_tokens: int, result: Result) -> None:
         num_tokens = min(num_tokens, slot.trace.num_positions - slot.position)
+        if slot.ngrams is not None:
+            start = slot.trace.prompt_length + slot.position + 1
+            slot.ngrams.extend(slot.trace.token_ids[start : start + num_tokens])
         slot.position += num_tokens
         result.tokens += num_tokens

@@ -28,7 +28,7 @@ import torch
 
 from ddtree.budget import BudgetConfig, BudgetPolicy, CostModel, RoundPlan, check_max_probe_overhead
 from ddtree.detokenizer import Detokenizer, OutputState
-from ddtree.ngram import NgramIndex, chain_acceptance, merge_chain
+from ddtree.ngram import NgramIndex, merge_chain
 from ddtree.outputs import RequestOutput, RequestStats
 from ddtree.sampling_params import SamplingParams
 from ddtree.scheduler import EngineFullError, Scheduler
@@ -491,7 +491,8 @@ class Engine:
         for i, rid in enumerate(plan.speculative_ids):
             accepted = result.accepted_token_ids[i]
             # what the request's chain alone would have accepted: drafting's gain is the rest
-            without_draft = self._observe_proposal(drafted.proposals.get(rid), accepted + [result.bonus_token_ids[i]])
+            without_draft = self.budget.observe_proposal(drafted.proposals.get(rid),
+                                                         accepted + [result.bonus_token_ids[i]])
             self.budget.observe(rid, drafted.predicted[i], len(accepted), drafted.trees[i].num_nodes, without_draft)
             stats = self.requests[rid].stats
             stats.budgets.append(drafted.trees[i].num_nodes)
@@ -500,19 +501,8 @@ class Engine:
         for j, rid in enumerate(plan.autoregressive_ids):
             self.requests[rid].stats.num_autoregressive_rounds += 1
             accepted = result.accepted_token_ids[num_speculative + j]
-            self._observe_proposal(drafted.proposals.get(rid), accepted + [result.bonus_token_ids[num_speculative + j]])
-
-    def _observe_proposal(self, chain: list[int] | None, committed: list[int]) -> int:
-        """How many of a proposed chain's tokens the target's own (`committed`: accepted + bonus) confirm, recorded
-        for the chain values, whether or not the chain was verified: at T=0 the target's tokens along the committed
-        path are what verifying the chain alone would have compared it with (at T>0 too: samples are keyed by
-        position). Depths past the committed tokens, after a confirmed prefix, stay unknown."""
-        if not chain:
-            return 0
-        num_confirmed = chain_acceptance(chain, committed)
-        is_rejection_known = num_confirmed < min(len(chain), len(committed))
-        self.budget.observe_ngram(num_confirmed + int(is_rejection_known), num_confirmed)
-        return num_confirmed
+            self.budget.observe_proposal(drafted.proposals.get(rid),
+                                         accepted + [result.bonus_token_ids[num_speculative + j]])
 
     def _emit(self, plan: RoundPlan, result: VerifyResult) -> list[RequestOutput]:
         """Commit each request's accepted tokens and bonus token. Its statistics count what the round committed:
