@@ -22,17 +22,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from ddtree.budget import CostModel  # noqa: E402
+from ddtree.budget_replay import accepted_along  # noqa: E402
 from ddtree.ngram import NgramIndex, merge_chain  # noqa: E402
-
-
-def accepted_depth(children: dict[int, dict[int, int]], target_next: list[int]) -> int:
-    node, depth = -1, 0
-    for token in target_next:
-        node = children.get(node, {}).get(token)
-        if node is None:
-            break
-        depth += 1
-    return depth
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,10 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                     if chain:
                         tokens, parents, _, probs = merge_chain(tokens, parents, probs, chain,
                                                                 chain_values[: len(chain)])
-                    children: dict[int, dict[int, int]] = {}
-                    for node, (parent, token) in enumerate(zip(parents, tokens)):
-                        children.setdefault(parent, {})[token] = node
-                    accepted = accepted_depth(children, ids[p + 1 :])
+                    accepted = accepted_along(tokens, parents, ids[p + 1 :])
                     t = totals[(budget, use_ngram)]
                     t[0] += (cost.draft_seconds(1) if budget else 0.0) + cost.verify_seconds(1 + len(tokens))
                     t[1] += 1 + accepted
