@@ -66,6 +66,9 @@ class ModeResult:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="target (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--drafter", default=None, help="DFlash drafter (default: the shipped one)")
+    parser.add_argument("--compare-drafter", default=None,
+                        help="a second drafter for the same target: every speculative mode also runs with it, in "
+                             "turn with the first (rows '<mode> [<its folder name>]'), on the same loaded target")
     parser.add_argument("--prompts", default=None, help="a .jsonl file of {prompt} or {messages} (default: built-in sets)")
     parser.add_argument("--categories", default="code,math,chat", help="built-in sets to use")
     parser.add_argument("--num-prompts", type=int, default=4,
@@ -142,7 +145,7 @@ def run_hf(model_dir: str, prompts: list[list[int]], max_tokens: int, eos_token_
 def run(args) -> int:
     import torch
 
-    from ddtree.workers import build_workers
+    from ddtree.workers import build_workers, load_drafter_worker, resolve_drafter_path
 
     if args.threads is not None:
         if args.threads < 1:
@@ -158,6 +161,12 @@ def run(args) -> int:
     target, drafter, tokenizer = build_workers(
         args.model, args.drafter, device=args.device, dtype=args.dtype, need_drafter=True,
     )
+    drafters = [("", drafter)]
+    if args.compare_drafter:
+        path = resolve_drafter_path(args.model, args.compare_drafter)
+        # (a drafter reading other target layers than the first is refused here: the target computes one set)
+        other = load_drafter_worker(path, target.model.head(), device=args.device, dtype=args.dtype)
+        drafters.append((f" [{path.name}]", other))
     messages = load_prompts(args)
     prompts = [
         list(tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False))
@@ -183,8 +192,9 @@ def run(args) -> int:
     engines = []
     for name, config in configs:
         config.max_num_seqs = args.concurrency
-        engines.append((name, Engine(config, target, drafter if config.speculation != "off" else None, tokenizer,
-                                     cost=copy.deepcopy(cost) if config.speculation == "off" else None)))
+        for suffix, worker in drafters if config.speculation != "off" else [("", None)]:
+            engines.append((name + suffix, Engine(copy.deepcopy(config), target, worker, tokenizer,
+                                                  cost=copy.deepcopy(cost) if worker is None else None)))
     by_name: dict[str, ModeResult] = {}
 
     def record(run: ModeResult) -> None:
@@ -250,7 +260,7 @@ def save(results: list[ModeResult], args) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fixed = [r for r in results if r.name.startswith("ddtree B=")]
+    fixed = [r for r in results if r.name.startswith("ddtree B=") and "[" not in r.name]  # the first drafter's
     if not fixed:
         return
     budgets = [int(r.name.split("=")[1]) for r in fixed]

@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from ddtree.cli import main
 from tests.factories import make_tiny_drafter, make_tiny_target
 
@@ -26,3 +28,22 @@ def test_bench_runs_every_mode_over_several_passes(tmp_path, capsys):
     assert rows["ddtree B=4"]["tau"] >= 1.0 and rows["off"]["tau"] is None
     assert rows["ddtree B=2"]["mean_nodes_per_draft"] <= 2 and rows["off"]["mean_nodes_per_draft"] is None
     assert "| nodes/draft | drafted |" in printed
+
+
+def test_bench_compares_two_drafters_on_one_target(tmp_path, capsys):
+    target = make_tiny_target(tmp_path / "target", logit_scale=8.0)
+    first = make_tiny_drafter(tmp_path / "first", target)
+    second = make_tiny_drafter(tmp_path / "second", target, seed=7, num_layers=2)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hello world"}) + "\n")
+    out = tmp_path / "out"
+    assert main(["bench", "--model", str(target), "--drafter", str(first), "--compare-drafter", str(second),
+                 "--dtype", "float64", "--prompts", str(prompts), "--num-prompts", "0", "--max-tokens", "6",
+                 "--budgets", "2", "--modes", "off,ddtree,auto", "--threads", "1", "--out", str(out)]) == 0
+    assert "T=0 outputs identical to `off`: all modes" in capsys.readouterr().out
+    rows = {r["mode"] for r in json.loads((out / "results.json").read_text())}
+    assert rows == {"off", "ddtree B=2", "ddtree B=2 [second]", "ddtree auto", "ddtree auto [second]"}
+    other_layers = make_tiny_drafter(tmp_path / "other", target, target_layer_ids=[1])
+    with pytest.raises(ValueError, match="features of layers"):
+        main(["bench", "--model", str(target), "--drafter", str(first), "--compare-drafter", str(other_layers),
+              "--dtype", "float64", "--prompts", str(prompts), "--modes", "off", "--out", str(out)])
