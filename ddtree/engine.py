@@ -29,11 +29,11 @@ import torch
 from ddtree.budget import BudgetConfig, BudgetPolicy, CostModel, RoundPlan, check_max_probe_overhead
 from ddtree.detokenizer import Detokenizer, OutputState
 from ddtree.ngram import NgramIndex, merge_chain
-from ddtree.outputs import RequestOutput, RequestStats
+from ddtree.outputs import RequestOutput, RequestStats, TokenLogprobs
 from ddtree.sampling_params import SamplingParams
 from ddtree.scheduler import EngineFullError, Scheduler
 from ddtree.tree import DraftTree, build_trees_from_topk, chain_trees_from_topk
-from ddtree.workers import DrafterWorker, TargetWorker, VerifyResult
+from ddtree.workers import DrafterWorker, RawLogprobs, TargetWorker, VerifyResult
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +118,7 @@ class _Request:
     root_token_id: int | None = None  # last committed token, not yet in the KV cache
     num_text_tokens_emitted: int = 0
     ngrams: NgramIndex | None = None  # prompt + committed tokens (auto mode with ngram_tokens > 0)
+    logprobs: list[TokenLogprobs] | None = None  # one per committed token, with SamplingParams.logprobs
 
 
 @dataclass
@@ -363,16 +364,16 @@ class Engine:
         if not admitted:
             return []
         t0 = time.perf_counter()
-        first_tokens = self.target.prefill(admitted, [self.requests[r].prompt_token_ids for r in admitted])
+        prefilled = self.target.prefill(admitted, [self.requests[r].prompt_token_ids for r in admitted])
         self.timings.prefill += time.perf_counter() - t0
         outputs = []
-        for rid, token in zip(admitted, first_tokens):
+        for rid, token, logprobs in zip(admitted, prefilled.token_ids, prefilled.logprobs):
             self.budget.add(rid)
             req = self.requests[rid]
             if self.ngram_tokens:
                 req.ngrams = NgramIndex(req.prompt_token_ids)
             req.stats.first_token_time = time.perf_counter()
-            outputs.append(self._append_tokens(req, [token]))
+            outputs.append(self._append_tokens(req, [token], logprobs))
         return [o for o in outputs if o is not None]
 
     def _plan(self, running: list[str]) -> RoundPlan:
@@ -515,7 +516,7 @@ class Engine:
             req = self.requests[rid]
             tokens = result.accepted_token_ids[i] + [result.bonus_token_ids[i]]
             num_before = len(req.output.token_ids)
-            out = self._append_tokens(req, tokens)
+            out = self._append_tokens(req, tokens, result.logprobs[i] if result.logprobs is not None else None)
             num_committed = max(0, len(req.output.token_ids) - num_before)
             if i < num_speculative:
                 req.stats.acceptance_lengths.append(num_committed)
@@ -528,19 +529,36 @@ class Engine:
         self.timings.emit += time.perf_counter() - t0
         return outputs
 
-    def _append_tokens(self, req: _Request, tokens: list[int]) -> RequestOutput | None:
+    def _append_tokens(self, req: _Request, tokens: list[int], logprobs: RawLogprobs | None = None
+                       ) -> RequestOutput | None:
         kept = self.detokenizer.append(req.output, tokens)
         if req.ngrams is not None:
             req.ngrams.extend(kept)
         req.root_token_id = kept[-1] if kept else req.root_token_id
+        new_logprobs = None
+        if req.output.params.logprobs is not None:
+            new_logprobs = self._token_logprobs(kept, logprobs)
+            req.logprobs = (req.logprobs or []) + new_logprobs
         new_text = self.detokenizer.take_new_text(req.output)
         if req.output.finish_reason is not None:
-            return self._finish(req, new_text, kept)
+            return self._finish(req, new_text, kept, new_logprobs)
         if not kept:
             return None
-        return self._output(req, new_text, kept, finished=False)
+        return self._output(req, new_text, kept, new_logprobs, finished=False)
 
-    def _finish(self, req: _Request, new_text: str, new_token_ids: list[int]) -> RequestOutput:
+    def _token_logprobs(self, kept: list[int], raw: RawLogprobs | None) -> list[TokenLogprobs]:
+        """The worker's numbers for the kept tokens, with each token's text."""
+        if raw is None or len(raw.chosen) < len(kept):
+            raise RuntimeError("the target worker returned no log-probabilities for a request that asked for them")
+        text = lambda token_id: self.detokenizer.decode([token_id])  # noqa: E731
+        return [
+            TokenLogprobs(token_id, text(token_id), raw.chosen[k],
+                          [(t, text(t), v) for t, v in zip(raw.top_ids[k], raw.top_values[k])])
+            for k, token_id in enumerate(kept)
+        ]
+
+    def _finish(self, req: _Request, new_text: str, new_token_ids: list[int],
+                new_logprobs: list[TokenLogprobs] | None = None) -> RequestOutput:
         rid = req.request_id
         if self._drafted_group is not None:
             # Aborted while its tree waits for a verify: drop the tree now, before the id can be reused.
@@ -552,10 +570,11 @@ class Engine:
             self.drafter.free(rid)
         req.stats.finish_time = time.perf_counter()
         del self.requests[rid]
-        return self._output(req, new_text, new_token_ids, finished=True)
+        return self._output(req, new_text, new_token_ids, new_logprobs, finished=True)
 
     @staticmethod
-    def _output(req: _Request, new_text: str, new_token_ids: list[int], finished: bool) -> RequestOutput:
+    def _output(req: _Request, new_text: str, new_token_ids: list[int], new_logprobs: list[TokenLogprobs] | None,
+                finished: bool) -> RequestOutput:
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
@@ -566,6 +585,8 @@ class Engine:
             finished=finished,
             finish_reason=req.output.finish_reason,
             stats=req.stats,
+            logprobs=None if req.output.params.logprobs is None else list(req.logprobs or []),
+            new_logprobs=None if req.output.params.logprobs is None else list(new_logprobs or []),
         )
 
     # ----------------------------------------------------------------------------------------------------------

@@ -39,6 +39,18 @@ class RequestStats:
 
 
 @dataclass
+class TokenLogprobs:
+    """Log-probabilities at one generated token, under the target's own distribution (its raw logits, before
+    temperature, top-k and top-p, as vLLM reports them by default): the token's, and the `logprobs` most likely
+    tokens', most likely first (`(token_id, text, logprob)`)."""
+
+    token_id: int
+    text: str
+    logprob: float
+    top: list[tuple[int, str, float]] = field(default_factory=list)
+
+
+@dataclass
 class RequestOutput:
     """A request's state after a step. `new_text`/`new_token_ids` are what this step added (for streaming);
     `text`/`token_ids` are everything generated so far."""
@@ -52,6 +64,9 @@ class RequestOutput:
     finished: bool
     finish_reason: str | None  # "stop" (EOS, stop string or stop token), "length", "abort"
     stats: RequestStats
+    # with SamplingParams.logprobs: one per token of `token_ids` / `new_token_ids`; None otherwise
+    logprobs: list[TokenLogprobs] | None = None
+    new_logprobs: list[TokenLogprobs] | None = None
 
     @property
     def acceptance_lengths(self) -> list[int]:
@@ -61,4 +76,4 @@ class RequestOutput:
         """This step's part only (`new_text`, `new_token_ids`), without the cumulative fields: what a stream sends
         before the final output, so that a long answer's stream does not resend everything every round."""
         return RequestOutput(self.request_id, [], "", [], self.new_text, list(self.new_token_ids), self.finished,
-                             self.finish_reason, RequestStats())
+                             self.finish_reason, RequestStats(), new_logprobs=self.new_logprobs)

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 # Temperatures below this decode greedily (vLLM's epsilon): logits divided by a smaller one overflow float32, and
 # the "sample" would be whichever of the infinite scores argmax meets first.
 GREEDY_TEMPERATURE = 1e-5
+MAX_LOGPROBS = 20  # most likely tokens reported per generated token (OpenAI's top_logprobs limit)
 
 
 @dataclass
@@ -20,6 +21,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
     ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k: each token's log-probability and the k most likely (0..20)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -44,6 +46,8 @@ class SamplingParams:
         )
         _check(self.seed is None or _is_int(self.seed), "seed", "an integer or None", self.seed)
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", "a bool", self.ignore_eos)
+        _check(self.logprobs is None or _is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
+               f"None or an integer in [0, {MAX_LOGPROBS}]", self.logprobs)
 
     @property
     def is_greedy(self) -> bool:

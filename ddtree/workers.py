@@ -42,12 +42,42 @@ class Completed:
 
 
 @dataclass
+class RawLogprobs:
+    """Log-probabilities at a request's committed tokens (plain lists): the token's own, and the ids and values of
+    the k most likely tokens (k = its SamplingParams.logprobs), most likely first."""
+
+    chosen: list[float]
+    top_ids: list[list[int]]
+    top_values: list[list[float]]
+
+
+@dataclass
+class PrefillResult:
+    token_ids: list[int]  # per request: its first generated token
+    logprobs: list[RawLogprobs | None]  # per request: at that token (None: not asked)
+
+
+@dataclass
 class VerifyResult:
     accepted_token_ids: list[list[int]]  # per request: tokens of the accepted tree nodes (bonus excluded)
     bonus_token_ids: list[int]  # per request: the target's own token after the accepted path
     num_tokens: int  # packed tokens verified
     forward_seconds: float
     accept_seconds: float  # target tokens, the walk and the KV compaction
+    # per request: at its accepted tokens and the bonus token (None: not asked)
+    logprobs: list[RawLogprobs | None] | None = None
+
+
+def raw_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> RawLogprobs:
+    """`logits` [n, V] at the rows that produced `token_ids` [n]: their log-softmax at those tokens and its top k
+    (float32; float64 logits stay float64)."""
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    logp = torch.log_softmax(logits.to(dtype), dim=-1)
+    chosen = logp.gather(1, token_ids.to(logp.device)[:, None]).squeeze(1).tolist()
+    if k == 0:
+        return RawLogprobs(chosen, [[] for _ in chosen], [[] for _ in chosen])
+    top = logp.topk(min(k, logp.shape[-1]), dim=-1)
+    return RawLogprobs(chosen, top.indices.tolist(), top.values.tolist())
 
 
 def _tokenizer_eos_id(model) -> int | None:
@@ -102,8 +132,9 @@ class TargetWorker:
         self._pending_features[request_id] = []
         return True
 
-    def prefill(self, request_ids: list[str], prompts: list[list[int]]) -> list[int]:
-        """Prompts into the KV cache; returns each request's first generated token."""
+    def prefill(self, request_ids: list[str], prompts: list[list[int]]) -> PrefillResult:
+        """Prompts into the KV cache; returns each request's first generated token (and its log-probabilities,
+        where asked)."""
         seq_ids = [self._seq_ids[r] for r in request_ids]
         last_logits, features = self.model.prefill(seq_ids, prompts)  # [R, V], list of [n_i, F]
         if self.keep_features:
@@ -111,7 +142,14 @@ class TargetWorker:
                 self._pending_features[rid].append(f)
         seq_index = torch.arange(len(request_ids), device=last_logits.device)
         last_positions = torch.tensor([len(p) - 1 for p in prompts], device=last_logits.device)
-        return self._target_tokens(request_ids, last_logits, seq_index, last_positions).tolist()
+        tokens = self._target_tokens(request_ids, last_logits, seq_index, last_positions)
+        logprobs = [self._logprobs(rid, last_logits[r : r + 1], tokens[r : r + 1])
+                    for r, rid in enumerate(request_ids)]
+        return PrefillResult(tokens.tolist(), logprobs)
+
+    def _logprobs(self, request_id: str, logits: torch.Tensor, token_ids: torch.Tensor) -> RawLogprobs | None:
+        k = self._params[request_id].logprobs
+        return None if k is None else raw_logprobs(logits, token_ids, k)
 
     def verify(self, request_ids: list[str], trees: list[DraftTree | None], root_token_ids: list[int]) -> VerifyResult:
         """One forward over every request's packed tree (None: root only, an autoregressive step), then the
@@ -126,15 +164,18 @@ class TargetWorker:
         t1 = time.perf_counter()
         tokens = self._target_tokens(request_ids, logits, packed.seq_index, packed.position_ids)
         result = accept(packed, tokens)  # the round's one host sync
+        logprobs = []
         for r, (rid, seq_id) in enumerate(zip(request_ids, seq_ids)):
             start = packed.query_starts[r]
-            kept = result.accepted_packed[r]
+            kept = result.accepted_packed[r]  # the root and the accepted nodes: they produced the committed tokens
             self.model.commit(seq_id, [p - start for p in kept])
             if self.keep_features:
                 self._pending_features[rid].append(features[kept])
+            logprobs.append(self._logprobs(rid, logits[kept], tokens[kept]))
         t2 = time.perf_counter()
         return VerifyResult(
-            result.accepted_token_ids, result.bonus_token_ids, packed.num_tokens, t1 - t0, t2 - t1
+            result.accepted_token_ids, result.bonus_token_ids, packed.num_tokens, t1 - t0, t2 - t1,
+            logprobs if any(lp is not None for lp in logprobs) else None,
         )
 
     def verify_async(self, request_ids: list[str], trees: list[DraftTree | None], root_token_ids: list[int]

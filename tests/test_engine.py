@@ -558,3 +558,40 @@ def test_an_interrupted_generate_leaves_nothing_queued(workers):
     assert engine.target.num_kv_bytes_used == 0
     engine.step = real_step
     assert len(llm.generate(PROMPTS[:2], greedy(4))) == 2
+
+
+def test_logprobs_are_the_targets_own_in_every_mode(checkpoints, workers):
+    """Each committed token's log-probability (and the top 3) is the target's log-softmax at that position, whether
+    the token came from prefill, a decode step, an accepted tree node or a bonus token (Hugging Face as oracle)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(checkpoints[0], dtype=torch.float64).eval()
+    tok = workers[2]
+    params = greedy(12, logprobs=3)
+    for config in (dict(speculation="off"), dict(speculation="ddtree", budget=16), dict(speculation="ddtree")):
+        for prompt, out in zip(PROMPTS[:3], make_llm(workers, **config).generate(PROMPTS[:3], params)):
+            ids = tok.encode(prompt, add_special_tokens=False)
+            with torch.no_grad():
+                logp = torch.log_softmax(hf(torch.tensor([ids + out.token_ids])).logits[0], dim=-1)
+            assert len(out.logprobs) == len(out.token_ids)
+            for k, (token, lp) in enumerate(zip(out.token_ids, out.logprobs)):
+                row = logp[len(ids) + k - 1]
+                assert lp.token_id == token and lp.logprob == pytest.approx(row[token].item(), abs=1e-6)
+                top = row.topk(3)
+                assert [t for t, _, _ in lp.top] == top.indices.tolist()
+                assert [v for _, _, v in lp.top] == pytest.approx(top.values.tolist(), abs=1e-6)
+                assert lp.top[0][0] == token and lp.text == tok.decode([token])  # greedy: the most likely
+    assert make_llm(workers, speculation="off").generate(PROMPTS[0], greedy(4))[0].logprobs is None
+
+
+def test_logprobs_follow_stops_and_streams(workers):
+    llm = make_llm(workers, speculation="ddtree", budget=64)
+    free = llm.generate(PROMPTS[1], greedy(40))[0]
+    stop = free.text[10:12]
+    out = llm.generate(PROMPTS[1], greedy(40, stop=[stop], logprobs=0))[0]
+    assert out.finish_reason == "stop" and len(out.logprobs) == len(out.token_ids) < len(free.token_ids)
+    assert all(lp.top == [] for lp in out.logprobs)
+    chunks = list(llm.stream(PROMPTS[1], greedy(30, logprobs=2)))
+    final = llm.generate(PROMPTS[1], greedy(30, logprobs=2))[0]
+    assert [lp for c in chunks for lp in c.new_logprobs] == final.logprobs
+    assert all(len(c.new_logprobs) == len(c.new_token_ids) for c in chunks)

@@ -18,6 +18,9 @@ from ddtree.sampling_params import SamplingParams
         ("stop", [""]),
         ("stop_token_ids", [-3]),
         ("seed", "x"),
+        ("logprobs", 21),
+        ("logprobs", -1),
+        ("logprobs", True),
     ],
 )
 def test_invalid_values_name_the_field(field, value):
