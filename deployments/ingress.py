@@ -161,7 +161,7 @@ class OpenAIIngress:
             final = await _engine_call(self.engine.generate.remote(engine_request))
             usage = protocol.usage_of(final, self.args.speculation)
             make = protocol.chat_body if chat else protocol.completion_body
-            return make(request_id, self.model_name, final.text, final.finish_reason, usage)
+            return make(request_id, self.model_name, final.text, final.finish_reason, usage, final.logprobs)
         outputs = self.engine.options(stream=True).generate_stream.remote(engine_request)
         # The first output (or the admission error: bad prompt, too long, queue full) before any byte is sent, so
         # that errors keep their HTTP status.
@@ -180,11 +180,20 @@ class OpenAIIngress:
         include_usage = body.include_usage
         model = self.model_name
 
+        # Log-probabilities of tokens whose text is still held back (it could begin a stop string) travel with the
+        # next chunk that has text, or the last one.
+        pending_logprobs = None if first.new_logprobs is None else []
+        num_chars_sent = 0
+
         def chunk(text: str, finish_reason: str | None) -> dict:
+            nonlocal pending_logprobs, num_chars_sent
+            logprobs, pending_logprobs = pending_logprobs, None if pending_logprobs is None else []
             if chat:
                 return protocol.chat_chunk(request_id, model, created, {"content": text} if text or not finish_reason
-                                           else {}, finish_reason, include_usage)
-            return protocol.completion_chunk(request_id, model, created, text, finish_reason, include_usage)
+                                           else {}, finish_reason, include_usage, protocol.chat_logprobs(logprobs))
+            offset, num_chars_sent = num_chars_sent, num_chars_sent + len(text)
+            return protocol.completion_chunk(request_id, model, created, text, finish_reason, include_usage,
+                                             protocol.completion_logprobs(logprobs, offset))
 
         try:
             if chat:
@@ -193,6 +202,8 @@ class OpenAIIngress:
                 yield _event(role)
             output = first
             while True:
+                if pending_logprobs is not None:
+                    pending_logprobs += output.new_logprobs or []
                 if output.new_text or output.finished:
                     yield _event(chunk(output.new_text, output.finish_reason if output.finished else None))
                 if output.finished:

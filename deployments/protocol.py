@@ -1,6 +1,6 @@
 """The OpenAI wire protocol: request models (validated with pydantic), their SamplingParams, and response bodies.
 
-Only what the engine does is accepted. Fields the engine cannot honour (n > 1, logprobs, penalties, tools, ...) are a
+Only what the engine does is accepted. Fields the engine cannot honour (n > 1, penalties, logit_bias, tools, ...) are a
 400 when set to anything but their neutral value, never silently ignored; unknown fields are a 400 too. Metadata
 fields that change nothing about the answer (user, store, metadata, ...) are accepted and ignored.
 
@@ -18,7 +18,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
 
-from ddtree.sampling_params import SamplingParams
+from ddtree.sampling_params import MAX_LOGPROBS, SamplingParams
 from deployments.errors import APIError, bad_request
 
 MAX_STOP_SEQUENCES = 16
@@ -49,7 +49,6 @@ class _GenerationRequest(BaseModel):
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[str, float] | None = None
-    logprobs: Any = None
     # Extensions:
     top_k: int = Field(0, ge=0, description="Sample among the k most likely tokens only (0: off).")
     ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
@@ -88,7 +87,6 @@ class _GenerationRequest(BaseModel):
         _require_neutral(self.frequency_penalty == 0, "frequency_penalty", "frequency_penalty is not supported")
         _require_neutral(self.presence_penalty == 0, "presence_penalty", "presence_penalty is not supported")
         _require_neutral(not self.logit_bias, "logit_bias", "logit_bias is not supported")
-        _require_neutral(self.logprobs in (None, False, 0), "logprobs", "logprobs are not supported")
         _require_neutral(self.stream or self.stream_options is None, "stream_options",
                          "stream_options is only allowed with stream=true")
         return self
@@ -115,7 +113,12 @@ class _GenerationRequest(BaseModel):
             stop_token_ids=list(self.stop_token_ids or []),
             seed=self.seed,
             ignore_eos=self.ignore_eos,
+            logprobs=self._num_top_logprobs(),
         )
+
+    def _num_top_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: None when the request asks for no log-probabilities."""
+        raise NotImplementedError
 
     def _max_tokens(self) -> int | None:
         return self.max_tokens
@@ -123,6 +126,7 @@ class _GenerationRequest(BaseModel):
 
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]  # strict: `true` is not token 1
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the k most likely per token (OpenAI: up to 5)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -146,6 +150,9 @@ class CompletionRequest(_GenerationRequest):
         _require_neutral(self.suffix is None, "suffix", "suffix is not supported")
         _require_neutral(self.best_of in (None, 1), "best_of", "only best_of=1 is supported")
         return self
+
+    def _num_top_logprobs(self) -> int | None:
+        return self.logprobs
 
 
 class TextContentPart(BaseModel):
@@ -172,7 +179,8 @@ class ChatCompletionRequest(_GenerationRequest):
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
-    top_logprobs: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")
@@ -181,7 +189,8 @@ class ChatCompletionRequest(_GenerationRequest):
         _require_neutral(self.tool_choice in (None, "none"), "tool_choice", "tool_choice is not supported")
         _require_neutral(self.response_format in (None, {"type": "text"}), "response_format",
                          "only response_format {'type': 'text'} is supported")
-        _require_neutral(self.top_logprobs in (None, 0), "top_logprobs", "logprobs are not supported")
+        if self.top_logprobs and not self.logprobs:
+            raise _ParamError("top_logprobs", "top_logprobs needs logprobs=true")
         if self.max_tokens is not None and self.max_completion_tokens is not None \
                 and self.max_tokens != self.max_completion_tokens:
             raise _ParamError("max_completion_tokens", "max_tokens and max_completion_tokens disagree; give one")
@@ -189,6 +198,9 @@ class ChatCompletionRequest(_GenerationRequest):
 
     def _max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def _num_top_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def template_messages(self) -> list[dict[str, str]]:
         return [m.as_template_message() for m in self.messages]
@@ -284,39 +296,70 @@ def usage_of(final_output, speculation: str) -> UsageInfo:
     )
 
 
-def completion_body(request_id: str, model: str, text: str, finish_reason: str | None, usage: UsageInfo) -> dict:
+def completion_logprobs(token_logprobs: list | None, text_offset: int = 0) -> dict | None:
+    """The legacy completions `logprobs` object for `ddtree.TokenLogprobs` (None: not asked); `text_offset` is the
+    completion text's length before these tokens (a stream's earlier chunks)."""
+    if token_logprobs is None:
+        return None
+    offsets = []
+    for lp in token_logprobs:
+        offsets.append(text_offset)
+        text_offset += len(lp.text)
+    return {
+        "tokens": [lp.text for lp in token_logprobs],
+        "token_logprobs": [lp.logprob for lp in token_logprobs],
+        "top_logprobs": [{text: value for _, text, value in lp.top} for lp in token_logprobs],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(token_logprobs: list | None) -> dict | None:
+    """The chat `logprobs` object ({"content": [...]}) for `ddtree.TokenLogprobs` (None: not asked)."""
+    if token_logprobs is None:
+        return None
+
+    def entry(text: str, value: float) -> dict:
+        return {"token": text, "logprob": value, "bytes": list(text.encode())}
+
+    return {"content": [{**entry(lp.text, lp.logprob), "top_logprobs": [entry(t, v) for _, t, v in lp.top]}
+                        for lp in token_logprobs]}
+
+
+def completion_body(request_id: str, model: str, text: str, finish_reason: str | None, usage: UsageInfo,
+                    logprobs: list | None = None) -> dict:
     return {
         "id": request_id,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
         "choices": [{"index": 0, "text": text, "finish_reason": openai_finish_reason(finish_reason),
-                     "logprobs": None}],
+                     "logprobs": completion_logprobs(logprobs)}],
         "usage": usage.body(),
     }
 
 
-def chat_body(request_id: str, model: str, text: str, finish_reason: str | None, usage: UsageInfo) -> dict:
+def chat_body(request_id: str, model: str, text: str, finish_reason: str | None, usage: UsageInfo,
+              logprobs: list | None = None) -> dict:
     return {
         "id": request_id,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
         "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                     "finish_reason": openai_finish_reason(finish_reason), "logprobs": None}],
+                     "finish_reason": openai_finish_reason(finish_reason), "logprobs": chat_logprobs(logprobs)}],
         "usage": usage.body(),
     }
 
 
 def completion_chunk(request_id: str, model: str, created: int, text: str, finish_reason: str | None,
-                     include_usage: bool) -> dict:
+                     include_usage: bool, logprobs: dict | None = None) -> dict:
     chunk = {
         "id": request_id,
         "object": "text_completion",
         "created": created,
         "model": model,
         "choices": [{"index": 0, "text": text, "finish_reason": openai_finish_reason(finish_reason),
-                     "logprobs": None}],
+                     "logprobs": logprobs}],
     }
     if include_usage:
         chunk["usage"] = None
@@ -324,14 +367,14 @@ def completion_chunk(request_id: str, model: str, created: int, text: str, finis
 
 
 def chat_chunk(request_id: str, model: str, created: int, delta: dict, finish_reason: str | None,
-               include_usage: bool) -> dict:
+               include_usage: bool, logprobs: dict | None = None) -> dict:
     chunk = {
         "id": request_id,
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
         "choices": [{"index": 0, "delta": delta, "finish_reason": openai_finish_reason(finish_reason),
-                     "logprobs": None}],
+                     "logprobs": logprobs}],
     }
     if include_usage:
         chunk["usage"] = None

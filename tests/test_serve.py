@@ -218,6 +218,39 @@ def test_streaming_chat_with_usage(client):
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
+def test_logprobs_through_the_client_equal_offline_llm(client, offline):
+    """Chat and completions, whole and streamed: the OpenAI shapes, carrying the engine's log-probabilities."""
+    ref = offline.generate("the cat sat on", SamplingParams(temperature=0.0, max_tokens=12, logprobs=2))[0]
+    out = client.completions.create(model=MODEL_NAME, prompt="the cat sat on", max_tokens=12, temperature=0,
+                                    logprobs=2)
+    lp = out.choices[0].logprobs
+    assert lp.tokens == [t.text for t in ref.logprobs]
+    assert lp.token_logprobs == pytest.approx([t.logprob for t in ref.logprobs], abs=1e-4)
+    assert [list(d) for d in lp.top_logprobs] == [[text for _, text, _ in t.top] for t in ref.logprobs]
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    chunks = list(client.completions.create(model=MODEL_NAME, prompt="the cat sat on", max_tokens=12,
+                                            temperature=0, logprobs=2, stream=True))
+    assert [t for c in chunks for t in c.choices[0].logprobs.tokens] == lp.tokens
+
+    messages = [{"role": "user", "content": "hi"}]
+    prompt_ids = offline.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=False)
+    ref = offline.generate([list(prompt_ids)], SamplingParams(temperature=0.0, max_tokens=10, logprobs=3))[0]
+    out = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=10, temperature=0,
+                                         logprobs=True, top_logprobs=3)
+    content = out.choices[0].logprobs.content
+    assert [c.token for c in content] == [t.text for t in ref.logprobs]
+    assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token for c in content)
+    assert content[0].bytes == list(content[0].token.encode())
+    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=10, temperature=0,
+                                                 logprobs=True, stream=True))
+    streamed = [c.token for ch in chunks if ch.choices and ch.choices[0].logprobs
+                for c in ch.choices[0].logprobs.content]
+    assert streamed == [t.text for t in ref.logprobs]
+    plain = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
 def test_streaming_without_usage_ends_with_done(served):
     r = _post(served, "/v1/completions", {"model": MODEL_NAME, "prompt": "a", "max_tokens": 8, "stream": True},
               stream=True)

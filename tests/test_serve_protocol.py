@@ -102,7 +102,7 @@ def test_completion_request_to_sampling_params():
     "body, param, code",
     [
         ({"model": "m", "prompt": "hi", "n": 2}, "n", "unsupported_parameter"),
-        ({"model": "m", "prompt": "hi", "logprobs": 2}, "logprobs", "unsupported_parameter"),
+        ({"model": "m", "prompt": "hi", "logprobs": 21}, "logprobs", "invalid_value"),
         ({"model": "m", "prompt": "hi", "echo": True}, "echo", "unsupported_parameter"),
         ({"model": "m", "prompt": "hi", "presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter"),
         ({"model": "m", "prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options",
@@ -130,6 +130,36 @@ def test_python_handle_prompts_that_are_not_text_or_token_ids_are_client_errors(
 
     with pytest.raises(ValueError, match="prompt"):
         EngineRequest(prompt=prompt)
+
+
+def test_logprobs_requests_and_bodies():
+    from ddtree.outputs import TokenLogprobs
+    from deployments.protocol import UsageInfo, chat_body, completion_body
+
+    def params(model, body):
+        return parse_request(model, {"model": "m", **body}).sampling_params(16).logprobs
+
+    assert params(CompletionRequest, {"prompt": "x", "logprobs": 2}) == 2
+    assert params(CompletionRequest, {"prompt": "x"}) is None
+    chat = {"messages": [{"role": "user", "content": "x"}]}
+    assert params(ChatCompletionRequest, {**chat, "logprobs": True, "top_logprobs": 3}) == 3
+    assert params(ChatCompletionRequest, {**chat, "logprobs": True}) == 0
+    assert params(ChatCompletionRequest, {**chat, "logprobs": False}) is None
+    err = _error(ChatCompletionRequest, {"model": "m", **chat, "top_logprobs": 2})
+    assert (err.status, err.param) == (400, "top_logprobs") and "logprobs=true" in err.message
+    assert _error(ChatCompletionRequest, {"model": "m", **chat, "logprobs": True, "top_logprobs": 21}).param \
+        == "top_logprobs"
+
+    lps = [TokenLogprobs(5, "Hi", -0.1, [(5, "Hi", -0.1), (6, "Hey", -2.5)]), TokenLogprobs(7, "!", -0.3, [])]
+    usage = UsageInfo(1, 2, {})
+    choice = completion_body("id", "m", "Hi!", "stop", usage, lps)["choices"][0]
+    assert choice["logprobs"] == {"tokens": ["Hi", "!"], "token_logprobs": [-0.1, -0.3],
+                                  "top_logprobs": [{"Hi": -0.1, "Hey": -2.5}, {}], "text_offset": [0, 2]}
+    content = chat_body("id", "m", "Hi!", "stop", usage, lps)["choices"][0]["logprobs"]["content"]
+    assert content[0] == {"token": "Hi", "logprob": -0.1, "bytes": [72, 105],
+                          "top_logprobs": [{"token": "Hi", "logprob": -0.1, "bytes": [72, 105]},
+                                           {"token": "Hey", "logprob": -2.5, "bytes": [72, 101, 121]}]}
+    assert chat_body("id", "m", "Hi!", "stop", usage)["choices"][0]["logprobs"] is None
 
 
 def test_chat_request_messages_and_limits():
