@@ -143,13 +143,10 @@ class TargetWorker:
         seq_index = torch.arange(len(request_ids), device=last_logits.device)
         last_positions = torch.tensor([len(p) - 1 for p in prompts], device=last_logits.device)
         tokens = self._target_tokens(request_ids, last_logits, seq_index, last_positions)
-        logprobs = [self._logprobs(rid, last_logits[r : r + 1], tokens[r : r + 1])
-                    for r, rid in enumerate(request_ids)]
+        ks = [self._params[rid].logprobs for rid in request_ids]
+        logprobs = [None if k is None else raw_logprobs(last_logits[r : r + 1], tokens[r : r + 1], k)
+                    for r, k in enumerate(ks)]
         return PrefillResult(tokens.tolist(), logprobs)
-
-    def _logprobs(self, request_id: str, logits: torch.Tensor, token_ids: torch.Tensor) -> RawLogprobs | None:
-        k = self._params[request_id].logprobs
-        return None if k is None else raw_logprobs(logits, token_ids, k)
 
     def verify(self, request_ids: list[str], trees: list[DraftTree | None], root_token_ids: list[int]) -> VerifyResult:
         """One forward over every request's packed tree (None: root only, an autoregressive step), then the
@@ -171,7 +168,8 @@ class TargetWorker:
             self.model.commit(seq_id, [p - start for p in kept])
             if self.keep_features:
                 self._pending_features[rid].append(features[kept])
-            logprobs.append(self._logprobs(rid, logits[kept], tokens[kept]))
+            k = self._params[rid].logprobs
+            logprobs.append(None if k is None else raw_logprobs(logits[kept], tokens[kept], k))
         t2 = time.perf_counter()
         return VerifyResult(
             result.accepted_token_ids, result.bonus_token_ids, packed.num_tokens, t1 - t0, t2 - t1,
