@@ -66,6 +66,8 @@ class CostModel:
         for name, pts in (("verify_points", self.verify_points), ("draft_points", self.draft_points)):
             if not pts or any(n <= 0 or s <= 0 for n, s in pts):
                 raise ValueError(f"CostModel.{name} needs positive (count, seconds) points, got {pts!r}")
+            if len({int(n) for n, _ in pts}) != len(pts):
+                raise ValueError(f"CostModel.{name} has two points at one count: {pts!r}")
         self.verify_points = sorted((int(n), float(s)) for n, s in self.verify_points)
         self.draft_points = sorted((int(n), float(s)) for n, s in self.draft_points)
 

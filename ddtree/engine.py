@@ -18,6 +18,7 @@ Ray deployment can place the same workers on separate actors (deployments/) with
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import time
@@ -168,6 +169,8 @@ class Engine:
         self.drafter = drafter if config.speculation != "off" else None
         self.tokenizer = tokenizer
         self.detokenizer = Detokenizer(tokenizer)
+        # A token's text for log-probabilities (up to 21 per generated token): decoded once per token id.
+        self._token_text = functools.lru_cache(maxsize=1 << 16)(lambda token_id: self.detokenizer.decode([token_id]))
         self.eos_token_ids = frozenset(target.eos_token_ids)
         self.block_len = drafter.block_len if self.drafter is not None else 0
         fixed_budget = config.fixed_budget
@@ -550,7 +553,7 @@ class Engine:
         """The worker's numbers for the kept tokens, with each token's text."""
         if raw is None or len(raw.chosen) < len(kept):
             raise RuntimeError("the target worker returned no log-probabilities for a request that asked for them")
-        text = lambda token_id: self.detokenizer.decode([token_id])  # noqa: E731
+        text = self._token_text
         return [
             TokenLogprobs(token_id, text(token_id), raw.chosen[k],
                           [(t, text(t), v) for t, v in zip(raw.top_ids[k], raw.top_values[k])])

@@ -180,20 +180,14 @@ class OpenAIIngress:
         include_usage = body.include_usage
         model = self.model_name
 
-        # Log-probabilities of tokens whose text is still held back (it could begin a stop string) travel with the
-        # next chunk that has text, or the last one.
-        pending_logprobs = None if first.new_logprobs is None else []
-        num_chars_sent = 0
+        logprobs = protocol.StreamLogprobs(chat) if first.new_logprobs is not None else None
 
         def chunk(text: str, finish_reason: str | None) -> dict:
-            nonlocal pending_logprobs, num_chars_sent
-            logprobs, pending_logprobs = pending_logprobs, None if pending_logprobs is None else []
+            lp = logprobs.take() if logprobs is not None else None
             if chat:
                 return protocol.chat_chunk(request_id, model, created, {"content": text} if text or not finish_reason
-                                           else {}, finish_reason, include_usage, protocol.chat_logprobs(logprobs))
-            offset, num_chars_sent = num_chars_sent, num_chars_sent + len(text)
-            return protocol.completion_chunk(request_id, model, created, text, finish_reason, include_usage,
-                                             protocol.completion_logprobs(logprobs, offset))
+                                           else {}, finish_reason, include_usage, lp)
+            return protocol.completion_chunk(request_id, model, created, text, finish_reason, include_usage, lp)
 
         try:
             if chat:
@@ -202,8 +196,8 @@ class OpenAIIngress:
                 yield _event(role)
             output = first
             while True:
-                if pending_logprobs is not None:
-                    pending_logprobs += output.new_logprobs or []
+                if logprobs is not None:
+                    logprobs.add(output.new_logprobs)
                 if output.new_text or output.finished:
                     yield _event(chunk(output.new_text, output.finish_reason if output.finished else None))
                 if output.finished:

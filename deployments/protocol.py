@@ -126,7 +126,7 @@ class _GenerationRequest(BaseModel):
 
 class CompletionRequest(_GenerationRequest):
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]  # strict: `true` is not token 1
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the k most likely per token (OpenAI: up to 5)
+    logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the k most likely per token (OpenAI: up to 5)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -143,6 +143,11 @@ class CompletionRequest(_GenerationRequest):
         if isinstance(prompt, list) and any(t < 0 for t in prompt):
             raise ValueError("token ids must be >= 0")
         return prompt
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _false_means_none(cls, value):
+        return None if value is False else value  # clients send `logprobs: false` for "none"; `true` is refused
 
     @model_validator(mode="after")
     def _check_completion_unsupported(self):
@@ -308,7 +313,10 @@ def completion_logprobs(token_logprobs: list | None, text_offset: int = 0) -> di
     return {
         "tokens": [lp.text for lp in token_logprobs],
         "token_logprobs": [lp.logprob for lp in token_logprobs],
-        "top_logprobs": [{text: value for _, text, value in lp.top} for lp in token_logprobs],
+        # the k most likely, and the generated token (OpenAI: up to logprobs + 1 entries)
+        "top_logprobs": [{text: value for _, text, value in lp.top} | ({} if any(t == lp.token_id for t, _, _ in lp.top)
+                                                                       else {lp.text: lp.logprob})
+                         for lp in token_logprobs],
         "text_offset": offsets,
     }
 
@@ -323,6 +331,28 @@ def chat_logprobs(token_logprobs: list | None) -> dict | None:
 
     return {"content": [{**entry(lp.text, lp.logprob), "top_logprobs": [entry(t, v) for _, t, v in lp.top]}
                         for lp in token_logprobs]}
+
+
+class StreamLogprobs:
+    """A stream's log-probabilities: those of tokens generated since the last chunk (some of their text may still
+    be held back, while it could begin a stop string) travel with the next chunk sent. Completion offsets count the
+    text of the tokens sent before, as in the whole response."""
+
+    def __init__(self, chat: bool) -> None:
+        self.chat = chat
+        self.pending: list = []
+        self.num_chars = 0
+
+    def add(self, new_logprobs: list | None) -> None:
+        self.pending += new_logprobs or []
+
+    def take(self) -> dict:
+        taken, self.pending = self.pending, []
+        if self.chat:
+            return chat_logprobs(taken)
+        body = completion_logprobs(taken, self.num_chars)
+        self.num_chars += sum(len(lp.text) for lp in taken)
+        return body
 
 
 def completion_body(request_id: str, model: str, text: str, finish_reason: str | None, usage: UsageInfo,

@@ -19,6 +19,8 @@ def test_cost_model_interpolates_and_refreshes():
     assert c.verify_seconds(11) > 2.0
     with pytest.raises(ValueError):
         CostModel([], [(1, 1.0)])
+    with pytest.raises(ValueError, match="two points"):
+        CostModel([(8, 0.02), (8, 0.03)], [(1, 1.0)])
 
 
 def test_allocate_merges_requests_by_calibrated_probability():

@@ -154,12 +154,37 @@ def test_logprobs_requests_and_bodies():
     usage = UsageInfo(1, 2, {})
     choice = completion_body("id", "m", "Hi!", "stop", usage, lps)["choices"][0]
     assert choice["logprobs"] == {"tokens": ["Hi", "!"], "token_logprobs": [-0.1, -0.3],
-                                  "top_logprobs": [{"Hi": -0.1, "Hey": -2.5}, {}], "text_offset": [0, 2]}
+                                  "top_logprobs": [{"Hi": -0.1, "Hey": -2.5}, {"!": -0.3}], "text_offset": [0, 2]}
     content = chat_body("id", "m", "Hi!", "stop", usage, lps)["choices"][0]["logprobs"]["content"]
     assert content[0] == {"token": "Hi", "logprob": -0.1, "bytes": [72, 105],
                           "top_logprobs": [{"token": "Hi", "logprob": -0.1, "bytes": [72, 105]},
                                            {"token": "Hey", "logprob": -2.5, "bytes": [72, 101, 121]}]}
     assert chat_body("id", "m", "Hi!", "stop", usage)["choices"][0]["logprobs"] is None
+    # the generated token joins the top entries when it is not among them (OpenAI: up to logprobs + 1)
+    sampled = [TokenLogprobs(6, "Hey", -2.5, [(5, "Hi", -0.1)])]
+    assert completion_body("id", "m", "Hey", "length", usage, sampled)["choices"][0]["logprobs"]["top_logprobs"] \
+        == [{"Hi": -0.1, "Hey": -2.5}]
+    assert params(CompletionRequest, {"prompt": "x", "logprobs": False}) is None
+    assert _error(CompletionRequest, {"model": "m", "prompt": "x", "logprobs": True}).param == "logprobs"
+
+
+def test_streamed_logprobs_equal_the_whole_responses():
+    """Chunks carry the log-probabilities of the tokens since the last chunk, with the offsets of the whole text."""
+    from ddtree.outputs import TokenLogprobs
+    from deployments.protocol import StreamLogprobs, completion_logprobs
+
+    lps = [TokenLogprobs(i, text, -1.0 * i) for i, text in enumerate(["Hello", " wor", "k", "!"])]
+    stream = StreamLogprobs(chat=False)
+    chunks = []
+    for new in ([lps[0], lps[1]], [lps[2]], [], [lps[3]]):  # " wor" held back with the first chunk's text
+        stream.add(new)
+        chunks.append(stream.take())
+    whole = completion_logprobs(lps)
+    assert [o for c in chunks for o in c["text_offset"]] == whole["text_offset"] == [0, 5, 9, 10]
+    assert [t for c in chunks for t in c["tokens"]] == whole["tokens"]
+    chat = StreamLogprobs(chat=True)
+    chat.add(lps[:2])
+    assert [e["token"] for e in chat.take()["content"]] == ["Hello", " wor"] and chat.take() == {"content": []}
 
 
 def test_chat_request_messages_and_limits():

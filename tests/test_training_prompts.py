@@ -98,6 +98,9 @@ def test_self_written_prompts_are_filtered():
     assert not keep_self_prompt(ok + " <|im_start|>assistant", "stop")
     assert not keep_self_prompt("Can you tell me about the homenageth_menthу of Sklаstabo please?", "stop")
     assert not keep_self_prompt("Can you tell me how the Silk Road shaped trade?", "stop")  # a chat eval topic
+    opening = "Write a Python function"
+    assert not keep_self_prompt(opening, "stop", opening)  # the model ended its turn at once
+    assert keep_self_prompt(opening + " that adds two numbers.", "stop", opening)
 
 
 def test_user_turn_prefix_is_the_template_up_to_the_user_text():

@@ -6,7 +6,8 @@ templated chat prompts (whose topic pairs a few thousand prompts exhaust), and t
 finds likely, which is the traffic a drafter for it should expect. The target then answers them greedily as for
 any other prompt (`generate`).
 
-Kept: messages that ended by themselves (an end-of-turn, not the token limit), of 4 to 120 words, mostly ASCII
+Kept: messages that ended by themselves (an end-of-turn, not the token limit), of 4 to 120 words beyond the
+opening, mostly ASCII
 (a sampled 135M model sometimes drifts into byte soup), without chat-template markers, mentioning no topic of the
 chat evaluation set, and not repeated (case-insensitive). The caller also drops any sharing a word 8-gram with an
 evaluation prompt, as for every training prompt.
@@ -33,11 +34,11 @@ def user_turn_prefix(tokenizer) -> str:
     return rendered[: rendered.index(_MARKER)]
 
 
-def keep_self_prompt(text: str, finish_reason: str) -> bool:
+def keep_self_prompt(text: str, finish_reason: str, opening: str = "") -> bool:
     if finish_reason != "stop":
         return False
-    words = text.split()
-    if not 4 <= len(words) <= 120 or "<|" in text or "|>" in text:
+    num_written = len(text.split()) - len(opening.split())  # the words the model wrote itself
+    if not 4 <= num_written <= 120 or "<|" in text or "|>" in text:
         return False
     if sum(c.isascii() for c in text) < 0.97 * len(text):
         return False
@@ -64,7 +65,8 @@ def make_self_prompts(target: str | None, num_prompts: int, seed: int, *, catego
     torch.set_num_threads(num_threads)
     llm = LLM(model=_model_arg(target), speculation="off", device=str(device),
               dtype=None if dtype is None else str(dtype).removeprefix("torch."), max_num_seqs=batch_size)
-    prefix = user_turn_prefix(llm.tokenizer)
+    # token ids: a template that writes its BOS into the text would get a second one from encoding with specials
+    prefix_ids = list(llm.tokenizer.encode(user_turn_prefix(llm.tokenizer) + opening, add_special_tokens=False))
     batch_size = min(batch_size, 2 * num_prompts)  # each sample has its own seed: the batch does not change it
     kept: list[tuple[str, str]] = []
     seen: set[str] = set()
@@ -73,9 +75,9 @@ def make_self_prompts(target: str | None, num_prompts: int, seed: int, *, catego
         seeds = range(seed * 10**6 + attempt, seed * 10**6 + attempt + batch_size)
         attempt += batch_size
         params = [SamplingParams(temperature=1.0, top_p=0.95, max_tokens=max_tokens, seed=s) for s in seeds]
-        for out in llm.generate([prefix + opening] * len(params), params):
+        for out in llm.generate([prefix_ids] * len(params), params):
             text = (opening + out.text).strip()
-            if keep_self_prompt(text, out.finish_reason) and text.lower() not in seen:
+            if keep_self_prompt(text, out.finish_reason, opening) and text.lower() not in seen:
                 seen.add(text.lower())
                 kept.append((SOURCE, text))
         print(f"[prompts] self-written {category}: {len(kept)} kept of {attempt} sampled", flush=True)
