@@ -47,7 +47,7 @@ def main() -> None:
     verify = [(n, 0.02 * max(1.0, n / 256)) for n in (1, 16, 64, 256, 1024, 4096, 16384)]
     cost = CostModel(verify, [(r, 0.004 + 0.0001 * r) for r in (1, 16, 64, 256)])
     rng = random.Random(0)
-    print(f"| requests | nodes per tree | plan ms | allocate ms | observe (all requests) ms | round total ms |")
+    print("| requests | nodes per tree | plan ms | allocate ms | observe (all requests) ms | round total ms |")
     print("|---|---|---|---|---|---|")
     for num_requests in args.requests:
         policy = BudgetPolicy(BudgetConfig(max_budget=args.nodes), cost)
