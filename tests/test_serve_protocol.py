@@ -7,7 +7,7 @@ import pickle
 import pytest
 from pydantic import ValidationError
 
-from deployments.config import AppArgs, parse_args
+from deployments.config import parse_args
 from deployments.errors import APIError
 from deployments.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 
