@@ -1,6 +1,7 @@
 """The embedded default target (SmolLM2-135M-Instruct GGUF) against transformers' own GGUF loader."""
 
 import importlib.util
+import shutil
 from pathlib import Path
 
 import pytest
@@ -44,6 +45,19 @@ def test_default_model_matches_transformers_gguf():
     torch.testing.assert_close(logits[0], out.logits[0, len(ids)], rtol=0, atol=1e-5 * scale)
     assert int(logits[0].argmax()) == int(out.logits[0, len(ids)].argmax())
     # a second load reuses the converted folder
+    assert (default_model.default_target_dir(CACHE_DIR) / "converted.json").is_file()
+
+
+@needs_gguf
+def test_the_conversion_is_shared_by_checkouts_of_the_same_gguf(monkeypatch, tmp_path):
+    """The cache is keyed by the GGUF's content, not its path: another virtual environment's copy of the same file
+    reuses the converted folder."""
+    default_model.default_target_dir(CACHE_DIR)
+    copy = tmp_path / "other-venv" / default_model.GGUF_NAME
+    copy.parent.mkdir()
+    shutil.copyfile(default_model.embedded_gguf_path(), copy)
+    monkeypatch.setattr(default_model, "embedded_gguf_path", lambda: copy)
+    monkeypatch.setattr(default_model, "_convert", lambda *a: pytest.fail("converted again"))
     assert (default_model.default_target_dir(CACHE_DIR) / "converted.json").is_file()
 
 

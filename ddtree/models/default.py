@@ -9,6 +9,7 @@ tokenizer files with the chat template), so later loads take about a second inst
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import shutil
@@ -38,13 +39,25 @@ def default_target_dir(cache_dir: str | Path | None = None) -> Path:
     gguf_path = embedded_gguf_path()
     root = Path(cache_dir if cache_dir is not None else DEFAULT_CACHE_DIR).expanduser()
     out = root / CONVERTED_NAME
-    stamp = {"source": str(gguf_path), "size": gguf_path.stat().st_size, "format": FORMAT_VERSION}
+    stamp = _stamp(gguf_path)
     marker = out / "converted.json"
     if marker.is_file() and json.loads(marker.read_text()) == stamp:
         return out
     _convert(gguf_path, out)
     marker.write_text(json.dumps(stamp) + "\n")  # written last: a half-written folder is redone
     return out
+
+
+def _stamp(gguf_path: Path) -> dict:
+    """What identifies the conversion: the GGUF's content (size and a digest of its first and last MiB), not its path,
+    so that several checkouts (virtual environments) sharing the cache convert once."""
+    size = gguf_path.stat().st_size
+    digest = hashlib.sha256()
+    with open(gguf_path, "rb") as f:
+        digest.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        digest.update(f.read(1 << 20))
+    return {"size": size, "sha256_ends": digest.hexdigest(), "format": FORMAT_VERSION}
 
 
 def _convert(gguf_path: Path, out: Path) -> None:
