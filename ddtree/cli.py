@@ -34,5 +34,17 @@ def main(argv: list[str] | None = None) -> int:
     return int(args.handler(args) or 0)
 
 
+def console_main() -> int:
+    """The `ddtree` command: bad input (a ValueError or a missing file, which name the fix) is one line and exit
+    status 2, as argparse answers a bad flag, instead of a traceback."""
+    import sys
+
+    try:
+        return main()
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"ddtree: error: {exc}", file=sys.stderr)
+        return 2
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(console_main())

@@ -22,6 +22,8 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stats", action="store_true", help="print acceptance statistics after each answer")
+    parser.add_argument("--logprobs", type=int, default=None,
+                        help="after each answer, print every token's log-probability and the k most likely")
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
@@ -34,10 +36,11 @@ def _build(args):
     from ddtree.llm import LLM
 
     budget = args.budget if args.budget == "auto" else _int(args.budget, "--budget")
+    # the parameters first: a bad value is reported before the model loads
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.seed, logprobs=args.logprobs)
     llm = LLM(args.model, args.drafter, device=args.device, dtype=args.dtype, speculation=args.speculation,
               budget=budget)
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_tokens, seed=args.seed)
     return llm, params
 
 
@@ -56,6 +59,10 @@ def _stream(llm, prompt, params, show_stats: bool) -> str:
         text.append(out.new_text)
         last = out
     sys.stdout.write("\n")
+    if last is not None and last.logprobs is not None:
+        for lp in last.logprobs:
+            top = "  ".join(f"{text!r} {value:.3f}" for _, text, value in lp.top)
+            print(f"{lp.text!r:>16} {lp.logprob:8.3f}" + (f"   top: {top}" if top else ""), file=sys.stderr)
     if show_stats and last is not None:
         s = last.stats
         tau = s.mean_acceptance_length

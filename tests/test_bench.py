@@ -47,3 +47,24 @@ def test_bench_compares_two_drafters_on_one_target(tmp_path, capsys):
     with pytest.raises(ValueError, match="features of layers"):
         main(["bench", "--model", str(target), "--drafter", str(first), "--compare-drafter", str(other_layers),
               "--dtype", "float64", "--prompts", str(prompts), "--modes", "off", "--out", str(out)])
+
+
+def test_ddtree_generate_streams_with_logprobs_and_bad_input_is_one_line(tmp_path, capsys, monkeypatch):
+    """`ddtree generate` on a tiny model: the answer streamed, then each token's log-probability; a bad value is
+    `ddtree: error: ...` and exit status 2 before any model loads."""
+    import sys
+
+    from ddtree.cli import console_main
+
+    target = make_tiny_target(tmp_path / "target", logit_scale=8.0)
+    drafter = make_tiny_drafter(tmp_path / "drafter", target)
+    common = ["ddtree", "generate", "hello", "--raw", "--model", str(target), "--drafter", str(drafter),
+              "--dtype", "float64", "--max-tokens", "5"]
+    monkeypatch.setattr(sys, "argv", common + ["--logprobs", "2"])
+    assert console_main() == 0
+    captured = capsys.readouterr()
+    assert captured.out.strip() and len([line for line in captured.err.splitlines() if "top:" in line]) == 5
+    monkeypatch.setattr(sys, "argv", ["ddtree", "generate", "hello", "--model", str(tmp_path / "missing"),
+                                      "--temperature", "-1"])
+    assert console_main() == 2
+    assert capsys.readouterr().err.strip().startswith("ddtree: error: SamplingParams.temperature")
