@@ -21,7 +21,8 @@ class Scheduler:
     def add(self, request_id: str) -> None:
         """Queue a request. `max_waiting` counts the requests beyond the free seats: requests that arrive together
         at an idle engine (all queued before the next round admits them) take the free seats first, so a burst of
-        max_num_seqs + max_waiting requests is accepted."""
+        max_num_seqs + max_waiting requests is accepted. (Where KV memory, not seats, holds requests back, up to
+        max_waiting + the free seats wait.)"""
         free_seats = max(0, self.max_num_seqs - len(self.running))
         if len(self.waiting) >= self.max_waiting + free_seats:
             raise EngineFullError(
