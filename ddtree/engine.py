@@ -119,7 +119,7 @@ class _Request:
     root_token_id: int | None = None  # last committed token, not yet in the KV cache
     num_text_tokens_emitted: int = 0
     ngrams: NgramIndex | None = None  # prompt + committed tokens (auto mode with ngram_tokens > 0)
-    logprobs: list[TokenLogprobs] | None = None  # one per committed token, with SamplingParams.logprobs
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # per committed token (SamplingParams.logprobs)
 
 
 @dataclass
@@ -541,7 +541,7 @@ class Engine:
         new_logprobs = None
         if req.output.params.logprobs is not None:
             new_logprobs = self._token_logprobs(kept, logprobs)
-            req.logprobs = (req.logprobs or []) + new_logprobs
+            req.logprobs.extend(new_logprobs)
         new_text = self.detokenizer.take_new_text(req.output)
         if req.output.finish_reason is not None:
             return self._finish(req, new_text, kept, new_logprobs)
@@ -588,7 +588,7 @@ class Engine:
             finished=finished,
             finish_reason=req.output.finish_reason,
             stats=req.stats,
-            logprobs=None if req.output.params.logprobs is None else list(req.logprobs or []),
+            logprobs=None if req.output.params.logprobs is None else list(req.logprobs),
             new_logprobs=None if req.output.params.logprobs is None else list(new_logprobs or []),
         )
 
