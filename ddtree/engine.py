@@ -519,7 +519,7 @@ class Engine:
             req = self.requests[rid]
             tokens = result.accepted_token_ids[i] + [result.bonus_token_ids[i]]
             num_before = len(req.output.token_ids)
-            out = self._append_tokens(req, tokens, result.logprobs[i] if result.logprobs is not None else None)
+            out = self._append_tokens(req, tokens, result.logprobs[i])
             num_committed = max(0, len(req.output.token_ids) - num_before)
             if i < num_speculative:
                 req.stats.acceptance_lengths.append(num_committed)

@@ -64,20 +64,34 @@ class VerifyResult:
     num_tokens: int  # packed tokens verified
     forward_seconds: float
     accept_seconds: float  # target tokens, the walk and the KV compaction
-    # per request: at its accepted tokens and the bonus token (None: not asked)
-    logprobs: list[RawLogprobs | None] | None = None
+    logprobs: list[RawLogprobs | None]  # per request: at its accepted tokens and the bonus token (None: not asked)
 
 
-def raw_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> RawLogprobs:
-    """`logits` [n, V] at the rows that produced `token_ids` [n]: their log-softmax at those tokens and its top k
-    (float32; float64 logits stay float64)."""
+def raw_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, rows: list[list[int] | None],
+                 ks: list[int | None]) -> list[RawLogprobs | None]:
+    """Per request, the log-softmax of `logits` [N, V] at its `rows` (those that produced its committed tokens;
+    None: it asked for none) at `token_ids` [N], and the top ks[r] of each row (float32; float64 logits stay
+    float64). Every asking request's rows are computed together and read back in one transfer per list."""
+    asking = [r for r, k in enumerate(ks) if k is not None]
+    if not asking:
+        return [None] * len(ks)
+    flat_rows = torch.tensor([i for r in asking for i in rows[r]], device=logits.device)
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    logp = torch.log_softmax(logits.to(dtype), dim=-1)
-    chosen = logp.gather(1, token_ids.to(logp.device)[:, None]).squeeze(1).tolist()
-    if k == 0:
-        return RawLogprobs(chosen, [[] for _ in chosen], [[] for _ in chosen])
-    top = logp.topk(min(k, logp.shape[-1]), dim=-1)
-    return RawLogprobs(chosen, top.indices.tolist(), top.values.tolist())
+    logp = torch.log_softmax(logits.index_select(0, flat_rows).to(dtype), dim=-1)
+    chosen = logp.gather(1, token_ids.index_select(0, flat_rows)[:, None]).squeeze(1).tolist()
+    max_k = min(max(ks[r] for r in asking), logp.shape[-1])
+    top_ids, top_values = [[] for _ in chosen], [[] for _ in chosen]
+    if max_k > 0:
+        top = logp.topk(max_k, dim=-1)
+        top_ids, top_values = top.indices.tolist(), top.values.tolist()
+    out: list[RawLogprobs | None] = [None] * len(ks)
+    start = 0
+    for r in asking:
+        end, k = start + len(rows[r]), ks[r]
+        out[r] = RawLogprobs(chosen[start:end], [ids[:k] for ids in top_ids[start:end]],
+                             [values[:k] for values in top_values[start:end]])
+        start = end
+    return out
 
 
 def _tokenizer_eos_id(model) -> int | None:
@@ -144,8 +158,7 @@ class TargetWorker:
         last_positions = torch.tensor([len(p) - 1 for p in prompts], device=last_logits.device)
         tokens = self._target_tokens(request_ids, last_logits, seq_index, last_positions)
         ks = [self._params[rid].logprobs for rid in request_ids]
-        logprobs = [None if k is None else raw_logprobs(last_logits[r : r + 1], tokens[r : r + 1], k)
-                    for r, k in enumerate(ks)]
+        logprobs = raw_logprobs(last_logits, tokens, [[r] for r in range(len(request_ids))], ks)
         return PrefillResult(tokens.tolist(), logprobs)
 
     def verify(self, request_ids: list[str], trees: list[DraftTree | None], root_token_ids: list[int]) -> VerifyResult:
@@ -161,20 +174,17 @@ class TargetWorker:
         t1 = time.perf_counter()
         tokens = self._target_tokens(request_ids, logits, packed.seq_index, packed.position_ids)
         result = accept(packed, tokens)  # the round's one host sync
-        logprobs = []
         for r, (rid, seq_id) in enumerate(zip(request_ids, seq_ids)):
             start = packed.query_starts[r]
             kept = result.accepted_packed[r]  # the root and the accepted nodes: they produced the committed tokens
             self.model.commit(seq_id, [p - start for p in kept])
             if self.keep_features:
                 self._pending_features[rid].append(features[kept])
-            k = self._params[rid].logprobs
-            logprobs.append(None if k is None else raw_logprobs(logits[kept], tokens[kept], k))
+        logprobs = raw_logprobs(logits, tokens, result.accepted_packed,
+                                [self._params[rid].logprobs for rid in request_ids])
         t2 = time.perf_counter()
-        return VerifyResult(
-            result.accepted_token_ids, result.bonus_token_ids, packed.num_tokens, t1 - t0, t2 - t1,
-            logprobs if any(lp is not None for lp in logprobs) else None,
-        )
+        return VerifyResult(result.accepted_token_ids, result.bonus_token_ids, packed.num_tokens, t1 - t0, t2 - t1,
+                            logprobs)
 
     def verify_async(self, request_ids: list[str], trees: list[DraftTree | None], root_token_ids: list[int]
                      ) -> Completed:

@@ -584,6 +584,24 @@ def test_logprobs_are_the_targets_own_in_every_mode(checkpoints, workers):
     assert make_llm(workers, speculation="off").generate(PROMPTS[0], greedy(4))[0].logprobs is None
 
 
+def test_logprobs_in_a_batch_are_each_requests_own(workers):
+    """Requests asking for different numbers of top log-probabilities (or none) share one verify: each gets what it
+    asked for, the same as when it runs alone."""
+    llm = make_llm(workers, speculation="ddtree", budget=16)
+    asks = [None, 0, 3, 1]
+    batch = llm.generate(PROMPTS[:4], [greedy(10, logprobs=k) for k in asks])
+    for prompt, k, out in zip(PROMPTS[:4], asks, batch):
+        alone = llm.generate(prompt, greedy(10, logprobs=k))[0]
+        assert out.token_ids == alone.token_ids
+        if k is None:
+            assert out.logprobs is None
+            continue
+        assert [len(lp.top) for lp in out.logprobs] == [k] * len(out.token_ids)
+        for got, want in zip(out.logprobs, alone.logprobs):
+            assert got.token_id == want.token_id and got.logprob == pytest.approx(want.logprob, abs=1e-9)
+            assert [t for t, _, _ in got.top] == [t for t, _, _ in want.top]
+
+
 def test_logprobs_follow_stops_and_streams(workers):
     llm = make_llm(workers, speculation="ddtree", budget=64)
     free = llm.generate(PROMPTS[1], greedy(40))[0]
