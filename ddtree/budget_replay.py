@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ddtree.budget import BudgetPolicy, CostModel
-from ddtree.ngram import NgramIndex, merge_chain
+from ddtree.budget import BudgetPolicy, CostModel, ProposedTree
+from ddtree.ngram import NgramIndex
 
 
 @dataclass
@@ -140,50 +140,26 @@ class Replay:
             raise ValueError("n-gram proposals need traces with tree tokens and the sequence's token ids")
 
         def choose(slots: list[_Slot]) -> dict[int, _Verified]:
-            plan = policy.plan([s.request_id for s in slots])
+            slot_of = {s.request_id: s for s in slots}
             index_of = {s.request_id: i for i, s in enumerate(slots)}
-            speculative = [index_of[r] for r in plan.speculative_ids]
-            values = [slots[i].trace.path_probs[slots[i].position][:b]
-                      for i, b in zip(speculative, plan.max_budgets)]
-            trees = [self._tree(slots[i], len(v)) for i, v in zip(speculative, values)] if ngram_tokens else []
-            chains = {i: slots[i].ngrams.propose(ngram_tokens) for i in index_of.values()} if ngram_tokens else {}
-            request_ids, verifying = list(plan.speculative_ids), list(speculative)
-            if any(chains.get(i) for i in speculative):
-                first = policy.allocate(plan.speculative_ids, values, len(plan.autoregressive_ids))
-                for k, i in enumerate(speculative):
-                    if chains[i]:
-                        keep = first[k] + len(chains[i])
-                        tokens, parents, _, values[k] = merge_chain(
-                            trees[k][0][:keep], trees[k][1][:keep], values[k][:keep], chains[i],
-                            policy.ngram_values(len(chains[i])))
-                        trees[k] = (tokens, parents)
-            for rid in plan.autoregressive_ids:
-                i = index_of[rid]
-                if chains.get(i):
-                    tokens, parents, _, chain_values = merge_chain([], [], [], chains[i],
-                                                                   policy.ngram_values(len(chains[i])))
-                    trees.append((tokens, parents))
-                    values.append(chain_values)
-                    request_ids.append(rid)
-                    verifying.append(i)
-            if not verifying:
-                return {}
-            num_root_only = len(slots) - len(verifying)
-            counts = policy.allocate(request_ids, values, num_root_only, num_drafted=len(speculative))
+            plan = policy.plan(list(slot_of))
+            drafted = [self._proposed(slot_of[rid], b, ngram_tokens) for rid, b in zip(plan.speculative_ids,
+                                                                                       plan.max_budgets)]
+            chains = {rid: s.ngrams.propose(ngram_tokens) for rid, s in slot_of.items()} if ngram_tokens else {}
+            allocation = policy.allocate_round(plan, drafted, chains)
             verified: dict[int, _Verified] = {}
-            for k, (i, n) in enumerate(zip(verifying, counts)):
-                slot = slots[i]
-                is_drafted = k < len(speculative)
+            for k, (rid, tree, n) in enumerate(zip(allocation.request_ids, allocation.trees, allocation.counts)):
+                slot = slot_of[rid]
+                is_drafted = k < allocation.num_drafted
                 if ngram_tokens:
                     continuation = slot.trace.continuation(slot.position)
-                    accepted = accepted_along(trees[k][0][:n], trees[k][1][:n], continuation)
-                    committed = continuation[: accepted + 1]
+                    accepted = accepted_along(tree.token_ids[:n], tree.parents[:n], continuation)
+                    without_draft = policy.observe_proposal(chains[rid], continuation[: accepted + 1])
                 else:
-                    accepted = slot.trace.accepted(slot.position, n)
-                without_draft = policy.observe_proposal(chains.get(i), committed) if ngram_tokens else 0
+                    accepted, without_draft = slot.trace.accepted(slot.position, n), 0
                 if is_drafted:
-                    policy.observe(slot.request_id, sum(values[k][:n]), accepted, n, without_draft)
-                verified[i] = _Verified(n, accepted, is_drafted)
+                    policy.observe(rid, sum(tree.values[:n]), accepted, n, without_draft)
+                verified[index_of[rid]] = _Verified(n, accepted, is_drafted)
             return verified
 
         return self._run(traces, choose, policy.add, policy.remove, ngram_tokens=ngram_tokens)
@@ -207,9 +183,13 @@ class Replay:
         return self._run(traces, choose, lambda r: None, lambda r: None)
 
     @staticmethod
-    def _tree(slot: _Slot, num_nodes: int) -> tuple[list[int], list[int]]:
+    def _proposed(slot: _Slot, max_nodes: int, with_tokens: bool) -> ProposedTree:
+        """The drafter's tree at the slot's position, its first `max_nodes` nodes (tokens too, to merge chains)."""
         trace, p = slot.trace, slot.position
-        return trace.tree_tokens[p][:num_nodes], trace.tree_parents[p][:num_nodes]
+        values = trace.path_probs[p][:max_nodes]
+        if not with_tokens:
+            return ProposedTree(values)
+        return ProposedTree(values, trace.tree_tokens[p][:max_nodes], trace.tree_parents[p][:max_nodes])
 
     def _run(self, traces, choose, add, remove, ngram_tokens: int = 0) -> dict[str, Result]:
         """`choose(slots)` -> {slot index: what it verified} for the requests verifying a tree this round (the others

@@ -27,9 +27,10 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from ddtree.budget import BudgetConfig, BudgetPolicy, CostModel, RoundPlan, check_max_probe_overhead
+from ddtree.budget import (BudgetConfig, BudgetPolicy, CostModel, ProposedTree, RoundPlan,
+                           check_max_probe_overhead)
 from ddtree.detokenizer import Detokenizer, OutputState
-from ddtree.ngram import NgramIndex, merge_chain
+from ddtree.ngram import NgramIndex
 from ddtree.outputs import RequestOutput, RequestStats, TokenLogprobs
 from ddtree.sampling_params import SamplingParams
 from ddtree.scheduler import EngineFullError, Scheduler
@@ -397,10 +398,10 @@ class Engine:
     def _collect_draft(self, plan: RoundPlan, pending, ngram_candidates: list[str] = ()) -> _DraftedTrees:
         """The drafter's top-K as trees (each with its request's n-gram chain merged in, in auto mode), and the
         n-gram chains of `ngram_candidates` (requests decoding without a draft this round) as trees of their own,
-        all cut to the round's global node allocation."""
+        all cut to the round's global node allocation (`BudgetPolicy.allocate_round`)."""
         drafted = _DraftedTrees()
         trees: list[DraftTree] = []
-        path_probs: list[list[float]] = []
+        proposed: list[ProposedTree] = []
         t1 = time.perf_counter()
         if pending is not None:
             topk_logprobs, topk_token_ids = pending.result()
@@ -412,68 +413,54 @@ class Engine:
                 trees = chain_trees_from_topk(topk_logprobs, topk_token_ids, plan.max_budgets)
             else:
                 trees = build_trees_from_topk(topk_logprobs, topk_token_ids, plan.max_budgets)
-            # One host sync per round: node probabilities (and, to merge n-gram chains, tokens and parents) become
-            # plain numbers for the budget policy. Token ids are exact in float64.
-            columns = [torch.cat([t.path_logprobs for t in trees]).exp().double()]
-            if self.ngram_tokens:
-                columns += [torch.cat([t.token_ids for t in trees]).double(),
-                            torch.cat([t.parents for t in trees]).double()]
-            host = torch.stack(columns).tolist()
-            node_tokens, node_parents, start = [], [], 0
-            for t in trees:
-                end = start + t.num_nodes
-                path_probs.append(host[0][start:end])
-                if self.ngram_tokens:
-                    node_tokens.append([int(x) for x in host[1][start:end]])
-                    node_parents.append([int(x) for x in host[2][start:end]])
-                start = end
-        request_ids = list(plan.speculative_ids)
+            proposed = self._proposed_trees(trees)
+        chains: dict[str, list[int]] = {}
         if self.ngram_tokens:
-            chains = {rid: self.requests[rid].ngrams.propose(self.ngram_tokens) for rid in plan.speculative_ids}
-            if trees and any(chains.values()):
-                # The merge re-orders a tree in Python: it goes into what an allocation without chains keeps (plus
-                # room for the chain), since chain nodes only raise the value a tree node must have to be kept.
-                first = self.budget.allocate(plan.speculative_ids, path_probs, len(plan.autoregressive_ids))
-                for i, rid in enumerate(plan.speculative_ids):
-                    if chains[rid]:
-                        keep = first[i] + len(chains[rid])
-                        trees[i], path_probs[i] = self._merge_chain(
-                            node_tokens[i][:keep], node_parents[i][:keep], path_probs[i][:keep], chains[rid],
-                            trees[i].token_ids.device)
-                        drafted.proposals[rid] = chains[rid]
-            for rid in ngram_candidates:
-                chain = self.requests[rid].ngrams.propose(self.ngram_tokens)
-                if chain:
-                    tree, probs = self._merge_chain([], [], [], chain, "cpu")
-                    trees.append(tree)
-                    path_probs.append(probs)
-                    drafted.proposals[rid] = chain
-                    request_ids.append(rid)
-        if not trees:
+            for rid in list(plan.speculative_ids) + list(ngram_candidates):
+                chains[rid] = self.requests[rid].ngrams.propose(self.ngram_tokens)
+            drafted.proposals = {rid: chain for rid, chain in chains.items() if chain}
+        allocation = self.budget.allocate_round(plan, proposed, chains)
+        if not allocation.request_ids:
             return drafted
-        num_drafted = len(plan.speculative_ids)
-        num_root_only = len(plan.autoregressive_ids) - (len(request_ids) - num_drafted)
-        counts = self.budget.allocate(request_ids, path_probs, num_root_only, num_drafted=num_drafted)
-        kept = [_truncate(t, n) for t, n in zip(trees, counts)]
-        drafted.trees = kept[:num_drafted]
-        drafted.predicted = [sum(p[:n]) for p, n in zip(path_probs[:num_drafted], counts[:num_drafted])]
-        drafted.ngram_trees = {rid: t for rid, t in zip(request_ids[num_drafted:], kept[num_drafted:]) if t.num_nodes}
+        for i, (rid, tree, n) in enumerate(zip(allocation.request_ids, allocation.trees, allocation.counts)):
+            kept = _truncate(self._tree_tensors(tree, trees[i].token_ids.device if i < len(trees) else "cpu")
+                             if tree.is_rebuilt else trees[i], n)
+            if i < allocation.num_drafted:
+                drafted.trees.append(kept)
+                drafted.predicted.append(sum(tree.values[:n]))
+            elif kept.num_nodes:
+                drafted.ngram_trees[rid] = kept
         self.timings.tree += time.perf_counter() - t1
         return drafted
 
-    def _merge_chain(self, token_ids: list[int], parents: list[int], values: list[float], chain: list[int],
-                     device) -> tuple[DraftTree, list[float]]:
-        """A tree (its nodes as lists, in pop order; none: only the root) with an n-gram chain merged in, nodes
-        re-ordered by value (ddtree.ngram), on `device` (the target worker moves trees to its own)."""
-        token_ids, parents, depths, values = merge_chain(
-            token_ids, parents, values, chain, self.budget.ngram_values(len(chain)))
-        merged = DraftTree(
-            torch.tensor(token_ids, dtype=torch.int64, device=device),
-            torch.tensor(parents, dtype=torch.int64, device=device),
-            torch.tensor(depths, dtype=torch.int64, device=device),
-            torch.tensor(values, dtype=torch.float32, device=device).log(),
+    def _proposed_trees(self, trees: list[DraftTree]) -> list[ProposedTree]:
+        """The trees as plain lists for the budget policy, in one host sync per round: node probabilities (and, to
+        merge n-gram chains, tokens and parents; token ids are exact in float64)."""
+        columns = [torch.cat([t.path_logprobs for t in trees]).exp().double()]
+        if self.ngram_tokens:
+            columns += [torch.cat([t.token_ids for t in trees]).double(), torch.cat([t.parents for t in trees]).double()]
+        host = torch.stack(columns).tolist()
+        proposed, start = [], 0
+        for t in trees:
+            end = start + t.num_nodes
+            if self.ngram_tokens:
+                proposed.append(ProposedTree(host[0][start:end], [int(x) for x in host[1][start:end]],
+                                             [int(x) for x in host[2][start:end]]))
+            else:
+                proposed.append(ProposedTree(host[0][start:end]))
+            start = end
+        return proposed
+
+    @staticmethod
+    def _tree_tensors(tree: ProposedTree, device) -> DraftTree:
+        """A tree the policy rebuilt (a chain merged in) as tensors on `device` (the target worker moves trees to its
+        own)."""
+        return DraftTree(
+            torch.tensor(tree.token_ids, dtype=torch.int64, device=device),
+            torch.tensor(tree.parents, dtype=torch.int64, device=device),
+            torch.tensor(tree.depths, dtype=torch.int64, device=device),
+            torch.tensor(tree.values, dtype=torch.float32, device=device).log(),
         )
-        return merged, values
 
     def _submit_verify(self, plan: RoundPlan, drafted: _DraftedTrees):
         request_ids = plan.speculative_ids + plan.autoregressive_ids

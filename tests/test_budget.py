@@ -281,3 +281,69 @@ def test_pipeline_speedup_follows_the_cost_model():
             policy.observe(rid, predicted=2.0, num_accepted_nodes=2, num_nodes=16)
         assert low < policy.pipeline_speedup(ids) < high
         assert policy.pipeline_speedup(ids[:1]) == 1.0  # one speculating request: nothing to overlap
+
+
+def _random_tree(rng: random.Random, num_nodes: int) -> tuple[list[int], list[int], list[float]]:
+    """Tokens, parents and decreasing values of a random prefix-closed tree over a small vocabulary."""
+    tokens, parents, values, children = [], [], [], {}
+    value = 0.9
+    for node in range(num_nodes):
+        parent = rng.randrange(-1, node)
+        token = rng.choice([t for t in range(6) if t not in children.setdefault(parent, set())] or [None])
+        if token is None:
+            parent, token = -1, 6 + node  # the parent's children are full: a new root child
+        children.setdefault(parent, set()).add(token)
+        value *= rng.uniform(0.7, 1.0)
+        tokens.append(token)
+        parents.append(parent)
+        values.append(value)
+    return tokens, parents, values
+
+
+def _node_paths(tree, num_nodes: int) -> list[tuple[int, ...]]:
+    paths = []
+    for node in range(num_nodes):
+        path = []
+        while node >= 0:
+            path.append(tree.token_ids[node])
+            node = tree.parents[node]
+        paths.append(tuple(reversed(path)))
+    return paths
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_allocate_round_keeps_what_merging_into_the_whole_trees_keeps(seed):
+    """The merge goes into what a first allocation keeps: the same nodes as merging every chain into the whole tree
+    and allocating once. Requests in fallback verify their chain alone; the others their root."""
+    from ddtree.budget import ProposedTree, RoundPlan
+    from ddtree.ngram import merge_chain
+
+    rng = random.Random(seed)
+    policy = BudgetPolicy(BudgetConfig(), linear_cost(per_token=rng.choice([0.5, 2.0]), fixed=30.0))
+    ids = [f"r{i}" for i in range(5)]
+    for rid in ids:
+        policy.add(rid)
+        policy.observe(rid, predicted=2.0, num_accepted_nodes=rng.randrange(5))
+    plan = RoundPlan(ids[:3], ids[3:], [24] * 3)
+    drafted = [ProposedTree(v, t, p) for t, p, v in (_random_tree(rng, 24) for _ in range(3))]
+    chains = {rid: [rng.randrange(6) for _ in range(rng.randrange(4))] for rid in ids[:4]}  # r4: no chain
+    allocation = policy.allocate_round(plan, drafted, chains)
+    assert allocation.request_ids == [rid for rid in ids if rid in plan.speculative_ids or chains.get(rid)]
+    assert allocation.num_drafted == 3
+
+    whole = []
+    for rid, tree in zip(plan.speculative_ids, drafted):
+        chain = chains[rid]
+        if chain:
+            t, p, d, v = merge_chain(tree.token_ids, tree.parents, tree.values, chain, policy.ngram_values(len(chain)))
+            tree = ProposedTree(v, t, p, d)
+        whole.append(tree)
+    for rid in allocation.request_ids[3:]:
+        t, p, d, v = merge_chain([], [], [], chains[rid], policy.ngram_values(len(chains[rid])))
+        whole.append(ProposedTree(v, t, p, d))
+    counts = policy.allocate(allocation.request_ids, [t.values for t in whole],
+                             len(plan.autoregressive_ids) - (len(whole) - 3), num_drafted=3)
+    assert allocation.counts == counts and 0 < sum(counts[:3]) < 72  # some nodes cut, some kept
+    for got, want, n in zip(allocation.trees, whole, counts):
+        assert sorted(_node_paths(got, n)) == sorted(_node_paths(want, n))
+        assert got.values[:n] == pytest.approx(want.values[:n])
