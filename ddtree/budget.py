@@ -366,11 +366,12 @@ class BudgetPolicy:
         s.num_rounds_rested = 0
 
     def allocate(self, request_ids: list[str], path_probs: list[list[float]], num_autoregressive: int,
-                 num_drafted: int | None = None) -> list[int]:
+                 num_drafted: int | None = None, packed: tuple[int, float] = (0, 0.0)) -> list[int]:
         """Node count per request with a tree. `path_probs[i]` are request i's node values in pop order: the first
         `num_drafted` requests (default: all) were drafted (values calibrated per request); the others carry only
         an n-gram chain (values from `ngram_values`, no drafter cost). `num_autoregressive` requests verify their
-        root alone."""
+        root alone. `packed`: tokens that trees allocated earlier put into the same verify pass, and the tokens
+        they are expected to commit (pipelined mode: the group drafted in the previous phase)."""
         num_drafted = len(request_ids) if num_drafted is None else num_drafted
         if self.config.fixed_budget is not None:
             return [min(self.config.fixed_budget, len(p)) for p in path_probs]
@@ -388,9 +389,10 @@ class BudgetPolicy:
             owners.extend([i] * len(probs))
         order = sorted(range(len(values)), key=values.__getitem__, reverse=True)
         num_requests = len(request_ids) + num_autoregressive
+        num_packed_tokens, packed_expected = packed
         draft_seconds = self.cost.draft_seconds(num_drafted)
-        verify_seconds = self.cost.verify_seconds_range(num_requests, len(values) + 1)
-        expected = itertools.accumulate((values[j] for j in order), initial=float(num_requests))
+        verify_seconds = self.cost.verify_seconds_range(num_requests + num_packed_tokens, len(values) + 1)
+        expected = itertools.accumulate((values[j] for j in order), initial=num_requests + packed_expected)
         rates = [e / (draft_seconds + v) for e, v in zip(expected, verify_seconds)]
         best_k = rates.index(max(rates))  # the first maximum: the fewest nodes at the best rate
         counts = [0] * len(request_ids)
@@ -398,11 +400,11 @@ class BudgetPolicy:
             counts[owners[j]] += 1
         return counts
 
-    def allocate_round(self, plan: RoundPlan, drafted: list[ProposedTree], chains: dict[str, list[int]]
-                       ) -> RoundAllocation:
+    def allocate_round(self, plan: RoundPlan, drafted: list[ProposedTree], chains: dict[str, list[int]],
+                       packed: tuple[int, float] = (0, 0.0)) -> RoundAllocation:
         """The round's allocation with n-gram chains (`chains`: per request id, possibly empty): a drafted request's
         chain merges into its tree (`drafted`, one per `plan.speculative_ids`); a request planned autoregressive
-        verifies its chain as a tree of its own; the rest verify their root alone.
+        verifies its chain as a tree of its own; the rest verify their root alone. `packed`: as for `allocate`.
 
         A merge re-orders a tree in Python, so it goes into what an allocation without chains keeps, plus room for
         the chain: chain nodes only raise the value a tree node must have to be kept, so the nodes cut first would
@@ -411,7 +413,8 @@ class BudgetPolicy:
         0.06)."""
         trees = list(drafted)
         if any(chains.get(rid) for rid in plan.speculative_ids):
-            first = self.allocate(plan.speculative_ids, [t.values for t in trees], len(plan.autoregressive_ids))
+            first = self.allocate(plan.speculative_ids, [t.values for t in trees], len(plan.autoregressive_ids),
+                                  packed=packed)
             for i, rid in enumerate(plan.speculative_ids):
                 if chains.get(rid):
                     keep = first[i] + len(chains[rid])
@@ -426,7 +429,8 @@ class BudgetPolicy:
         if not trees:
             return RoundAllocation([], [], [], 0)
         num_root_only = len(plan.autoregressive_ids) - (len(request_ids) - num_drafted)
-        counts = self.allocate(request_ids, [t.values for t in trees], num_root_only, num_drafted=num_drafted)
+        counts = self.allocate(request_ids, [t.values for t in trees], num_root_only, num_drafted=num_drafted,
+                               packed=packed)
         return RoundAllocation(request_ids, trees, counts, num_drafted)
 
     def _merged(self, token_ids: list[int], parents: list[int], values: list[float], chain: list[int]

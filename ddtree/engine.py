@@ -337,6 +337,16 @@ class Engine:
                                 plan.autoregressive_ids,
                                 in_verify.plan.max_budgets if in_verify is not None else [])
         verify_drafted = in_verify.drafted if in_verify is not None else _DraftedTrees()
+        if self.ngram_tokens and plan.autoregressive_ids:
+            # Requests decoding without a draft verify their n-gram chains, allocated in the context of the verify
+            # pass they join: the trees drafted last phase are in it already.
+            trees = verify_drafted.trees  # each commits its root's token and its expected nodes (uncalibrated)
+            num_packed = len(trees) + sum(t.num_nodes for t in trees)
+            expected = len(trees) + sum(verify_drafted.predicted)
+            chained = self._collect_draft(RoundPlan([], plan.autoregressive_ids, []), None, plan.autoregressive_ids,
+                                          packed=(num_packed, expected))
+            verify_drafted.proposals.update(chained.proposals)
+            verify_drafted.ngram_trees.update(chained.ngram_trees)
         # Submission order matters on actors: the drafting requests' features are taken from the target before
         # the verify is queued behind them (inside _submit_draft), so the draft does not wait for the verify.
         pending_draft = self._submit_draft(plan)
@@ -395,10 +405,12 @@ class Engine:
         features = self.target.take_features(plan.speculative_ids)
         return self.drafter.draft_async(plan.speculative_ids, roots, features, self.max_budget)
 
-    def _collect_draft(self, plan: RoundPlan, pending, ngram_candidates: list[str] = ()) -> _DraftedTrees:
+    def _collect_draft(self, plan: RoundPlan, pending, ngram_candidates: list[str] = (),
+                       packed: tuple[int, float] = (0, 0.0)) -> _DraftedTrees:
         """The drafter's top-K as trees (each with its request's n-gram chain merged in, in auto mode), and the
         n-gram chains of `ngram_candidates` (requests decoding without a draft this round) as trees of their own,
-        all cut to the round's global node allocation (`BudgetPolicy.allocate_round`)."""
+        all cut to the round's global node allocation (`BudgetPolicy.allocate_round`; `packed`: what trees
+        allocated before put into the same verify pass)."""
         drafted = _DraftedTrees()
         trees: list[DraftTree] = []
         proposed: list[ProposedTree] = []
@@ -419,7 +431,7 @@ class Engine:
             for rid in list(plan.speculative_ids) + list(ngram_candidates):
                 chains[rid] = self.requests[rid].ngrams.propose(self.ngram_tokens)
             drafted.proposals = {rid: chain for rid, chain in chains.items() if chain}
-        allocation = self.budget.allocate_round(plan, proposed, chains)
+        allocation = self.budget.allocate_round(plan, proposed, chains, packed)
         if not allocation.request_ids:
             return drafted
         for i, (rid, tree, n) in enumerate(zip(allocation.request_ids, allocation.trees, allocation.counts)):

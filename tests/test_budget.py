@@ -347,3 +347,15 @@ def test_allocate_round_keeps_what_merging_into_the_whole_trees_keeps(seed):
     for got, want, n in zip(allocation.trees, whole, counts):
         assert sorted(_node_paths(got, n)) == sorted(_node_paths(want, n))
         assert got.values[:n] == pytest.approx(want.values[:n])
+
+
+def test_allocate_prices_nodes_after_the_tokens_already_packed():
+    """Pipelined mode: a verify pass already holding another group's trees. Its tokens move the new nodes up the
+    cost curve (here past the flat part) and its expected tokens raise the rate they must keep up."""
+    flat_then_steep = CostModel([(1, 0.010), (8, 0.010), (16, 0.030), (64, 0.130)], [(1, 0.005)])
+    policy = BudgetPolicy(BudgetConfig(), flat_then_steep)
+    policy.add("a")
+    chain = [[0.6, 0.45, 0.3]]
+    assert policy.allocate(["a"], chain, 0, num_drafted=0) == [3]  # free inside the flat part
+    assert policy.allocate(["a"], chain, 0, num_drafted=0, packed=(8, 3.0)) == [0]
+    assert policy.allocate(["a"], chain, 0, num_drafted=0, packed=(4, 1.0)) == [3]  # still inside it

@@ -228,13 +228,14 @@ def test_fallback_skips_the_drafter_and_recovers(workers):
 NGRAM_ONLY_COST = CostModel([(1, 0.010), (8, 0.0102), (64, 0.05)], [(1, 0.050), (16, 0.060)])
 
 
-def test_ngram_chains_of_requests_in_fallback_are_exact_and_accepted(workers):
+@pytest.mark.parametrize("pipeline", [False, True], ids=["sequential", "pipelined"])
+def test_ngram_chains_of_requests_in_fallback_are_exact_and_accepted(workers, pipeline):
     prompts = ["the cat the cat the cat the", "ab ab ab ab ab", "12 + 7 = 12 + 7 ="]
     reference = make_llm(workers, speculation="off").generate(prompts, greedy(40))
     target, drafter, tok = workers
     for ngram_tokens in (3, 1):
-        engine = Engine(EngineConfig(max_num_seqs=2, ngram_tokens=ngram_tokens), target, drafter, tok,
-                        cost=copy.deepcopy(NGRAM_ONLY_COST))
+        engine = Engine(EngineConfig(max_num_seqs=2, ngram_tokens=ngram_tokens, pipeline=pipeline), target, drafter,
+                        tok, cost=copy.deepcopy(NGRAM_ONLY_COST))
         outputs = LLM.from_engine(engine).generate(prompts, greedy(40))
         assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
         assert engine.timings.num_draft_calls == 0
