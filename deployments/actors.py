@@ -64,8 +64,10 @@ class TargetActor:
                 "vocab_size": w.vocab_size, "tokenizer": self.tokenizer}
 
     def head(self):
-        """The target's embedding and LM head (ddtree.models.target.TargetHead) for the drafter actor."""
-        return self.worker.model.head()
+        """The target's embedding and LM head (ddtree.models.target.TargetHead) for the drafter actor, on the CPU:
+        a CUDA tensor would be unpickled onto the receiver's GPU of the same index, whatever GPU Ray gave it (the
+        drafter moves it to its own device)."""
+        return self.worker.model.head().to("cpu")
 
     def allocate(self, request_id, capacity, params):
         return _timed(self.worker.allocate, request_id, capacity, params)
@@ -77,7 +79,9 @@ class TargetActor:
         return _timed(self.worker.verify, request_ids, trees, roots)
 
     def take_features(self, request_ids):
-        return self.worker.take_features(request_ids)
+        # On the CPU: they leave this process serialised anyway (a CUDA tensor is copied to the host to be pickled),
+        # and a CUDA tensor would be unpickled onto the receiver's GPU of the same index, not the drafter's device.
+        return [f.cpu() for f in self.worker.take_features(request_ids)]
 
     def free(self, request_id):
         return _timed(self.worker.free, request_id)
@@ -103,7 +107,13 @@ class DrafterActor:
         return self.worker.block_len
 
     def draft(self, request_ids, roots, features, max_k):
-        return _timed(self.worker.draft, request_ids, roots, features, max_k)
+        """The top-K draft log-probs and token ids, on the CPU: the engine replica that builds the trees from them
+        holds no GPU (unpickling a CUDA tensor there would open a context on a GPU Ray never gave it)."""
+        def draft_to_cpu():
+            logprobs, token_ids = self.worker.draft(request_ids, roots, features, max_k)
+            return logprobs.cpu(), token_ids.cpu()
+
+        return _timed(draft_to_cpu)
 
     def free(self, request_id):
         return _timed(self.worker.free, request_id)

@@ -1,8 +1,9 @@
 """`build_app(args) -> Application`: the builder named by ray_config.yaml (`import_path: deployments.app:build_app`).
 
-    serve run ray_config.yaml                                # this machine, the embedded default model on CPU
-    serve run deployments.app:build_app model=/path/to/model # args on the command line
-    serve.run(build_app({"model": ..., "placement": "gpu-per-worker"}), name="ddtree")
+    serve run ray_config.yaml        # this machine, the embedded default model on CPU
+    serve run deployments.app:build_app model=/models/Qwen3-8B drafter=/models/Qwen3-8B-DFlash-b16 \
+        placement=gpu-per-worker dtype=bfloat16
+    serve.run(build_app({"model": ..., "drafter": ..., "placement": "gpu-per-worker"}), name="ddtree")
 
 The args are validated (deployments/config.py: AppArgs) before anything is built; an invalid dict raises pydantic's
 ValidationError, a ValueError naming every bad field.

@@ -119,6 +119,10 @@ class AppArgs(BaseModel):
             raise ValueError(f"placement {self.placement!r} reserves GPUs; use device 'cuda' (or placement 'cpu')")
         if self.budget != "auto" and self.budget > self.max_budget:
             raise ValueError(f"budget {self.budget} is above max_budget {self.max_budget}")
+        if self.model is not None and self.drafter is None and self.speculation != "off":
+            # (checked here, before placement groups are reserved: the actors would fail to start, and Serve retry)
+            raise ValueError(f"model {self.model!r} needs its own drafter (drafter: <DFlash checkpoint folder>), or "
+                             "speculation: off; the shipped drafter is for the embedded default model only")
         return self
 
     # ------------------------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ equal the offline `LLM`'s."""
 from __future__ import annotations
 
 import importlib
+import re
 import socket
 import threading
 import time
@@ -128,6 +129,21 @@ def _post(served, path: str, body, key: str | None = API_KEY, **kw) -> requests.
 
 
 # ---- the config ------------------------------------------------------------------------------------------------
+
+
+def test_cluster_guide_runtime_env_passes_serve_deploy_schema():
+    """The `runtime_env` snippet of cluster/README.md, put into ray_config.yaml's application, is one `serve deploy`
+    accepts (a local working_dir would not be)."""
+    from ray.serve.schema import ServeDeploySchema
+
+    guide = (REPO / "cluster" / "README.md").read_text()
+    (snippet,) = [block for block in re.findall(r"```yaml\n(.*?)```", guide, re.S) if "runtime_env" in block]
+    config = yaml.safe_load((REPO / "ray_config.yaml").read_text())
+    config["applications"][0].update(yaml.safe_load(snippet.replace("<bucket>", "bucket")))
+    ServeDeploySchema.model_validate(config)
+    config["applications"][0]["runtime_env"]["working_dir"] = "."
+    with pytest.raises(ValueError, match="remote URIs"):
+        ServeDeploySchema.model_validate(config)
 
 
 def test_ray_config_yaml_builds_the_app(app_args):

@@ -39,11 +39,17 @@ def test_default_args_serve_the_embedded_model_on_cpu():
         {"placement": "gpu-per-worker", "device": "cpu"},
         {"dtype": "int8"},
         {"modle": "typo"},
+        {"model": "/models/Qwen3-8B"},  # no drafter for it (the shipped one is for the default model)
     ],
 )
 def test_bad_args_fail_before_anything_is_built(bad):
     with pytest.raises(ValidationError):
         parse_args(bad)
+
+
+def test_a_custom_model_serves_with_its_drafter_or_without_speculation():
+    assert parse_args({"model": "/m", "drafter": "/d"}).drafter == "/d"
+    assert not parse_args({"model": "/m", "speculation": "off"}).needs_drafter
 
 
 def test_args_must_be_a_dict():
@@ -67,8 +73,8 @@ def test_gpu_placements_reserve_gpus_in_one_node():
 
 
 def test_served_model_name_follows_the_model_folder():
-    assert parse_args({"model": "/models/Qwen3-8B/"}).model_name == "Qwen3-8B"
-    assert parse_args({"model": "/m/x", "served_model_name": "mine"}).model_name == "mine"
+    assert parse_args({"model": "/models/Qwen3-8B/", "drafter": "/d"}).model_name == "Qwen3-8B"
+    assert parse_args({"model": "/m/x", "speculation": "off", "served_model_name": "mine"}).model_name == "mine"
 
 
 def test_api_key_is_not_printed():
