@@ -166,11 +166,23 @@ class TextContentPart(BaseModel):
     text: str
 
 
+# Fields of an assistant message that clients echo back from a previous response (the official client's message
+# objects carry them): accepted when they say nothing (null or empty), refused otherwise (no tools, audio, refusals).
+ECHOED_MESSAGE_FIELDS = ("refusal", "tool_calls", "function_call", "annotations", "audio")
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextContentPart]
     name: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_empty_echoed_fields(cls, data):
+        if not isinstance(data, dict):
+            return data
+        return {k: v for k, v in data.items() if not (k in ECHOED_MESSAGE_FIELDS and v in (None, [], {}))}
 
     def as_template_message(self) -> dict[str, str]:
         content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)

@@ -3,23 +3,23 @@
     locust -f loadtest/locustfile.py --host http://127.0.0.1:8000 --headless -u 8 -r 2 -t 2m --csv work/loadtest/run1 \
         --max-tokens 128 --temperature 0 --summary-json work/loadtest/run1_summary.json
 
-Each user sends streaming chat (or completion) requests back to back with `stream_options.include_usage`, and after
-each one fires these metrics through `events.request` (so they appear in Locust's stats, CSV and charts, with
-percentiles), under request type "LLM":
+Each user sends streaming chat (or completion) requests back to back with `stream_options.include_usage`. Locust's
+own statistics (and `--csv`'s `_stats.csv`) hold the HTTP requests: one entry per endpoint, failures included (a
+status other than 200, an error event in the stream, a broken or unparsable stream, no usage chunk). Per request
+the file also measures, llmperf-style:
 
     ttft_ms                  time to the first content token
     inter_token_latency_ms   (end-to-end - TTFT) / (output tokens - 1): per token, not per chunk, since one
                              speculative round streams several tokens at once
     e2e_latency_ms           request sent -> last byte
-    output_tokens_per_s      output tokens / end-to-end latency of that request (the value in the "ms" columns is
-                             tokens/s; Locust has one unit for everything)
+    output_tokens_per_s      output tokens / end-to-end latency of that request
     output_tokens            output tokens of the request (from the usage chunk)
     acceptance_length        mean accepted length of the request (usage.ddtree), when the server reports one
 
-The HTTP request itself is reported too (type POST), carrying failures (status != 200, stream errors). At the end
-an llmperf-style summary (p25/50/75/90/95/99, mean, min, max per metric, error rate, overall output tokens/s,
-completed requests per minute) is printed and, with --summary-json, written to a file. In distributed runs each
-worker's summary covers its own users; the Locust CSV covers all of them.
+These are not Locust requests (they would multiply its request counts and rates, and Locust rounds response times
+to integers): at the end their p25/50/75/90/95/99, mean, min and max, the error rate, overall output tokens/s and
+completed requests per minute are printed, written to `--summary-json`, and with `--csv PREFIX` to
+`PREFIX_llm.csv`. In distributed runs each worker's summary covers its own users; Locust's own CSV covers all.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+import requests
 from locust import HttpUser, between, events, task
 
 METRICS = ("ttft_ms", "inter_token_latency_ms", "e2e_latency_ms", "output_tokens_per_s", "output_tokens",
@@ -144,10 +145,21 @@ def _on_start(environment, **_) -> None:
 def _on_quit(environment, **_) -> None:
     report = environment.ddtree_summary.report()
     print(format_summary(report))
-    path = environment.parsed_options.summary_json if environment.parsed_options else ""
-    if path:
-        with open(path, "w", encoding="utf-8") as f:
+    options = environment.parsed_options
+    if options is not None and options.summary_json:
+        with open(options.summary_json, "w", encoding="utf-8") as f:
             json.dump(report, f, indent=2)
+    if options is not None and getattr(options, "csv_prefix", None):
+        with open(f"{options.csv_prefix}_llm.csv", "w", encoding="utf-8") as f:
+            f.write(summary_csv(report))
+
+
+def summary_csv(report: dict) -> str:
+    columns = [f"p{q}" for q in QUANTILES] + ["mean", "min", "max", "count"]
+    lines = ["metric," + ",".join(columns)]
+    for name, d in report["metrics"].items():
+        lines.append(name + "," + ",".join(f"{d[k]:.6g}" for k in columns))
+    return "\n".join(lines) + "\n"
 
 
 def format_summary(report: dict) -> str:
@@ -189,15 +201,13 @@ class OpenAIUser(HttpUser):
                               name=f"{path} (stream)") as response:
             try:
                 metrics = self._read_stream(response, t0, chat=options.endpoint == "chat")
-            except StreamError as exc:
+            # a broken connection mid-stream, an event that is not JSON or lacks a field: failures too
+            except (StreamError, requests.RequestException, ValueError, KeyError, TypeError) as exc:
                 summary.num_failed += 1
-                response.failure(str(exc))
+                response.failure(f"{type(exc).__name__}: {exc}")
                 return
             response.success()
         summary.add(metrics)
-        for name, value in metrics.values().items():
-            events.request.fire(request_type="LLM", name=name, response_time=value, response_length=0,
-                                exception=None, context={})
 
     @staticmethod
     def _read_stream(response, t0: float, chat: bool) -> RequestMetrics:

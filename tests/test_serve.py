@@ -160,6 +160,22 @@ def test_ray_config_yaml_builds_the_app(app_args):
         build_app({**app_args, "max_budgt": 8})
 
 
+def test_replicas_drain_on_shutdown_and_a_dead_engine_is_replaced_soon(app_args):
+    from deployments.app import ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT, build_app
+
+    ingress = build_app(app_args)._bound_deployment
+    engine = ingress.init_args[0]._bound_deployment
+    assert ingress._deployment_config.graceful_shutdown_timeout_s >= 600
+    assert engine._deployment_config.graceful_shutdown_timeout_s >= 600
+    assert engine._deployment_config.health_check_period_s <= 2
+    # ray_config.yaml's per-deployment overrides (applied by Serve on top) keep these
+    overrides = {d["name"]: d for d in _config_app(REPO / "ray_config.yaml")["deployments"]}
+    for name, deployment in ((INGRESS_DEPLOYMENT, ingress), (ENGINE_DEPLOYMENT, engine)):
+        for key, value in overrides[name].items():
+            if key != "name":
+                assert getattr(deployment._deployment_config, key) == value, (name, key)
+
+
 # ---- OpenAI API through the official client ------------------------------------------------------------------
 
 
@@ -400,6 +416,31 @@ def test_handle_example_runs(served):
     final, streamed = run_example(APP_NAME, max_tokens=8)
     assert final.finished and 1 <= len(final.token_ids) <= 8
     assert streamed[-1].finished
+
+
+def test_locustfile_load_test_runs_and_counts_each_request_once(served, tmp_path):
+    """`loadtest/locustfile.py` headless for a few seconds: Locust's request counts are the HTTP requests (not
+    inflated by the per-request metrics), the llmperf-style summary and its CSV are written."""
+    import csv
+    import json
+    import subprocess
+    import sys
+
+    prefix, summary_path = tmp_path / "run", tmp_path / "summary.json"
+    subprocess.run(
+        [sys.executable, "-m", "locust", "-f", str(REPO / "loadtest" / "locustfile.py"), "--host", served["base_url"],
+         "--headless", "-u", "2", "-r", "2", "-t", "6s", "--csv", str(prefix), "--summary-json", str(summary_path),
+         "--model", MODEL_NAME, "--api-key", API_KEY, "--max-tokens", "8", "--stop-timeout", "10"],
+        check=True, capture_output=True, timeout=120)
+    summary = json.loads(summary_path.read_text())
+    assert summary["num_completed_requests"] > 0 and summary["num_failed_requests"] == 0
+    with open(f"{prefix}_stats.csv") as f:
+        rows = {row["Name"]: row for row in csv.DictReader(f)}
+    assert int(rows["Aggregated"]["Request Count"]) == summary["num_completed_requests"]
+    with open(f"{prefix}_llm.csv") as f:
+        llm = {row["metric"]: row for row in csv.DictReader(f)}
+    assert {"ttft_ms", "e2e_latency_ms", "output_tokens", "acceptance_length"} <= set(llm)
+    assert 1 <= float(llm["output_tokens"]["max"]) <= 8
 
 
 def test_engine_reports_timings_and_metrics_without_errors(served):

@@ -206,6 +206,17 @@ def test_chat_request_messages_and_limits():
                                           "tools": [{"type": "function"}]}).param == "tools"
 
 
+def test_an_echoed_assistant_message_is_accepted_when_its_extra_fields_are_empty():
+    """Clients send a previous response's message back as is (`refusal: null`, `tool_calls: []`, ...)."""
+    echoed = {"role": "assistant", "content": "hi", "refusal": None, "tool_calls": [], "annotations": [],
+              "audio": None, "function_call": None}
+    req = parse_request(ChatCompletionRequest, {"model": "m", "messages": [
+        {"role": "user", "content": "hello"}, echoed, {"role": "user", "content": "again"}]})
+    assert req.template_messages()[1] == {"role": "assistant", "content": "hi"}
+    called = {**echoed, "tool_calls": [{"id": "c1", "type": "function"}]}
+    assert _error(ChatCompletionRequest, {"model": "m", "messages": [called]}).status == 400
+
+
 def test_api_error_survives_pickling():
     err = pickle.loads(pickle.dumps(APIError(429, "full", "rate_limit_error", None, "engine_queue_full")))
     assert err.status == 429 and err.body() == {
