@@ -5,7 +5,8 @@
 
 Each user sends streaming chat (or completion) requests back to back with `stream_options.include_usage`. Locust's
 own statistics (and `--csv`'s `_stats.csv`) hold the HTTP requests: one entry per endpoint, failures included (a
-status other than 200, an error event in the stream, a broken or unparsable stream, no usage chunk). Per request
+status other than 200, an error event in the stream, a broken or unparsable stream, no usage chunk; their response
+time is the time to the response headers, as Locust times a streamed request). Per request
 the file also measures, llmperf-style:
 
     ttft_ms                  time to the first content token

@@ -419,8 +419,8 @@ def test_handle_example_runs(served):
 
 
 def test_locustfile_load_test_runs_and_counts_each_request_once(served, tmp_path):
-    """`loadtest/locustfile.py` headless for a few seconds: Locust's request counts are the HTTP requests (not
-    inflated by the per-request metrics), the llmperf-style summary and its CSV are written."""
+    """`loadtest/locustfile.py` headless for a few seconds: Locust's requests are the HTTP requests (the per-request
+    metrics do not inflate its counts), the llmperf-style summary and its CSV are written."""
     import csv
     import json
     import subprocess
@@ -436,7 +436,9 @@ def test_locustfile_load_test_runs_and_counts_each_request_once(served, tmp_path
     assert summary["num_completed_requests"] > 0 and summary["num_failed_requests"] == 0
     with open(f"{prefix}_stats.csv") as f:
         rows = {row["Name"]: row for row in csv.DictReader(f)}
-    assert int(rows["Aggregated"]["Request Count"]) == summary["num_completed_requests"]
+    # Only the HTTP requests are Locust requests (its final CSV write may miss the last second's few)
+    assert set(rows) == {"/v1/chat/completions (stream)", "Aggregated"}
+    assert 0 < int(rows["Aggregated"]["Request Count"]) <= summary["num_completed_requests"]
     with open(f"{prefix}_llm.csv") as f:
         llm = {row["metric"]: row for row in csv.DictReader(f)}
     assert {"ttft_ms", "e2e_latency_ms", "output_tokens", "acceptance_length"} <= set(llm)
