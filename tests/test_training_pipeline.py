@@ -12,9 +12,11 @@ from ddtree.cli import main
 from ddtree.models import default as default_model
 from ddtree.models.dflash import load_dflash
 from ddtree.training.generate import (
+    append_jsonl,
     generate_responses,
     generate_responses_continuous,
     interleave_pending,
+    read_jsonl,
     write_prompts,
 )
 from ddtree.training.prompts import Prompt
@@ -65,6 +67,11 @@ def test_cli_pipeline_end_to_end_on_a_tiny_target(tiny_target, tmp_path):
     assert main(common[:1] + ["prompts", "generate", "eval-data"] + common[1:] + [
         "--num-prompts-per-category", "3", "--max-new-tokens", "6", "--batch-size", "4",
         "--num-eval-prompts", "2", "--stored-layer-ids", "0", "1", "2"]) == 0
+    with pytest.raises(ValueError, match="holds features of the layers"):  # shards are read with one layout
+        main(common[:1] + ["generate"] + common[1:] + ["--stored-layer-ids", "0", "1", "3"])
+    with pytest.raises(ValueError, match="fewer than one batch"):
+        main(common[:1] + ["train"] + common[1:] + ["--num-draft-layers", "1", "--target-layer-ids", "0", "2",
+                                                    "--mask-token-id", "1", "--train-batch-size", "64"])
     assert main(common[:1] + ["train", "vocab", "eval"] + common[1:] + [
         "--num-draft-layers", "1", "--block-size", "4", "--target-layer-ids", "0", "2", "--mask-token-id", "1",
         "--max-steps", "3", "--train-batch-size", "2", "--max-anchors", "3", "--budgets", "2", "4",
@@ -79,7 +86,9 @@ def test_cli_pipeline_end_to_end_on_a_tiny_target(tiny_target, tmp_path):
     assert all(1.0 <= r["tau_chain"] <= r["tau_tree_B4"] + 1e-9 for r in tau["results"])
     log = [json.loads(line) for line in (tmp_path / "out" / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [1, 2, 3]
-    # resuming with a larger budget continues from step 3
+    # resuming with a larger budget continues from step 3 (a log line cut by a crash is dropped)
+    with open(tmp_path / "out" / "log.jsonl", "a") as f:
+        f.write('{"step": 3, "epo')
     assert main(common[:1] + ["train"] + common[1:] + [
         "--num-draft-layers", "1", "--block-size", "4", "--target-layer-ids", "0", "2", "--mask-token-id", "1",
         "--max-steps", "4", "--train-batch-size", "2", "--max-anchors", "3", "--num-negatives", "8"]) == 0
@@ -96,6 +105,18 @@ def test_cli_pipeline_end_to_end_on_a_tiny_target(tiny_target, tmp_path):
     assert main(common[:1] + ["eval"] + common[1:] + ["--budgets", "2", "4"]) == 0
     assert main(ship) == 0
     assert len(json.loads((tmp_path / "ship" / "draft_vocab.json").read_text())["token_ids"]) <= 4
+
+
+def test_a_line_cut_by_a_crash_hides_nothing_appended_after_it(tmp_path):
+    path = tmp_path / "responses.jsonl"
+    append_jsonl(path, [{"id": "a"}, {"id": "b"}])
+    path.write_bytes(path.read_bytes()[:-4])  # killed while writing "b"'s line
+    assert read_jsonl(path) == [{"id": "a"}]  # "b" is pending again
+    append_jsonl(path, [{"id": "b"}, {"id": "c"}])
+    assert read_jsonl(path) == [{"id": "a"}, {"id": "b"}, {"id": "c"}]
+    path.write_text('{"id": "a"}\n{"id": \n{"id": "c"}\n')  # damage in the middle is not hidden
+    with pytest.raises(ValueError, match=":2 is not JSON"):
+        read_jsonl(path)
 
 
 def test_interleave_pending_keeps_finished_first_and_spreads_the_added_prompts():
@@ -148,3 +169,12 @@ def test_prompts_step_with_chat_prompts_the_target_writes_itself(tmp_path):
     with pytest.raises(ValueError, match="not among --categories"):
         main(["train-drafter", "prompts", "--data-dir", str(tmp_path / "x"), "--categories", "math",
               "--self-written", "code"])
+
+
+@pytest.mark.parametrize("bad", [["--max-steps", "0"], ["--checkpoint-every", "0"], ["--train-batch-size", "0"],
+                                 ["--lr", "-1e-4"], ["--max-anchors", "0"], ["--block-size", "1"],
+                                 ["--num-eval-prompts", "x"], ["--max-hours", "nan"]])
+def test_bad_training_values_are_usage_errors_before_any_step(bad, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train-drafter", "train", "--data-dir", "/nonexistent", *bad])
+    assert exit_info.value.code == 2 and bad[0] in capsys.readouterr().err

@@ -55,6 +55,16 @@ def test_drop_overlapping_catches_a_leaked_eval_prompt(training_prompts):
     assert len(kept) == 20
 
 
+def test_drop_overlapping_catches_an_eval_prompt_shorter_than_the_ngram(training_prompts):
+    import re
+
+    short = min(load_eval_prompts("chat"), key=lambda t: len(re.findall(r"\w+", t)))
+    assert len(re.findall(r"\w+", short)) < 8  # no 8-gram to share: the whole prompt is its own n-gram
+    leaked = Prompt("chat-leak", "chat", f"Quick one. {short.upper()} Thanks!", "leak")
+    kept, dropped = drop_overlapping(training_prompts[:20] + [leaked])
+    assert dropped == ["chat-leak"] and len(kept) == 20
+
+
 def test_word_ngrams():
     assert _word_ngrams("A b, c d!", 2) == {("a", "b"), ("b", "c"), ("c", "d")}
     assert _word_ngrams("a b", 3) == set()

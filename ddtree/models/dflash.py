@@ -78,6 +78,9 @@ class DFlashConfig:
             raise ValueError(f"block_size must be >= 2 (one anchor plus at least one mask), got {self.block_size}")
         if self.num_target_layers is not None and max(self.target_layer_ids) >= self.num_target_layers:
             raise ValueError(f"target_layer_ids {self.target_layer_ids} out of range for {self.num_target_layers} layers")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(f"mask_token_id {self.mask_token_id} is not a token id of the target's vocabulary "
+                             f"(0..{self.vocab_size - 1})")
 
     @property
     def num_target_features(self) -> int:
@@ -143,6 +146,9 @@ class DFlashConfig:
             "model_type": "qwen3",
             "attention_bias": False,
             "attention_dropout": 0.0,
+            # as the published checkpoints: transformers' AutoModel (trust_remote_code) builds the drafter from their
+            # modeling file dflash.py, placed next to this config, instead of silently building a plain Qwen3Model
+            "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
             "block_size": self.block_size,
             "dflash_config": {"mask_token_id": self.mask_token_id, "target_layer_ids": list(self.target_layer_ids)},
             "dtype": str(dtype).removeprefix("torch."),

@@ -32,18 +32,39 @@ DEFAULT_STORED_LAYER_IDS = (1, 4, 8, 14, 20, 24, 27, 28)
 
 
 def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSON-lines file. A last line without its newline was cut by a crash while being appended:
+    it is left out (its prompt is generated again; `append_jsonl` cuts it off before appending). Any other line
+    that does not parse is an error."""
     if not path.exists():
         return []
+    text = path.read_text()
+    lines = text.split("\n")
+    if not text.endswith("\n"):
+        lines = lines[:-1]  # the cut last line (or "" for an empty file)
     records = []
-    with open(path) as f:
-        for line in f:
-            line = line.strip()
-            if line:
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError:
-                    break  # a line cut by a crash is the last one; the prompt is generated again
+    for number, line in enumerate(lines, 1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{number} is not JSON ({exc}); only a cut last line is tolerated") from None
     return records
+
+
+def append_jsonl(path: Path, records: list[dict]) -> None:
+    """Append records durably, first cutting off a last line that a crash left without its newline (appended to,
+    it would hide every record after it)."""
+    with open(path, "a+b") as f:
+        size = f.seek(0, os.SEEK_END)
+        if size:
+            f.seek(size - 1)
+            if f.read(1) != b"\n":
+                f.seek(0)
+                f.truncate(f.read().rfind(b"\n") + 1)
+        f.seek(0, os.SEEK_END)
+        f.write("".join(json.dumps(r) + "\n" for r in records).encode())
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def write_prompts(data_dir: Path, prompts: list[Prompt]) -> None:
@@ -167,11 +188,7 @@ def generate_responses(
                     "response_ids": response, "is_finished": is_finished, "shard": shard_name,
                 })
             save_file(tensors, str(features_dir / shard_name))
-            with open(data_dir / "responses.jsonl", "a") as f:
-                for r in records:
-                    f.write(json.dumps(r) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
+            append_jsonl(data_dir / "responses.jsonl", records)
             shard_index += 1
             num_written += len(batch)
             num_new = sum(len(r["response_ids"]) for r in records)
@@ -255,11 +272,7 @@ def generate_responses_continuous(
         shard_name = f"{shard_index:06d}.safetensors"
         tensors = {r["prompt_id"]: r.pop("features") for r in finished}
         save_file(tensors, str(features_dir / shard_name))
-        with open(data_dir / "responses.jsonl", "a") as f:
-            for r in finished:
-                f.write(json.dumps({**r, "shard": shard_name}) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        append_jsonl(data_dir / "responses.jsonl", [{**r, "shard": shard_name} for r in finished])
         num_written += len(finished)
         num_new = sum(len(r["response_ids"]) for r in finished)
         print(f"[generate] shard {shard_name}: {len(finished)} prompts, {num_new} new tokens, {num_written} written,"

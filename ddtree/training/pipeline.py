@@ -29,6 +29,33 @@ STEPS = ("prompts", "generate", "eval-data", "train", "vocab", "eval", "ship")
 DEFAULT_SHIP_DIR = Path(__file__).resolve().parent.parent / "assets" / "drafter" / "smollm2-135m-dflash"
 
 
+def _at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {minimum}"
+    return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+positive_int, non_negative_int = _at_least(1), _at_least(0)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("steps", nargs="+", choices=STEPS, help="which steps to run, in order")
     parser.add_argument("--target", default="smollm2-135m-instruct",
@@ -37,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--eval-dir", type=Path, default=Path("work/drafter_eval"))
     parser.add_argument("--out-dir", type=Path, default=Path("work/drafter_train"))
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num-threads", type=int, default=1, help="torch threads (leave cores for others)")
+    parser.add_argument("--num-threads", type=positive_int, default=1, help="torch threads (leave cores for others)")
     parser.add_argument("--device", default="cpu",
                         help="where generate, eval-data, train and eval run: cpu, cuda or cuda:N")
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
@@ -45,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "compute dtype and the frozen embedding/LM head (parameters and optimiser stay "
                              "float32). Default: float32 on cpu, bfloat16 on cuda")
     # prompts
-    parser.add_argument("--num-prompts-per-category", type=int, default=4000)
+    parser.add_argument("--num-prompts-per-category", type=positive_int, default=4000)
     parser.add_argument("--categories", nargs="+", default=list(CATEGORIES), choices=CATEGORIES,
                         help="prompt categories to make")
     parser.add_argument("--math-templates", default="both", choices=("basic", "broad", "both"),
@@ -57,42 +84,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="add prompts (made with --seed) to an existing data directory: texts already there are "
                              "skipped, the new ones are interleaved with the pending ones")
     # generate / eval-data
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--max-prompts", type=int, default=None, help="stop after this many new responses")
-    parser.add_argument("--max-seconds", type=float, default=None, help="stop generating/training after this long")
-    parser.add_argument("--num-eval-prompts", type=int, default=40, help="per category")
-    parser.add_argument("--stored-layer-ids", type=int, nargs="+", default=None,
+    parser.add_argument("--batch-size", type=positive_int, default=32)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=256)
+    parser.add_argument("--max-prompts", type=positive_int, default=None, help="stop after this many new responses")
+    parser.add_argument("--max-seconds", type=_positive_float, default=None, help="stop generating/training after this long")
+    parser.add_argument("--num-eval-prompts", type=positive_int, default=40, help="per category")
+    parser.add_argument("--stored-layer-ids", type=non_negative_int, nargs="+", default=None,
                         help="target layers whose hidden states are cached (default: 1 4 8 14 20 24 27 28, for "
                              "SmolLM2's 30 layers); --target-layer-ids must be among them")
     parser.add_argument("--engine", choices=("runner", "hf"), default="runner",
                         help="runner: the project's target runner with continuous batching; hf: transformers generate")
     # train
-    parser.add_argument("--num-draft-layers", type=int, default=2)
-    parser.add_argument("--block-size", type=int, default=8)
-    parser.add_argument("--target-layer-ids", type=int, nargs="+", default=[1, 14, 27])
-    parser.add_argument("--mask-token-id", type=int, default=16)
-    parser.add_argument("--max-anchors", type=int, default=32)
-    parser.add_argument("--train-batch-size", type=int, default=4, help="sequences per optimiser step")
-    parser.add_argument("--lr", type=float, default=6e-4)
-    parser.add_argument("--max-steps", type=int, default=4000)
-    parser.add_argument("--max-hours", type=float, default=None,
+    parser.add_argument("--num-draft-layers", type=positive_int, default=2)
+    parser.add_argument("--block-size", type=_at_least(2), default=8)
+    parser.add_argument("--target-layer-ids", type=non_negative_int, nargs="+", default=[1, 14, 27])
+    parser.add_argument("--mask-token-id", type=non_negative_int, default=16)
+    parser.add_argument("--max-anchors", type=positive_int, default=32)
+    parser.add_argument("--train-batch-size", type=positive_int, default=4, help="sequences per optimiser step")
+    parser.add_argument("--lr", type=_positive_float, default=6e-4)
+    parser.add_argument("--max-steps", type=positive_int, default=4000)
+    parser.add_argument("--max-hours", type=_positive_float, default=None,
                         help="time budget of the whole training (resumes included); the LR schedule anneals by then")
-    parser.add_argument("--checkpoint-every", type=int, default=100)
+    parser.add_argument("--checkpoint-every", type=positive_int, default=100)
     parser.add_argument("--full-softmax", action="store_true", help="train with the softmax over the whole vocab")
-    parser.add_argument("--num-negatives", type=int, default=8192,
+    parser.add_argument("--num-negatives", type=positive_int, default=8192,
                         help="sampled-softmax negatives per step (tokens outside the training data)")
     parser.add_argument("--init-from", type=Path, default=None,
                         help="start from this DFlash drafter folder (the same shape, or fewer layers: the extra "
                              "layers start as identities, so training starts from what it computes)")
     # vocab
-    parser.add_argument("--draft-vocab-size", type=int, default=16384,
+    parser.add_argument("--draft-vocab-size", type=positive_int, default=16384,
                         help="tokens in the draft vocabulary (the most frequent training labels)")
     # eval
     parser.add_argument("--drafter", type=Path, default=None,
                         help="drafter folder of the vocab, eval and ship steps (default: <out-dir>/drafter)")
-    parser.add_argument("--budgets", type=int, nargs="+", default=[8, 16, 32, 64, 128])
-    parser.add_argument("--max-eval-sequences", type=int, default=None, help="per category (a quick check)")
+    parser.add_argument("--budgets", type=positive_int, nargs="+", default=[8, 16, 32, 64, 128])
+    parser.add_argument("--max-eval-sequences", type=positive_int, default=None, help="per category (a quick check)")
     # ship
     parser.add_argument("--ship-dir", type=Path, default=DEFAULT_SHIP_DIR)
 
@@ -129,6 +156,13 @@ def _generate(args: argparse.Namespace, data_dir: Path) -> None:
     )
 
     stored = tuple(args.stored_layer_ids or DEFAULT_STORED_LAYER_IDS)
+    # Every shard is read with the manifest's layer ids: once features exist, they are fixed.
+    existing = _read_manifest(data_dir).get("stored_layer_ids")
+    if existing is not None and any((data_dir / "features").glob("*.safetensors")):
+        if args.stored_layer_ids is not None and list(stored) != existing:
+            raise ValueError(f"{data_dir} holds features of the layers {existing}; --stored-layer-ids "
+                             f"{' '.join(map(str, stored))} would store others (use a new --data-dir)")
+        stored = tuple(existing)
     _update_manifest(data_dir, {"stored_layer_ids": list(stored),
                                 "generation": {"batch_size": args.batch_size, "greedy": True,
                                                "max_new_tokens": args.max_new_tokens, "device": str(args.device),
@@ -198,8 +232,13 @@ def _add_prompts(args: argparse.Namespace, data_dir: Path, made: list, dropped: 
     existing = [Prompt(**r) for r in read_jsonl(data_dir / "prompts.jsonl")]
     texts = {p.text for p in existing}
     batch = f"s{args.seed}"
-    added = [dataclasses.replace(p, prompt_id=f"{p.category}-{batch}-{p.prompt_id.rsplit('-', 1)[1]}")
-             for p in made if p.text not in texts]
+
+    def batch_id(prompt_id: str) -> str:  # "chat-000012" -> "chat-s7-000012": unique across added batches
+        category, number = prompt_id.rsplit("-", 1)
+        return f"{category}-{batch}-{number}"
+
+    added = [dataclasses.replace(p, prompt_id=batch_id(p.prompt_id)) for p in made if p.text not in texts]
+    dropped = [batch_id(prompt_id) for prompt_id in dropped]
     if not added:
         raise ValueError(f"--add: all {len(made)} prompts made with --seed {args.seed} are already in {data_dir} "
                          f"(use another --seed)")
@@ -226,6 +265,8 @@ def eval_subset(records: list, num_prompts: int) -> list:
     """Evenly spaced prompts of an evaluation set (HumanEval has 164; the tau evaluation uses a subset)."""
     if num_prompts >= len(records):
         return records
+    if num_prompts == 1:
+        return records[:1]
     return [records[round(i * (len(records) - 1) / (num_prompts - 1))] for i in range(num_prompts)]
 
 
@@ -327,6 +368,7 @@ def _ship(args: argparse.Namespace) -> None:
 
     from ddtree.models.dflash import DRAFT_VOCAB_NAME
     from ddtree.training.data import read_sequences
+    from ddtree.training.generate import read_jsonl
 
     drafter_dir = args.drafter or args.out_dir / "drafter"
     tau_path = drafter_dir / "tau.json"
@@ -347,7 +389,7 @@ def _ship(args: argparse.Namespace) -> None:
         shutil.copy(vocab_path, args.ship_dir / DRAFT_VOCAB_NAME)
     else:  # a stale vocabulary must not outlive the drafter it was made for
         (args.ship_dir / DRAFT_VOCAB_NAME).unlink(missing_ok=True)
-    log = [json.loads(line) for line in (args.out_dir / "log.jsonl").read_text().splitlines() if line.strip()]
+    log = read_jsonl(args.out_dir / "log.jsonl")
     last = log[-1]
     tail = log[-100:]
     data_manifest = json.loads((args.data_dir / "manifest.json").read_text())

@@ -497,17 +497,21 @@ def _word_ngrams(text: str, n: int) -> set[tuple[str, ...]]:
 
 
 def drop_overlapping(prompts: list[Prompt], n: int = OVERLAP_NGRAM) -> tuple[list[Prompt], list[str]]:
-    """Training prompts sharing no word n-gram with any evaluation prompt, and the ids of the dropped ones."""
-    eval_ngrams: set[tuple[str, ...]] = set()
+    """Training prompts sharing no word n-gram with any evaluation prompt, and the ids of the dropped ones. An
+    evaluation prompt shorter than n words counts as one n-gram of its own length: a training prompt containing
+    all of it, in order, is dropped too (it has no n-gram of length n to share)."""
+    eval_ngrams: dict[int, set[tuple[str, ...]]] = {}  # by length: n, and the lengths of shorter prompts
     for category in CATEGORIES:
         for text in load_eval_prompts(category):
             # the fixed instruction line is shared on purpose with training's HumanEval-like prompts
             text = text.replace("Complete the following Python function:", "")
-            eval_ngrams |= _word_ngrams(text, n)
+            length = min(n, len(re.findall(r"\w+", text)))
+            if length:
+                eval_ngrams.setdefault(length, set()).update(_word_ngrams(text, length))
     kept, dropped = [], []
     for p in prompts:
         text = p.text.replace("Complete the following Python function:", "")
-        if _word_ngrams(text, n) & eval_ngrams:
+        if any(_word_ngrams(text, length) & grams for length, grams in eval_ngrams.items()):
             dropped.append(p.prompt_id)
         else:
             kept.append(p)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from ddtree.models.dflash import DFlashConfig, DFlashDraftModel, save_dflash
 from ddtree.training.blocks import BlockBatch, build_block_batch, default_gamma, sample_anchors
 from ddtree.training.data import FeatureReader, Sequence, is_validation, pad_features, read_sequences, stored_layer_ids
+from ddtree.training.generate import read_jsonl
 
 
 @dataclass
@@ -296,8 +297,8 @@ def train(
         print(f"[train] resumed at step {step} ({seconds_trained / 3600:.2f} h trained)", flush=True)
         log_path = out_dir / "log.jsonl"
         if log_path.exists():  # steps logged after the last checkpoint are trained again: drop their lines
-            kept = [line for line in log_path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-            log_path.write_text("".join(line + "\n" for line in kept))
+            kept = [r for r in read_jsonl(log_path) if r["step"] <= step]  # (and a line cut by a crash)
+            log_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
 
     # off the CPU, features travel as the stored bf16 (half the bytes) and become float32 on the device
     reader = FeatureReader(data_dir, stored_layer_ids(data_dir), config.target_layer_ids,
@@ -343,8 +344,9 @@ def train(
         # The data set is read again every epoch: generation may still be appending to it.
         sequences = [s for s in read_sequences(data_dir) if not is_validation(s.prompt_id,
                                                                               train_config.validation_fraction)]
-        if not sequences:
-            raise ValueError(f"no training sequences in {data_dir}")
+        if len(sequences) < train_config.batch_size:
+            raise ValueError(f"{len(sequences)} training sequences in {data_dir}, fewer than one batch "
+                             f"(--train-batch-size {train_config.batch_size}): generate more first")
         if train_config.is_softmax_restricted:
             # every label is a response token; at inference the drafter drafts over them (the draft vocabulary)
             head.restrict_softmax(torch.tensor(sorted({t for s in sequences for t in s.token_ids[s.prompt_length:]})),
