@@ -435,8 +435,11 @@ class Engine:
         if not allocation.request_ids:
             return drafted
         for i, (rid, tree, n) in enumerate(zip(allocation.request_ids, allocation.trees, allocation.counts)):
-            kept = _truncate(self._tree_tensors(tree, trees[i].token_ids.device if i < len(trees) else "cpu")
-                             if tree.is_rebuilt else trees[i], n)
+            if tree.is_rebuilt:  # a chain merged into a drafted tree, or a chain alone: new tensors
+                device = trees[i].token_ids.device if i < len(trees) else "cpu"  # (the target moves them to its own)
+                kept = _truncate(self._tree_tensors(tree, device), n)
+            else:
+                kept = _truncate(trees[i], n)
             if i < allocation.num_drafted:
                 drafted.trees.append(kept)
                 drafted.predicted.append(sum(tree.values[:n]))
@@ -465,8 +468,7 @@ class Engine:
 
     @staticmethod
     def _tree_tensors(tree: ProposedTree, device) -> DraftTree:
-        """A tree the policy rebuilt (a chain merged in) as tensors on `device` (the target worker moves trees to its
-        own)."""
+        """A tree the policy rebuilt (a chain merged in) as tensors on `device`."""
         return DraftTree(
             torch.tensor(tree.token_ids, dtype=torch.int64, device=device),
             torch.tensor(tree.parents, dtype=torch.int64, device=device),
