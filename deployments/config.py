@@ -147,7 +147,8 @@ class AppArgs(BaseModel):
     @property
     def engine_max_ongoing_requests(self) -> int:
         # Serve must hand every request to the engine, whose own queue answers 429 when full (Serve's router would
-        # otherwise hold the excess where no one can report it).
+        # otherwise hold the excess where no one can report it). The 8 beyond are for the ingress's own calls
+        # (/health's `ready`, `info`), so that they are not queued behind a full replica's requests.
         return self.max_num_seqs + self.max_waiting + 8
 
     def worker_layout(self) -> "WorkerLayout":
