@@ -337,6 +337,9 @@ class Engine:
                                 plan.autoregressive_ids,
                                 in_verify.plan.max_budgets if in_verify is not None else [])
         verify_drafted = in_verify.drafted if in_verify is not None else _DraftedTrees()
+        # Submission order matters on actors: the drafting requests' features are taken from the target before
+        # the verify is queued behind them (inside _submit_draft), so the draft does not wait for the verify.
+        pending_draft = self._submit_draft(plan)
         if self.ngram_tokens and plan.autoregressive_ids:
             # Requests decoding without a draft verify their n-gram chains, allocated in the context of the verify
             # pass they join: the trees drafted last phase are in it already.
@@ -347,9 +350,6 @@ class Engine:
                                           packed=(num_packed, expected))
             verify_drafted.proposals.update(chained.proposals)
             verify_drafted.ngram_trees.update(chained.ngram_trees)
-        # Submission order matters on actors: the drafting requests' features are taken from the target before
-        # the verify is queued behind them (inside _submit_draft), so the draft does not wait for the verify.
-        pending_draft = self._submit_draft(plan)
         pending_verify = None
         if verify_plan.speculative_ids or verify_plan.autoregressive_ids:
             pending_verify = self._submit_verify(verify_plan, verify_drafted)

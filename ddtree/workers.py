@@ -67,23 +67,34 @@ class VerifyResult:
     logprobs: list[RawLogprobs | None]  # per request: at its accepted tokens and the bonus token (None: not asked)
 
 
-def raw_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, rows: list[list[int] | None],
+LOGPROB_ROWS_PER_CHUNK = 512  # rows of [rows, vocab] float32 log-softmax held at once (a GPU's vocab: 150k x 4 B)
+
+
+def raw_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, rows: list[list[int]],
                  ks: list[int | None]) -> list[RawLogprobs | None]:
-    """Per request, the log-softmax of `logits` [N, V] at its `rows` (those that produced its committed tokens;
-    None: it asked for none) at `token_ids` [N], and the top ks[r] of each row (float32; float64 logits stay
-    float64). Every asking request's rows are computed together and read back in one transfer per list."""
+    """Per request r asking for log-probabilities (ks[r] not None): the log-softmax of `logits` [N, V] at its
+    `rows[r]` (those that produced its committed tokens) at `token_ids` [N], and the top ks[r] of each row (float32;
+    float64 logits stay float64); None for the others. The asking requests' rows are computed together, in chunks of
+    LOGPROB_ROWS_PER_CHUNK, with one read-back per list and chunk."""
     asking = [r for r, k in enumerate(ks) if k is not None]
-    if not asking:
-        return [None] * len(ks)
-    flat_rows = torch.tensor([i for r in asking for i in rows[r]], device=logits.device)
+    flat_rows = [i for r in asking for i in rows[r]]
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    logp = torch.log_softmax(logits.index_select(0, flat_rows).to(dtype), dim=-1)
-    chosen = logp.gather(1, token_ids.index_select(0, flat_rows)[:, None]).squeeze(1).tolist()
-    max_k = min(max(ks[r] for r in asking), logp.shape[-1])
-    top_ids, top_values = [[] for _ in chosen], [[] for _ in chosen]
-    if max_k > 0:
-        top = logp.topk(max_k, dim=-1)
-        top_ids, top_values = top.indices.tolist(), top.values.tolist()
+    max_k = min(max((ks[r] for r in asking), default=0), logits.shape[-1])
+    chosen: list[float] = []
+    top_ids: list[list[int]] = []
+    top_values: list[list[float]] = []
+    for start in range(0, len(flat_rows), LOGPROB_ROWS_PER_CHUNK):
+        index = torch.tensor(flat_rows[start : start + LOGPROB_ROWS_PER_CHUNK], dtype=torch.long,
+                             device=logits.device)
+        logp = torch.log_softmax(logits.index_select(0, index).to(dtype), dim=-1)
+        chosen += logp.gather(1, token_ids.index_select(0, index)[:, None]).squeeze(1).tolist()
+        if max_k > 0:
+            top = logp.topk(max_k, dim=-1)
+            top_ids += top.indices.tolist()
+            top_values += top.values.tolist()
+        else:
+            top_ids += [[] for _ in range(index.numel())]
+            top_values += [[] for _ in range(index.numel())]
     out: list[RawLogprobs | None] = [None] * len(ks)
     start = 0
     for r in asking:

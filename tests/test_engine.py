@@ -247,6 +247,44 @@ def test_ngram_chains_of_requests_in_fallback_are_exact_and_accepted(workers, pi
         assert engine.ngram_tokens == 0 and engine.max_tree_nodes == engine.max_budget
 
 
+def test_pipelined_chains_are_priced_after_the_group_in_flight(workers):
+    """Pipelined: a request decoding without a draft verifies its chain in the pass that also verifies the group
+    drafted the phase before; the chain's allocation counts that group's tokens and expected tokens. (The plan is
+    forced: one request drafts per phase, the others decode with their chains.)"""
+    from ddtree.budget import RoundPlan
+
+    target, drafter, tok = workers
+    engine = Engine(EngineConfig(max_num_seqs=4, pipeline=True), target, drafter, tok, cost=copy.deepcopy(FLAT_COST))
+    real_plan = engine.budget.plan
+
+    def one_drafts(request_ids):
+        plan = real_plan(request_ids)
+        ids = plan.speculative_ids + plan.autoregressive_ids
+        return RoundPlan(ids[:1], ids[1:], [engine.budget.budget_cap] * len(ids[:1]))
+
+    engine.budget.plan = one_drafts
+    calls, in_flight = [], [None]
+    real_allocate_round = engine.budget.allocate_round
+
+    def spy(plan, drafted, chains, packed=(0, 0.0)):
+        if not plan.speculative_ids:  # the chains of requests decoding without a draft
+            calls.append((packed, in_flight[0]))
+        return real_allocate_round(plan, drafted, chains, packed)
+
+    engine.budget.allocate_round = spy
+    for prompt in ["the cat the cat the cat the", "ab ab ab ab ab", "12 + 7 = 12 + 7 =", "a b a b a b"]:
+        engine.add_request(prompt, greedy(60))
+    while engine.has_unfinished_requests():
+        group = engine._drafted_group  # verified in the coming phase
+        trees = group.drafted.trees if group is not None else []
+        in_flight[0] = (len(trees) + sum(t.num_nodes for t in trees),
+                        len(trees) + sum(group.drafted.predicted if group is not None else []))
+        engine.step()
+    assert any(expected[0] > 0 for _, expected in calls)  # some chains joined a pass holding a drafted group
+    for packed, expected in calls:
+        assert packed[0] == expected[0] and packed[1] == pytest.approx(expected[1])
+
+
 def test_ngram_values_learn_from_chains_that_were_not_verified(workers):
     # A second verify token costs three first ones: no chain pays, none is verified, yet every round compares the
     # proposal with the target's own tokens, so the values keep following the workload.
@@ -601,6 +639,26 @@ def test_logprobs_in_a_batch_are_each_requests_own(workers):
         for got, want in zip(out.logprobs, alone.logprobs):
             assert got.token_id == want.token_id and got.logprob == pytest.approx(want.logprob, abs=1e-9)
             assert [t for t, _, _ in got.top] == [t for t, _, _ in want.top]
+
+
+@pytest.mark.parametrize("chunk", [2, 512])
+def test_raw_logprobs_of_a_batch_equal_each_requests_own(monkeypatch, chunk):
+    import ddtree.workers as workers_module
+
+    monkeypatch.setattr(workers_module, "LOGPROB_ROWS_PER_CHUNK", chunk)
+    logits = torch.randn(9, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    tokens = torch.tensor([3, 1, 4, 1, 5, 2, 6, 5, 3])
+    rows, ks = [[0, 1], [2], [3, 4, 5], [6, 8], [7]], [2, None, 0, 9, 1]
+    out = workers_module.raw_logprobs(logits, tokens, rows, ks)
+    assert out[1] is None
+    logp = torch.log_softmax(logits, dim=-1)
+    for r in (0, 2, 3, 4):
+        k = min(ks[r], 7)
+        assert out[r].chosen == pytest.approx([logp[i, tokens[i]].item() for i in rows[r]])
+        assert out[r].top_ids == [logp[i].topk(k).indices.tolist() for i in rows[r]]
+        for got, i in zip(out[r].top_values, rows[r]):
+            assert got == pytest.approx(logp[i].topk(k).values.tolist())
+    assert workers_module.raw_logprobs(logits, tokens, rows, [None] * 5) == [None] * 5
 
 
 def test_logprobs_follow_stops_and_streams(workers):
