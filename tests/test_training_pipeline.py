@@ -24,7 +24,8 @@ from ddtree.training.prompts import Prompt
 
 def test_runner_and_hf_generation_give_the_same_tokens_and_features(tiny_target, tmp_path):
     prompts = [Prompt(f"p{i}", "chat", text, "test") for i, text in
-               enumerate(["hello there", "what is 2 and 3?", "a much longer prompt, to make the padding matter."])]
+               enumerate(["hello there", "what is 2 and 3?", "a much longer prompt, to make the padding matter.",
+                          "a prompt past the runner's 512-token sizing of its KV pool: kept whole, as by hf. " * 8])]
     for name in ("runner", "hf"):
         write_prompts(tmp_path / name, prompts)
     layers = (0, 2)
@@ -32,7 +33,7 @@ def test_runner_and_hf_generation_give_the_same_tokens_and_features(tiny_target,
                                              stored_layer_ids=layers)
     n_hf = generate_responses(tmp_path / "hf", str(tiny_target), batch_size=3, max_new_tokens=9,
                               stored_layer_ids=layers)
-    assert n_runner == n_hf == 3
+    assert n_runner == n_hf == 4
     by_engine = {}
     for name in ("runner", "hf"):
         records = [json.loads(line) for line in (tmp_path / name / "responses.jsonl").read_text().splitlines()]

@@ -245,13 +245,13 @@ def generate_responses_continuous(
     if not pending:
         return 0
     source = "default" if target == DEFAULT_TARGET else target
-    max_prompt_tokens = 512
+    typical_prompt_tokens = 512  # the KV pool's sizing; longer prompts (whole, as the hf engine) just fit fewer at once
     # the KV pool is sized from the config, read alone (loading the weights twice would cost an 8B target minutes)
     config = _runner_config(source)
     bytes_per_token = (2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
                        * torch.empty((), dtype=dtype).element_size())  # K + V
     model = TargetModel.load(source, device=device, dtype=dtype, feature_layer_ids=stored_layer_ids,
-                             max_kv_bytes=batch_size * (max_prompt_tokens + max_new_tokens) * bytes_per_token)
+                             max_kv_bytes=batch_size * (typical_prompt_tokens + max_new_tokens) * bytes_per_token)
     tokenizer = model.tokenizer
     # the tokenizer's end token and the checkpoint's (generation) end tokens, as in the hf engine
     eos_ids = {tokenizer.eos_token_id} | set(_as_list(getattr(model.config, "eos_token_ids", None)))
@@ -285,8 +285,14 @@ def generate_responses_continuous(
         new_ids, new_prompts = [], []
         while queue and len(active) + len(new_ids) < batch_size and not is_out_of_time:
             p = queue.pop()
-            ids = chat_prompt_ids(tokenizer, p.text)[-max_prompt_tokens:]
-            model.kv.allocate(next_seq_id, len(ids) + max_new_tokens)
+            ids = chat_prompt_ids(tokenizer, p.text)
+            if model.kv.allocate(next_seq_id, len(ids) + max_new_tokens) is None:  # the pool is full: later
+                if not active and not new_ids:
+                    raise ValueError(f"prompt {p.prompt_id} has {len(ids)} tokens: with --max-new-tokens "
+                                     f"{max_new_tokens} it does not fit the KV pool of --batch-size {batch_size} "
+                                     f"sequences of {typical_prompt_tokens} + {max_new_tokens} tokens")
+                queue.append(p)
+                break
             new_ids.append(next_seq_id)
             new_prompts.append((p, ids))
             next_seq_id += 1
