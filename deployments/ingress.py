@@ -83,6 +83,11 @@ async def _engine_call(awaitable):
     return result
 
 
+def _cancel_all(responses) -> None:
+    for response in responses:
+        response.cancel()
+
+
 async def _json(request: Request):
     try:
         return await request.json()
@@ -127,20 +132,25 @@ class OpenAIIngress:
         self._authorize(request)
         body = protocol.parse_request(protocol.CompletionRequest, await _json(request))
         self._check_model(body.model)
-        engine_request = EngineRequest(prompt=body.prompt, params=body.sampling_params(COMPLETIONS_DEFAULT_MAX_TOKENS),
-                                       request_id=protocol.new_id("cmpl"))
-        return await self._respond(body, engine_request, chat=False)
+        params = body.sampling_params(COMPLETIONS_DEFAULT_MAX_TOKENS)
+        response_id = protocol.new_id("cmpl")
+        # A batch of prompts: one engine request each (choice i answers prompt i)
+        engine_requests = [EngineRequest(prompt=prompt, params=params,
+                                         request_id=response_id if len(body.prompt) == 1 else f"{response_id}-{i}")
+                           for i, prompt in enumerate(body.prompt)]
+        return await self._respond(body, response_id, engine_requests, chat=False)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         self._authorize(request)
         body = protocol.parse_request(protocol.ChatCompletionRequest, await _json(request))
         self._check_model(body.model)
+        response_id = protocol.new_id("chatcmpl")
         engine_request = EngineRequest(messages=body.template_messages(),
                                        params=body.sampling_params(self.args.default_max_tokens
                                                                    or UNLIMITED_MAX_TOKENS),
-                                       request_id=protocol.new_id("chatcmpl"))
-        return await self._respond(body, engine_request, chat=True)
+                                       request_id=response_id)
+        return await self._respond(body, response_id, [engine_request], chat=True)
 
     def _authorize(self, request: Request) -> None:
         if self._api_key is None:
@@ -155,63 +165,98 @@ class OpenAIIngress:
         if model != self.model_name:
             raise model_not_found(model, self.model_name)
 
-    async def _respond(self, body, engine_request: EngineRequest, chat: bool):
-        request_id = engine_request.request_id
+    async def _respond(self, body, response_id: str, engine_requests: list[EngineRequest], chat: bool):
+        """The answer to one API request: its engine requests (one per prompt) run concurrently; if one is refused,
+        the others are cancelled and the refusal is the answer."""
         if not body.stream:
-            final = await _engine_call(self.engine.generate.remote(engine_request))
-            usage = protocol.usage_of(final, self.args.speculation)
-            make = protocol.chat_body if chat else protocol.completion_body
-            return make(request_id, self.model_name, final.text, final.finish_reason, usage, final.logprobs)
-        outputs = self.engine.options(stream=True).generate_stream.remote(engine_request)
-        # The first output (or the admission error: bad prompt, too long, queue full) before any byte is sent, so
+            responses = [self.engine.generate.remote(r) for r in engine_requests]
+            try:
+                finals = await asyncio.gather(*(_engine_call(r) for r in responses))
+            except BaseException:
+                for r in responses:
+                    r.cancel()
+                raise
+            usage = protocol.usage_of(finals, self.args.speculation)
+            if chat:
+                (final,) = finals
+                return protocol.chat_body(response_id, self.model_name, final.text, final.finish_reason, usage,
+                                          final.logprobs)
+            return protocol.completion_body(response_id, self.model_name,
+                                            [(f.text, f.finish_reason, f.logprobs) for f in finals], usage)
+        streams = [self.engine.options(stream=True).generate_stream.remote(r) for r in engine_requests]
+        # The first outputs (or an admission error: bad prompt, too long, queue full) before any byte is sent, so
         # that errors keep their HTTP status.
         try:
-            first = await _engine_call(outputs.__anext__())
+            firsts = await asyncio.gather(*(_engine_call(s.__anext__()) for s in streams))
         except BaseException:
-            outputs.cancel()
+            _cancel_all(streams)
             raise
-        events = self._sse(first, outputs, body, request_id, chat)
+        events = self._sse(firsts, streams, body, response_id, chat)
         # `_sse` cancels in its `finally`; a client gone before the body starts never starts `_sse`, and closing an
         # unstarted generator runs no `finally`: Starlette's background task runs after the response either way.
-        return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(outputs.cancel))
+        return StreamingResponse(events, media_type="text/event-stream",
+                                 background=BackgroundTask(_cancel_all, streams))
 
-    async def _sse(self, first, outputs, body, request_id: str, chat: bool) -> AsyncIterator[str]:
+    async def _sse(self, firsts: list, streams: list, body, response_id: str, chat: bool) -> AsyncIterator[str]:
+        """Server-sent events of one or more engine streams (a batch of prompts: each chunk names its choice's
+        index), merged in the order their outputs arrive."""
         created = int(time.time())
         include_usage = body.include_usage
         model = self.model_name
+        logprobs = [protocol.StreamLogprobs(chat) if f.new_logprobs is not None else None for f in firsts]
 
-        logprobs = protocol.StreamLogprobs(chat) if first.new_logprobs is not None else None
-
-        def chunk(text: str, finish_reason: str | None) -> dict:
-            lp = logprobs.take() if logprobs is not None else None
+        def chunk(index: int, text: str, finish_reason: str | None) -> dict:
+            lp = logprobs[index].take() if logprobs[index] is not None else None
             if chat:
-                return protocol.chat_chunk(request_id, model, created, {"content": text} if text or not finish_reason
+                return protocol.chat_chunk(response_id, model, created, {"content": text} if text or not finish_reason
                                            else {}, finish_reason, include_usage, lp)
-            return protocol.completion_chunk(request_id, model, created, text, finish_reason, include_usage, lp)
+            return protocol.completion_chunk(response_id, model, created, text, finish_reason, include_usage, lp,
+                                             index)
 
+        arrived: asyncio.Queue = asyncio.Queue()
+
+        async def forward(index: int, output, stream) -> None:
+            """Queue a stream's outputs (the first is already here), or the error that ends it."""
+            try:
+                while True:
+                    await arrived.put((index, output, None))
+                    if output.finished:
+                        return
+                    output = await _engine_call(stream.__anext__())
+            except Exception as exc:  # noqa: BLE001 - raised where the events are written
+                await arrived.put((index, None, exc))
+
+        tasks = [asyncio.create_task(forward(i, first, stream)) for i, (first, stream) in enumerate(zip(firsts,
+                                                                                                     streams))]
+        finals = [None] * len(streams)
         try:
             if chat:
-                role = protocol.chat_chunk(request_id, model, created, {"role": "assistant", "content": ""}, None,
+                role = protocol.chat_chunk(response_id, model, created, {"role": "assistant", "content": ""}, None,
                                            include_usage)
                 yield _event(role)
-            output = first
-            while True:
-                if logprobs is not None:
-                    logprobs.add(output.new_logprobs)
+            num_open = len(streams)
+            while num_open:
+                index, output, exc = await arrived.get()
+                if exc is not None:
+                    raise exc
+                if logprobs[index] is not None:
+                    logprobs[index].add(output.new_logprobs)
                 if output.new_text or output.finished:
-                    yield _event(chunk(output.new_text, output.finish_reason if output.finished else None))
+                    yield _event(chunk(index, output.new_text, output.finish_reason if output.finished else None))
                 if output.finished:
-                    break
-                output = await _engine_call(outputs.__anext__())
+                    finals[index] = output
+                    num_open -= 1
             if include_usage:
-                usage = protocol.usage_of(output, self.args.speculation)
-                yield _event(protocol.usage_chunk(request_id, model, created,
+                usage = protocol.usage_of(finals, self.args.speculation)
+                yield _event(protocol.usage_chunk(response_id, model, created,
                                                   "chat.completion.chunk" if chat else "text_completion", usage))
             yield "data: [DONE]\n\n"
         except APIError as exc:  # after the headers went out: the error travels as an event
             yield _event(exc.body())
         finally:
-            outputs.cancel()  # a client that went away aborts its request on the engine
+            for task in tasks:
+                task.cancel()
+            _cancel_all(streams)  # a client that went away aborts its requests on the engine
 
     # ------------------------------------------------------------------------------------------------------------
     # Python handle API

@@ -124,8 +124,12 @@ class _GenerationRequest(BaseModel):
         return self.max_tokens
 
 
+MAX_PROMPTS_PER_REQUEST = 128  # a batch of prompts in one completions request (each one an engine request)
+
+
 class CompletionRequest(_GenerationRequest):
-    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]  # strict: `true` is not token 1
+    # A string, token ids, or a batch of either: always a list of prompts once parsed (`true` is not token 1)
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the k most likely per token (OpenAI: up to 5)
     echo: bool = False
     suffix: str | None = None
@@ -133,16 +137,16 @@ class CompletionRequest(_GenerationRequest):
 
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, prompt):
-        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            if len(prompt) != 1:
-                raise ValueError("one prompt per request (batches of prompts are not supported)")
-            prompt = prompt[0]
-        if len(prompt) == 0:
-            raise ValueError("the prompt is empty")
-        if isinstance(prompt, list) and any(t < 0 for t in prompt):
-            raise ValueError("token ids must be >= 0")
-        return prompt
+    def _prompt_batch(cls, prompt) -> list[str | list[int]]:
+        batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+        if len(batch) > MAX_PROMPTS_PER_REQUEST:
+            raise ValueError(f"at most {MAX_PROMPTS_PER_REQUEST} prompts per request, got {len(batch)}")
+        for one in batch:
+            if len(one) == 0:
+                raise ValueError("the prompt is empty")
+            if isinstance(one, list) and any(t < 0 for t in one):
+                raise ValueError("token ids must be >= 0")
+        return batch
 
     @field_validator("logprobs", mode="before")
     @classmethod
@@ -304,12 +308,30 @@ class UsageInfo:
         }
 
 
-def usage_of(final_output, speculation: str) -> UsageInfo:
-    """Token counts and acceptance statistics of a finished `RequestOutput`."""
+def usage_of(final_outputs: list, speculation: str) -> UsageInfo:
+    """Token counts and acceptance statistics of a request's finished `RequestOutput`s (one per prompt): counts
+    summed; the per-round lists in prompt order, the mean over all of their rounds; the first token's time the
+    earliest, the latency the longest."""
+    stats = [o.stats.to_dict() for o in final_outputs]
+    if len(stats) == 1:
+        ddtree = stats[0]
+    else:
+        lengths = [n for s in stats for n in s["acceptance_lengths"]]
+        first_times = [s["time_to_first_token_s"] for s in stats if s["time_to_first_token_s"] is not None]
+        latencies = [s["latency_s"] for s in stats if s["latency_s"] is not None]
+        ddtree = {
+            "acceptance_lengths": lengths,
+            "mean_acceptance_length": sum(lengths) / len(lengths) if lengths else None,
+            "budgets": [b for s in stats for b in s["budgets"]],
+            **{key: sum(s[key] for s in stats)
+               for key in ("num_speculative_rounds", "num_autoregressive_rounds", "num_ngram_tokens")},
+            "time_to_first_token_s": min(first_times) if first_times else None,
+            "latency_s": max(latencies) if latencies else None,
+        }
     return UsageInfo(
-        prompt_tokens=len(final_output.prompt_token_ids),
-        completion_tokens=len(final_output.token_ids),
-        ddtree={"speculation": speculation, **final_output.stats.to_dict()},
+        prompt_tokens=sum(len(o.prompt_token_ids) for o in final_outputs),
+        completion_tokens=sum(len(o.token_ids) for o in final_outputs),
+        ddtree={"speculation": speculation, **ddtree},
     )
 
 
@@ -367,15 +389,17 @@ class StreamLogprobs:
         return body
 
 
-def completion_body(request_id: str, model: str, text: str, finish_reason: str | None, usage: UsageInfo,
-                    logprobs: list | None = None) -> dict:
+def completion_body(request_id: str, model: str, choices: list[tuple[str, str | None, list | None]],
+                    usage: UsageInfo) -> dict:
+    """`choices`: per prompt of the request, in order, (text, finish reason, log-probabilities or None)."""
     return {
         "id": request_id,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "text": text, "finish_reason": openai_finish_reason(finish_reason),
-                     "logprobs": completion_logprobs(logprobs)}],
+        "choices": [{"index": i, "text": text, "finish_reason": openai_finish_reason(finish_reason),
+                     "logprobs": completion_logprobs(logprobs)}
+                    for i, (text, finish_reason, logprobs) in enumerate(choices)],
         "usage": usage.body(),
     }
 
@@ -394,13 +418,13 @@ def chat_body(request_id: str, model: str, text: str, finish_reason: str | None,
 
 
 def completion_chunk(request_id: str, model: str, created: int, text: str, finish_reason: str | None,
-                     include_usage: bool, logprobs: dict | None = None) -> dict:
+                     include_usage: bool, logprobs: dict | None = None, index: int = 0) -> dict:
     chunk = {
         "id": request_id,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "text": text, "finish_reason": openai_finish_reason(finish_reason),
+        "choices": [{"index": index, "text": text, "finish_reason": openai_finish_reason(finish_reason),
                      "logprobs": logprobs}],
     }
     if include_usage:

@@ -97,7 +97,11 @@ def test_completion_request_to_sampling_params():
     params = req.sampling_params(default_max_tokens=16)
     assert (params.max_tokens, params.temperature, params.top_p, params.stop, params.seed, params.top_k) == (
         5, 0.0, 0.5, ["\n"], 3, 4)
-    assert parse_request(CompletionRequest, {"model": "m", "prompt": [[1, 2]]}).prompt == [1, 2]
+    assert parse_request(CompletionRequest, {"model": "m", "prompt": [[1, 2]]}).prompt == [[1, 2]]
+    assert parse_request(CompletionRequest, {"model": "m", "prompt": [1, 2]}).prompt == [[1, 2]]
+    assert parse_request(CompletionRequest, {"model": "m", "prompt": ["a", "b"]}).prompt == ["a", "b"]  # a batch
+    assert _error(CompletionRequest, {"model": "m", "prompt": ["a", ""]}).param == "prompt"
+    assert _error(CompletionRequest, {"model": "m", "prompt": ["a"] * 129}).param == "prompt"
     assert parse_request(CompletionRequest, {"model": "m", "prompt": "x"}).sampling_params(16).temperature == 1.0
     with pytest.raises(APIError) as info:  # what SamplingParams rejects is the client's error too
         parse_request(CompletionRequest, {"model": "m", "prompt": "x", "stop_token_ids": [-1]}).sampling_params(16)
@@ -116,7 +120,7 @@ def test_completion_request_to_sampling_params():
         ({"model": "m", "prompt": "hi", "temperature": -1}, "temperature", "invalid_value"),
         ({"model": "m", "prompt": "hi", "top_p": 0}, "top_p", "invalid_value"),
         ({"model": "m", "prompt": "hi", "max_tokens": 0}, "max_tokens", "invalid_value"),
-        ({"model": "m", "prompt": ["a", "b"]}, "prompt", "invalid_value"),
+        ({"model": "m", "prompt": ["a", ""]}, "prompt", "invalid_value"),
         ({"model": "m", "prompt": ""}, "prompt", "invalid_value"),
         ({"model": "m", "prompt": [True, 2]}, "prompt", "invalid_value"),  # not token 1
         ({"model": "m", "prompt": [1.0, 2]}, "prompt", "invalid_value"),
@@ -158,7 +162,7 @@ def test_logprobs_requests_and_bodies():
 
     lps = [TokenLogprobs(5, "Hi", -0.1, [(5, "Hi", -0.1), (6, "Hey", -2.5)]), TokenLogprobs(7, "!", -0.3, [])]
     usage = UsageInfo(1, 2, {})
-    choice = completion_body("id", "m", "Hi!", "stop", usage, lps)["choices"][0]
+    choice = completion_body("id", "m", [("Hi!", "stop", lps)], usage)["choices"][0]
     assert choice["logprobs"] == {"tokens": ["Hi", "!"], "token_logprobs": [-0.1, -0.3],
                                   "top_logprobs": [{"Hi": -0.1, "Hey": -2.5}, {"!": -0.3}], "text_offset": [0, 2]}
     content = chat_body("id", "m", "Hi!", "stop", usage, lps)["choices"][0]["logprobs"]["content"]
@@ -168,7 +172,7 @@ def test_logprobs_requests_and_bodies():
     assert chat_body("id", "m", "Hi!", "stop", usage)["choices"][0]["logprobs"] is None
     # the generated token joins the top entries when it is not among them (OpenAI: up to logprobs + 1)
     sampled = [TokenLogprobs(6, "Hey", -2.5, [(5, "Hi", -0.1)])]
-    assert completion_body("id", "m", "Hey", "length", usage, sampled)["choices"][0]["logprobs"]["top_logprobs"] \
+    assert completion_body("id", "m", [("Hey", "length", sampled)], usage)["choices"][0]["logprobs"]["top_logprobs"] \
         == [{"Hi": -0.1, "Hey": -2.5}]
     assert params(CompletionRequest, {"prompt": "x", "logprobs": False}) is None
     assert _error(CompletionRequest, {"model": "m", "prompt": "x", "logprobs": True}).param == "logprobs"
