@@ -82,13 +82,13 @@ def run_generate(args) -> int:
 def run_chat(args) -> int:
     llm, params = _build(args)
     messages: list[dict] = []
-    print("Chat with the model (empty line or Ctrl-D to quit, /reset to start over).", file=sys.stderr)
+    print("Chat with the model (an empty line, /quit or Ctrl-D ends it; /reset starts over).", file=sys.stderr)
     while True:
         try:
             line = input("> ")
         except EOFError:
             break
-        if not line.strip():
+        if line.strip() in ("", "/quit", "/exit"):
             break
         if line.strip() == "/reset":
             messages = []

@@ -68,3 +68,17 @@ def test_ddtree_generate_streams_with_logprobs_and_bad_input_is_one_line(tmp_pat
                                       "--temperature", "-1"])
     assert console_main() == 2
     assert capsys.readouterr().err.strip().startswith("ddtree: error: SamplingParams.temperature")
+
+
+def test_ddtree_chat_keeps_the_conversation_and_quits(tmp_path, capsys, monkeypatch):
+    """`ddtree chat` on a tiny model: each answer streamed; /reset starts over; /quit ends before the next line."""
+    import io
+    import sys
+
+    target = make_tiny_target(tmp_path / "target", logit_scale=8.0)
+    drafter = make_tiny_drafter(tmp_path / "drafter", target)
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\nhi\n/reset\nhi\n/quit\nnever sent\n"))
+    assert main(["chat", "--model", str(target), "--drafter", str(drafter), "--dtype", "float64",
+                 "--max-tokens", "4", "--stats", "--temperature", "0"]) == 0
+    stats = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[")]
+    assert len(stats) == 3  # three answers: "never sent" was not
