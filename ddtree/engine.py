@@ -34,7 +34,7 @@ from ddtree.ngram import NgramIndex
 from ddtree.outputs import RequestOutput, RequestStats, TokenLogprobs
 from ddtree.sampling_params import SamplingParams
 from ddtree.scheduler import EngineFullError, Scheduler
-from ddtree.tree import DraftTree, build_trees_from_topk, chain_trees_from_topk
+from ddtree.tree import DraftTree, build_round_trees, chain_trees_from_topk
 from ddtree.workers import DrafterWorker, RawLogprobs, TargetWorker, VerifyResult
 
 logger = logging.getLogger(__name__)
@@ -424,7 +424,7 @@ class Engine:
             if self.config.speculation == "dflash":
                 trees = chain_trees_from_topk(topk_logprobs, topk_token_ids, plan.max_budgets)
             else:
-                trees = build_trees_from_topk(topk_logprobs, topk_token_ids, plan.max_budgets)
+                trees = build_round_trees(topk_logprobs, topk_token_ids, plan.max_budgets)
             proposed = self._proposed_trees(trees)
         chains: dict[str, list[int]] = {}
         if self.ngram_tokens:

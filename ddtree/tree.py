@@ -148,10 +148,7 @@ def build_trees_with_heap(values: torch.Tensor, token_ids: torch.Tensor, budgets
     """The reference heap per request, from `topk_logprobs` output [R, L, K]: the same trees as
     `build_trees_from_topk`. One host copy; on a CPU it is the faster choice for small total budgets or deep,
     narrow trees (see docs/tree_benchmark.md)."""
-    if values.dim() != 3 or values.shape != token_ids.shape:
-        raise ValueError(
-            f"values and token_ids must both be [R, L, K], got {tuple(values.shape)}, {tuple(token_ids.shape)}"
-        )
+    _check_topk(values, token_ids)
     budgets = _check_budgets(budgets, values.shape[0])
     host_values, host_ids = values.cpu(), token_ids.cpu()
     trees = [build_tree_from_topk(host_values[r], host_ids[r], b) for r, b in enumerate(budgets)]
@@ -179,6 +176,20 @@ def build_trees_from_topk(values: torch.Tensor, token_ids: torch.Tensor, budgets
     return build_padded_trees(values, token_ids, budgets).to_list()
 
 
+# Up to this many nodes in all (sum of the budgets), the reference heap builds a round's trees faster than the
+# batched builder: ~0.1 ms for one request of 64 nodes against 1-1.5 ms (docs/tree_benchmark.md).
+HEAP_MAX_TOTAL_NODES = 512
+
+
+def build_round_trees(values: torch.Tensor, token_ids: torch.Tensor, budgets: list[int]) -> list[DraftTree]:
+    """A decoding round's trees, from `topk_logprobs` output [R, L, K]: by the reference heap when the budgets
+    total at most `HEAP_MAX_TOTAL_NODES` nodes, else by the batched builder. Both give identical trees."""
+    _check_topk(values, token_ids)
+    if sum(_check_budgets(budgets, values.shape[0])) <= HEAP_MAX_TOTAL_NODES:
+        return build_trees_with_heap(values, token_ids, budgets)
+    return build_trees_from_topk(values, token_ids, budgets)
+
+
 def build_padded_trees(values: torch.Tensor, token_ids: torch.Tensor, budgets: list[int]) -> PaddedTrees:
     """The batched builder: vectorised over requests and nodes, with a loop over depths.
 
@@ -195,10 +206,7 @@ def build_padded_trees(values: torch.Tensor, token_ids: torch.Tensor, budgets: l
     Host syncs: two at the start, two per depth (the sizes of the next candidate set) and one at the end; the loop
     stops at the first depth where no node survives, so shallow trees cost few steps.
     """
-    if values.dim() != 3 or values.shape != token_ids.shape:
-        raise ValueError(
-            f"values and token_ids must both be [R, L, K], got {tuple(values.shape)}, {tuple(token_ids.shape)}"
-        )
+    _check_topk(values, token_ids)
     num_requests, max_depth, num_ranks = values.shape
     budgets = _check_budgets(budgets, num_requests)
     device = values.device
@@ -370,6 +378,13 @@ def _empty_padded(num_requests: int, device: torch.device) -> PaddedTrees:
 def _check_int(name: str, value: object, minimum: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
+
+
+def _check_topk(values: torch.Tensor, token_ids: torch.Tensor) -> None:
+    if values.dim() != 3 or values.shape != token_ids.shape:
+        raise ValueError(
+            f"values and token_ids must both be [R, L, K], got {tuple(values.shape)}, {tuple(token_ids.shape)}"
+        )
 
 
 def _check_budgets(budgets: list[int], num_requests: int) -> list[int]:

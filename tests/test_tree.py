@@ -12,7 +12,9 @@ from hypothesis import strategies as st
 
 from ddtree.tree import (
     DraftTree,
+    HEAP_MAX_TOTAL_NODES,
     build_padded_trees,
+    build_round_trees,
     build_tree,
     build_tree_from_topk,
     build_trees,
@@ -170,6 +172,14 @@ def test_input_validation() -> None:
         build_tree_from_topk(values[0], ids[0], 3)
     with pytest.raises(ValueError):
         build_trees_with_heap(values, ids, [3])
+    with pytest.raises(ValueError):
+        build_round_trees(values, ids, [3])
+    good_values, good_ids = topk_logprobs(logprobs[None], 2)
+    for bad_budgets in ([None], [3, 3], ["3"]):
+        with pytest.raises(ValueError):
+            build_round_trees(good_values, good_ids, bad_budgets)  # type: ignore[arg-type]
+    with pytest.raises(ValueError):
+        build_round_trees(good_values[0], good_ids[0], [3])  # 2-D
 
 
 def test_topk_ranks_ties_by_token_id() -> None:
@@ -191,6 +201,24 @@ def test_batched_matches_heap_at_large_budgets(scale: float, num_positions: int)
         heap = build_tree(logprobs[r], budget)
         assert heap.num_nodes == budget
         assert_same_tree(heap, trees[r])
+
+
+@pytest.mark.parametrize("budgets", [[64], [16] * 4, [HEAP_MAX_TOTAL_NODES], [HEAP_MAX_TOTAL_NODES // 2 + 1] * 2])
+def test_round_trees_are_the_same_on_both_sides_of_the_heap_threshold(budgets: list[int], monkeypatch) -> None:
+    """The engine's builder picks the heap for small rounds and the batched builder above the threshold; the
+    trees are identical either way (the threshold moved to force each)."""
+    logprobs = random_logprobs(len(budgets), 15, 700, seed=11, scale=6.0)
+    values, ids = topk_logprobs(logprobs, max(budgets))
+    chosen = build_round_trees(values, ids, budgets)
+    monkeypatch.setattr("ddtree.tree.HEAP_MAX_TOTAL_NODES", -1)  # always batched
+    batched = build_round_trees(values, ids, budgets)
+    monkeypatch.setattr("ddtree.tree.HEAP_MAX_TOTAL_NODES", 10**9)  # always the heap
+    heaps = build_round_trees(values, ids, budgets)
+    for r, budget in enumerate(budgets):
+        assert chosen[r].num_nodes == budget
+        assert_same_tree(chosen[r], batched[r])
+        assert_same_tree(chosen[r], heaps[r])
+        assert chosen[r].path_logprobs.dtype == batched[r].path_logprobs.dtype
 
 
 def test_padded_trees_pad_past_each_request() -> None:
