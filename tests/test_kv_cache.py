@@ -89,3 +89,31 @@ def test_window_limit_and_tiny_budget():
 
 def small_bytes(num_tokens: int) -> int:
     return num_tokens * 2 * 2 * 1 * 4 * 4  # layers x (k, v) x kv_heads x head_dim x float32 bytes
+
+
+def test_holes_too_small_are_compacted_and_entries_kept():
+    """Requests of different sizes finishing out of order leave free slots split into holes: a request that fits
+    in all free slots is still admitted (the live regions slide together, their entries with them)."""
+    cache = make_cache(1000)
+    for seq_id, size in enumerate([300, 100, 300, 100, 200]):
+        assert cache.allocate(seq_id, size) is not None
+    kept = {}
+    for seq_id in (1, 3, 4):
+        kept[seq_id] = fill_scratch(cache, seq_id, 7)
+        cache.commit_all(seq_id)
+    fill_scratch(cache, 4, 3)  # uncommitted scratch moves too
+    cache.free(0)
+    cache.free(2)  # 600 slots free, in two holes of 300
+    assert cache.num_bytes_free == 600 * cache.bytes_per_token
+    assert cache.allocate(9, 601) is None  # more than is free: queued, nothing moved
+    assert [cache.handle(s).slot_start for s in (1, 3, 4)] == [300, 700, 800]
+    handle = cache.allocate(9, 500)
+    assert handle is not None and handle.slot_start == 400
+    assert [cache.handle(s).slot_start for s in (1, 3, 4)] == [0, 100, 200]
+    for seq_id, values in kept.items():
+        k, v = cache.keys_values(seq_id, 1, 7)
+        assert torch.equal(k[0, :, 0], values) and torch.equal(v[0, :, 3], values)
+    assert cache.handle(4).num_scratch == 3
+    first = cache.handle(4).slot_start + 7
+    assert torch.equal(cache.pool[0, 0, 0, first : first + 3, 0], torch.arange(3, dtype=cache.dtype) + 700)
+    assert cache.allocate(10, 100) is not None and cache.allocate(11, 1) is None  # exactly full

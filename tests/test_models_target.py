@@ -205,6 +205,43 @@ def test_tied_embeddings_and_errors(tmp_path):
         TargetModel.load(path, attention="paged")
 
 
+def test_failed_reservation_leaves_every_request_usable(checkpoints):
+    """A batched prefill where one prompt exceeds its allocation reserves nothing for the others either."""
+    runner = TargetModel.load(checkpoints["llama"], dtype=torch.float64, max_kv_bytes=2**20)
+    runner.kv.allocate(1, 16)
+    runner.kv.allocate(2, 4)
+    with pytest.raises(ValueError, match="exceed"):
+        runner.prefill([1, 2], [[1, 2, 3], [4, 5, 6, 7, 8]])
+    assert runner.kv.handle(1).num_scratch == 0 and runner.kv.num_committed(1) == 0
+    last, _ = runner.prefill([1], [[1, 2, 3]])
+    torch.testing.assert_close(last[0], sequential_logits(runner, [1, 2], [3])[-1], rtol=1e-10, atol=1e-10)
+
+
+def test_decoding_continues_after_the_pool_compacts(checkpoints):
+    """Requests finishing out of order leave holes; admitting a request that needs them together moves the live
+    requests' KV entries, and their decoding continues exactly."""
+    runner = TargetModel.load(checkpoints["qwen3"], dtype=torch.float64, max_kv_bytes=2**23)
+    slots = runner.kv.num_slots
+    gen = torch.Generator().manual_seed(8)
+    prompt = random_ids(9, gen)
+    sizes = {0: slots // 4, 1: 32, 2: slots // 4, 3: 32}
+    for seq_id, size in sizes.items():
+        assert runner.kv.allocate(seq_id, size) is not None
+    runner.prefill([1, 3], [prompt, prompt[:5]])
+    runner.free(0)
+    runner.free(2)
+    big = slots - 64 - 8  # fits only in the two holes together (and the tail)
+    assert max(length for _, length in runner.kv._free) < big
+    assert runner.kv.allocate(7, big) is not None
+    assert runner.kv.handle(1).slot_start == 0
+    logits, _ = runner.decode([1, 3], [11, 12])
+    runner.free(7)  # room for the references
+    torch.testing.assert_close(logits[0], sequential_logits(runner, prompt, [11], seq_id=99)[-1],
+                               rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(logits[1], sequential_logits(runner, prompt[:5], [12], seq_id=99)[-1],
+                               rtol=1e-10, atol=1e-10)
+
+
 def test_verify_cost_curve(checkpoints):
     runner = TargetModel.load(checkpoints["llama"], max_kv_bytes=2**22)
     curve = measure_verify_cost_curve(runner, [1, 4, 16], num_context_tokens=8, num_repeats=1)

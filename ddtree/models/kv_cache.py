@@ -10,7 +10,9 @@ its segment (root + tree nodes) right after the committed entries, and `commit(s
 the kept entries (root + accepted path) to be contiguous after the committed ones and drops the rest.
 
 `allocate` returns None when the request does not fit (admission control: the scheduler queues it); every
-request's full `max_tokens` is reserved up front, so an admitted request can always run to completion.
+request's full `max_tokens` is reserved up front, so an admitted request can always run to completion. When the
+free slots would hold a request but only split into holes (requests of different sizes finishing out of order),
+`allocate` first slides the live regions together (one copy of their entries), so free bytes are admissible bytes.
 On CPU the pool is allocated with torch.empty, so untouched slots cost address space, not memory.
 """
 
@@ -106,6 +108,10 @@ class KVCache:
             raise ValueError(
                 f"max_tokens={max_tokens} exceeds what this model serves exactly ({self.max_tokens_per_request})"
             )
+        if not any(length >= max_tokens for _, length in self._free):
+            if sum(length for _, length in self._free) < max_tokens:
+                return None
+            self._compact()  # enough free slots, but in holes too small: one free range at the end
         for i, (start, length) in enumerate(self._free):
             if length >= max_tokens:
                 if length == max_tokens:
@@ -115,7 +121,22 @@ class KVCache:
                 h = KVHandle(seq_id, start, max_tokens, self.bytes_for(max_tokens))
                 self._handles[seq_id] = h
                 return h
-        return None
+        raise AssertionError("unreachable: the compacted pool has one free range of every free slot")
+
+    def _compact(self) -> None:
+        """Slide every region to the start of the pool, in slot order, keeping its entries (committed and scratch),
+        so that the free slots form one range at the end. Views from `keys_values` taken before are stale after
+        it; the runner takes them anew in every forward."""
+        next_start = 0
+        for h in sorted(self._handles.values(), key=lambda handle: handle.slot_start):
+            if h.slot_start != next_start:
+                used = h.num_committed + h.num_scratch
+                if used:  # moving down: an overlapping source is read (cloned) before it is overwritten
+                    source = self.pool[:, :, :, h.slot_start : h.slot_start + used].clone()
+                    self.pool[:, :, :, next_start : next_start + used] = source
+                h.slot_start = next_start
+            next_start += h.max_tokens
+        self._free = [(next_start, self.num_slots - next_start)] if next_start < self.num_slots else []
 
     def free(self, seq_id: int) -> bool:
         """Release a request's region (finish or abort); False if it held none."""

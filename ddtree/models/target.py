@@ -435,7 +435,15 @@ class TargetModel:
         """[N] pool slots for the new tokens of each request, right after its committed entries."""
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError("a request appears twice in one batch")
-        starts = [self.kv.reserve_scratch(s, n) for s, n in zip(seq_ids, lens)]
+        before = [self.kv.handle(s).num_scratch for s in seq_ids]
+        starts = []
+        try:
+            for s, n in zip(seq_ids, lens):
+                starts.append(self.kv.reserve_scratch(s, n))
+        except ValueError:  # all or nothing: the requests reserved before the one that does not fit are untouched
+            for s, num_scratch in zip(seq_ids, before):
+                self.kv.handle(s).num_scratch = num_scratch
+            raise
         return torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)]).to(self.device)
 
     def _run_causal(self, seq_ids, token_ids: list[int], lens: list[int], logits_rows: torch.Tensor):
