@@ -100,6 +100,24 @@ def test_load_rejects_wrong_keys(tmp_path):
         load_dflash(tmp_path)
 
 
+def test_load_refuses_a_tensor_in_two_files_and_follows_the_index(tmp_path):
+    """A stale copy next to the weights would otherwise win or lose by file-name order."""
+    import json
+
+    config = tiny_config()
+    save_dflash(make_model(config), config, tmp_path, dtype=torch.float32)
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    name = next(iter(weights))
+    save_file({name: torch.zeros_like(weights[name])}, str(tmp_path / "model_best.safetensors"))
+    with pytest.raises(ValueError, match="model_best.safetensors"):
+        load_dflash(tmp_path)
+    # with an index, only the files it names are read
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {n: "model.safetensors" for n in weights}}))
+    _, model = load_dflash(tmp_path)
+    assert torch.equal(model.state_dict()[name.removeprefix("model.")], weights[name])
+
+
 def test_published_config_parses():
     # Trimmed from the Qwen3-4B DFlash drafter's config.json (transformers 4.x layout).
     published = {

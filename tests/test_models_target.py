@@ -205,6 +205,36 @@ def test_tied_embeddings_and_errors(tmp_path):
         TargetModel.load(path, attention="paged")
 
 
+def test_a_checkpoint_that_does_not_match_its_config_is_refused(tmp_path):
+    """Fewer layers, another vocabulary size or stray tensors would otherwise load silently as another model."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    path = write_random_target(tmp_path / "m")
+    config_path = path / "config.json"
+    config = json.loads(config_path.read_text())
+    TargetModel.load(path, max_kv_bytes=2**20)  # as written: loads
+    for key, value, match in [("num_hidden_layers", config["num_hidden_layers"] - 1, "does not use"),
+                              ("vocab_size", config["vocab_size"] + 5, "has shape"),
+                              ("intermediate_size", config["intermediate_size"] * 2, "has shape")]:
+        config_path.write_text(json.dumps(dict(config, **{key: value})))
+        with pytest.raises(ValueError, match=match):
+            TargetModel.load(path, max_kv_bytes=2**20)
+    config_path.write_text(json.dumps(config))
+    weights_file = next(path.glob("*.safetensors"))
+    tensors = load_file(str(weights_file))
+    save_file(dict(tensors, **{"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4)}), str(weights_file))
+    TargetModel.load(path, max_kv_bytes=2**20)  # old checkpoints' rotary buffers are ignored
+    save_file(dict(tensors, **{"model.extra_proj.weight": torch.ones(4, 4)}), str(weights_file))
+    with pytest.raises(ValueError, match="model.extra_proj.weight"):
+        TargetModel.load(path, max_kv_bytes=2**20)
+    save_file(tensors, str(weights_file))
+    save_file({"model.norm.weight": torch.ones(config["hidden_size"])}, str(path / "old-copy.safetensors"))
+    with pytest.raises(ValueError, match="old-copy.safetensors"):  # a name in two files
+        TargetModel.load(path, max_kv_bytes=2**20)
+
+
 def test_failed_reservation_leaves_every_request_usable(checkpoints):
     """A batched prefill where one prompt exceeds its allocation reserves nothing for the others either."""
     runner = TargetModel.load(checkpoints["llama"], dtype=torch.float64, max_kv_bytes=2**20)

@@ -350,20 +350,15 @@ def load_dflash(
     path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
 ) -> tuple[DFlashConfig, DFlashDraftModel]:
     """Read a DFlash checkpoint folder (config.json + model.safetensors or sharded safetensors)."""
-    from safetensors.torch import load_file
+    from ddtree.models.loader import read_weight_files, safetensors_files
 
     path = Path(path)
     if not (path / CONFIG_NAME).is_file():
         raise ValueError(f"{path} has no {CONFIG_NAME}: not a DFlash checkpoint folder")
     config = DFlashConfig.from_dict(json.loads((path / CONFIG_NAME).read_text()))
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{path} holds no .safetensors weights")
-    state: dict[str, torch.Tensor] = {}
-    for f in files:
-        for name, tensor in load_file(str(f)).items():
-            # Some exports keep the wrapper prefix; the tensors are the same.
-            state[name.removeprefix("model.")] = tensor
+    files = safetensors_files(path)  # those the index names when there is one
+    # Some exports keep the wrapper prefix; the tensors are the same.
+    state = read_weight_files(files, rename=lambda name: name.removeprefix("model."))
     expected = set(expected_weight_names(config))
     missing, unexpected = expected - state.keys(), state.keys() - expected
     if missing or unexpected:

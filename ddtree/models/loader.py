@@ -65,8 +65,6 @@ def read_checkpoint(path: Path) -> tuple[TargetConfig, dict[str, torch.Tensor]]:
 
 
 def read_safetensors_folder(path: Path) -> tuple[TargetConfig, dict[str, torch.Tensor]]:
-    from safetensors.torch import load_file
-
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ValueError(f"{path} has no config.json")
@@ -75,15 +73,28 @@ def read_safetensors_folder(path: Path) -> tuple[TargetConfig, dict[str, torch.T
     if generation_config.is_file():  # the end tokens `generate` stops at (Qwen lists more there than in config.json)
         config.eos_token_ids = _merged_ids(config.eos_token_ids,
                                            json.loads(generation_config.read_text()).get("eos_token_id"))
-    files = safetensors_files(path)
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        tensors.update(load_file(str(f)))
+    tensors = read_weight_files(safetensors_files(path))
     non_float = sorted(name for name, t in tensors.items() if not t.is_floating_point())
     if non_float:
         raise ValueError(f"{path}: tensors {non_float[:3]} are not floating point (a quantized checkpoint?); "
                          f"use the unquantized checkpoint")
     return config, tensors
+
+
+def read_weight_files(files: list[Path], rename=lambda name: name) -> dict[str, torch.Tensor]:
+    """Every tensor of the given safetensors files, by `rename(name)`; a name in two files is an error (which copy
+    would win is an accident of file order: e.g. a leftover model_best.safetensors next to model.safetensors)."""
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    origin: dict[str, Path] = {}
+    for f in files:
+        for name, tensor in load_file(str(f)).items():
+            key = rename(name)
+            if key in tensors:
+                raise ValueError(f"tensor {key} is in both {origin[key].name} and {f.name}: remove the stale copy")
+            tensors[key], origin[key] = tensor, f
+    return tensors
 
 
 def safetensors_files(path: Path) -> list[Path]:

@@ -248,10 +248,29 @@ class TargetModel:
 
     def _load_weights(self, t: dict[str, torch.Tensor]) -> None:
         cfg = self.config
+        hidden, inter = cfg.hidden_size, cfg.intermediate_size
+        shapes = {  # per layer, what the config says each tensor is
+            "input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,),
+            "self_attn.q_proj.weight": (cfg.q_size, hidden), "self_attn.q_proj.bias": (cfg.q_size,),
+            "self_attn.k_proj.weight": (cfg.kv_size, hidden), "self_attn.k_proj.bias": (cfg.kv_size,),
+            "self_attn.v_proj.weight": (cfg.kv_size, hidden), "self_attn.v_proj.bias": (cfg.kv_size,),
+            "self_attn.o_proj.weight": (hidden, cfg.q_size), "self_attn.o_proj.bias": (hidden,),
+            "self_attn.q_norm.weight": (cfg.head_dim,), "self_attn.k_norm.weight": (cfg.head_dim,),
+            "mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
+            "mlp.down_proj.weight": (hidden, inter),
+            "model.norm.weight": (hidden,), "model.embed_tokens.weight": (cfg.vocab_size, hidden),
+            "lm_head.weight": (cfg.vocab_size, hidden),
+        }
+        used: set[str] = set()
 
         def get(name: str) -> torch.Tensor:
             if name not in t:
                 raise ValueError(f"checkpoint lacks tensor {name}")
+            expected = shapes[name.split(".", 3)[-1] if name.startswith("model.layers.") else name]
+            if tuple(t[name].shape) != expected:
+                raise ValueError(f"checkpoint tensor {name} has shape {tuple(t[name].shape)}, the config says "
+                                 f"{expected}: the checkpoint does not match its config.json")
+            used.add(name)
             return t[name].to(device=self.device, dtype=self.dtype)
 
         def opt(name: str) -> torch.Tensor | None:
@@ -279,7 +298,7 @@ class TargetModel:
                     attn_norm=get(p + "input_layernorm.weight"),
                     w_qkv=in_out(q, k, v),  # one GEMM for q, k and v
                     b_qkv=torch.cat(biases) if biases[0] is not None else None,
-                    qk_norm=self._qk_norm(t, p) if cfg.has_qk_norm else None,
+                    qk_norm=self._qk_norm(t, get, p) if cfg.has_qk_norm else None,
                     w_o=in_out(get(p + "self_attn.o_proj.weight")),
                     b_o=opt(p + "self_attn.o_proj.bias"),
                     mlp_norm=get(p + "post_attention_layernorm.weight"),
@@ -291,16 +310,23 @@ class TargetModel:
         if cfg.tie_word_embeddings or "lm_head.weight" not in t:
             self.lm_head = in_out(get("model.embed_tokens.weight"))  # [H, V]
             self.embed_tokens = self.lm_head.t()  # [V, H] view: one copy of the shared matrix
+            used.add("lm_head.weight")  # a tied checkpoint may store the copy too
         else:
             self.lm_head = in_out(get("lm_head.weight"))  # [H, V]
             self.embed_tokens = get("model.embed_tokens.weight")  # [V, H]
+        # Anything else would be silently ignored: more layers than the config says, other modules. (Rotary
+        # frequency buffers that older checkpoints store are recomputed from the config.)
+        unused = sorted(n for n in t if n not in used and not n.endswith("rotary_emb.inv_freq"))
+        if unused:
+            raise ValueError(f"checkpoint has {len(unused)} tensor(s) that a {cfg.model_type} model with this config "
+                             f"does not use, e.g. {unused[:3]}: the checkpoint does not match its config.json")
 
-    def _qk_norm(self, t: dict[str, torch.Tensor], prefix: str) -> torch.Tensor:
+    def _qk_norm(self, t: dict[str, torch.Tensor], get, prefix: str) -> torch.Tensor:
         cfg = self.config
         names = [prefix + "self_attn.q_norm.weight", prefix + "self_attn.k_norm.weight"]
         if any(n not in t for n in names):
             raise ValueError(f"a qwen3 checkpoint needs {names[0]} and {names[1]}")
-        q_norm, k_norm = (t[n].to(device=self.device, dtype=self.dtype) for n in names)
+        q_norm, k_norm = (get(n) for n in names)
         return torch.cat([q_norm.expand(cfg.num_attention_heads, -1), k_norm.expand(cfg.num_key_value_heads, -1)])
 
     @property
