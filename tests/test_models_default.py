@@ -61,6 +61,34 @@ def test_the_conversion_is_shared_by_checkouts_of_the_same_gguf(monkeypatch, tmp
     assert (default_model.default_target_dir(CACHE_DIR) / "converted.json").is_file()
 
 
+@needs_gguf
+def test_processes_starting_together_convert_once(monkeypatch, tmp_path):
+    """Serve replicas starting at once on a fresh machine: one converts under the lock, the others wait and reuse
+    its folder (before, they removed each other's half-written folders). Threads stand in for processes: each
+    opens the lock file itself, and flock excludes separate opens."""
+    import json
+    import threading
+    import time
+
+    calls = []
+
+    def slow_convert(gguf_path, out, stamp):
+        calls.append(out)
+        time.sleep(0.5)
+        out.mkdir(parents=True)
+        (out / "converted.json").write_text(json.dumps(stamp))
+
+    monkeypatch.setattr(default_model, "_convert", slow_convert)
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(default_model.default_target_dir(tmp_path)))
+               for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1 and results == [tmp_path / default_model.CONVERTED_NAME] * 3
+
+
 def test_missing_package_error_names_the_fix(monkeypatch):
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(

@@ -9,10 +9,12 @@ tokenizer files with the chat template), so later loads take about a second inst
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -35,49 +37,70 @@ def embedded_gguf_path() -> Path:
 
 
 def default_target_dir(cache_dir: str | Path | None = None) -> Path:
-    """The converted default model folder under `cache_dir` (default ~/.cache/ddtree), converting if needed."""
+    """The converted default model folder under `cache_dir` (default ~/.cache/ddtree), converting if needed.
+
+    Several processes may start at once on a fresh machine (Serve replicas, test workers): one converts, under a
+    file lock, and the others wait for it and then read its folder."""
     gguf_path = embedded_gguf_path()
     root = Path(cache_dir if cache_dir is not None else DEFAULT_CACHE_DIR).expanduser()
     out = root / CONVERTED_NAME
     stamp = _stamp(gguf_path)
-    marker = out / "converted.json"
-    if marker.is_file() and json.loads(marker.read_text()) == stamp:
+    if _is_converted(out, stamp):
         return out
-    _convert(gguf_path, out)
-    marker.write_text(json.dumps(stamp) + "\n")  # written last: a half-written folder is redone
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f"{CONVERTED_NAME}.lock", "w") as lock:  # an flock: released if its holder dies
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if not _is_converted(out, stamp):  # (another process may have converted it while this one waited)
+                _convert(gguf_path, out, stamp)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
     return out
 
 
+def _is_converted(out: Path, stamp: dict) -> bool:
+    marker = out / "converted.json"
+    try:
+        return json.loads(marker.read_text()) == stamp
+    except (OSError, ValueError):
+        return False
+
+
 def _stamp(gguf_path: Path) -> dict:
-    """What identifies the conversion: the GGUF's content (size and a digest of its first and last MiB), not its path,
-    so that several checkouts (virtual environments) sharing the cache convert once."""
-    size = gguf_path.stat().st_size
+    """What identifies the conversion: the GGUF's content (not its path, so that several checkouts or virtual
+    environments sharing the cache convert once) and the converter's own source."""
     digest = hashlib.sha256()
     with open(gguf_path, "rb") as f:
-        digest.update(f.read(1 << 20))
-        f.seek(max(0, size - (1 << 20)))
-        digest.update(f.read(1 << 20))
-    return {"size": size, "sha256_ends": digest.hexdigest(), "format": FORMAT_VERSION}
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    converter = hashlib.sha256((Path(__file__).parent / "loader.py").read_bytes()).hexdigest()[:16]
+    return {"size": gguf_path.stat().st_size, "sha256": digest.hexdigest(), "format": FORMAT_VERSION,
+            "converter": converter}
 
 
-def _convert(gguf_path: Path, out: Path) -> None:
+def _convert(gguf_path: Path, out: Path, stamp: dict) -> None:
+    """Convert into a fresh temporary folder next to `out`, then move it into place (the caller holds the lock)."""
     from safetensors.torch import save_file
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
     from ddtree.models.loader import read_gguf
 
-    tmp = out.with_name(out.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    with tqdm(total=2, desc="converting the default model (once)", unit="step") as bar:
-        config, tensors = read_gguf(gguf_path, progress=True)
-        save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
-                  metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
-        bar.update(1)
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-        tokenizer.save_pretrained(str(tmp))
-        bar.update(1)
-    shutil.rmtree(out, ignore_errors=True)
-    tmp.rename(out)
+    for stale in out.parent.glob(out.name + ".partial*"):  # left by a converter that died
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=out.name + ".partial-", dir=out.parent))
+    try:
+        with tqdm(total=2, desc="converting the default model (once)", unit="step") as bar:
+            config, tensors = read_gguf(gguf_path, progress=True)
+            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
+                      metadata={"format": "pt"})
+            (tmp / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
+            bar.update(1)
+            tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+            tokenizer.save_pretrained(str(tmp))
+            bar.update(1)
+        (tmp / "converted.json").write_text(json.dumps(stamp) + "\n")
+        shutil.rmtree(out, ignore_errors=True)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
