@@ -65,11 +65,13 @@ class LLM:
         )
         self.engine = Engine(config, target, drafter_worker, tokenizer)
         self.tokenizer = tokenizer
+        self._outbox: dict[str, list[RequestOutput]] = {}
 
     @classmethod
     def from_engine(cls, engine: Engine) -> "LLM":
         llm = cls.__new__(cls)
         llm.engine, llm.tokenizer = engine, engine.tokenizer
+        llm._outbox = {}
         return llm
 
     def generate(
@@ -107,18 +109,31 @@ class LLM:
         return [int(t) for t in ids]
 
     def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
-        """Incremental outputs for one prompt: each has the `new_text`/`new_token_ids` of one engine step."""
+        """Incremental outputs for one prompt: each has the `new_text`/`new_token_ids` of one engine step. Several
+        streams (and `generate` calls between their steps) share the engine: whichever steps it files every
+        request's outputs for its own caller."""
         request_id = self.engine.add_request(prompt if isinstance(prompt, str) else list(prompt), params)
+        mine = self._outbox[request_id] = []
         try:
             while True:
-                for out in self.engine.step():
-                    if out.request_id == request_id:
-                        yield out
-                        if out.finished:
-                            return
+                if not mine:
+                    self._step()
+                while mine:
+                    out = mine.pop(0)
+                    yield out
+                    if out.finished:
+                        return
         finally:
+            self._outbox.pop(request_id, None)
             if request_id in self.engine.requests:
                 self.engine.abort_request(request_id)
+
+    def _step(self) -> None:
+        """One engine step; each output goes to the outbox of the call that added its request."""
+        for out in self.engine.step():
+            box = self._outbox.get(out.request_id)
+            if box is not None:
+                box.append(out)
 
     def _run(self, items: list[tuple]) -> list[RequestOutput]:
         # Validate everything before queueing anything: a bad prompt fails the call and leaves no work behind.
@@ -127,7 +142,7 @@ class LLM:
         order: list[str] = []
         pending = list(items)
         try:
-            while pending or self.engine.has_unfinished_requests():
+            while pending or len(finals) < len(order):
                 while pending:
                     prompt, params = pending[0]
                     try:
@@ -135,12 +150,18 @@ class LLM:
                     except EngineFullError:
                         break
                     order.append(rid)
+                    self._outbox[rid] = []
                     pending.pop(0)
-                for out in self.engine.step():
-                    if out.finished:
-                        finals[out.request_id] = out
+                self._step()
+                for rid in order:
+                    box = self._outbox.get(rid)
+                    if box and box[-1].finished:
+                        finals[rid] = box[-1]
+                    if box:
+                        box.clear()
         finally:  # interrupted (Ctrl-C, an error): nothing of this call stays queued or holds the KV cache
             for rid in order:
+                self._outbox.pop(rid, None)
                 if rid not in finals and rid in self.engine.requests:
                     self.engine.abort_request(rid)
         return [finals[rid] for rid in order]

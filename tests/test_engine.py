@@ -112,6 +112,24 @@ def test_streaming_concatenates_to_the_final_text(workers):
     assert chunks[-1].finished and not any(c.finished for c in chunks[:-1])
 
 
+def test_interleaved_streams_and_generate_share_one_llm(workers):
+    """Two streams advanced in turn, and a generate() call while they are paused: every caller gets all of its
+    request's outputs, whichever caller stepped the engine (outputs of other requests were dropped before, and a
+    stream whose final output another caller consumed spun forever)."""
+    llm = make_llm(workers, speculation="ddtree", budget=16)
+    expected = {p: o.text for p, o in zip(PROMPTS[:3], llm.generate(PROMPTS[:3], greedy(30)))}
+    streams = {p: llm.stream(p, greedy(30)) for p in PROMPTS[:2]}
+    texts = {p: "" for p in streams}
+    for _ in range(2):  # a few chunks each, in turn
+        for p, stream in streams.items():
+            texts[p] += next(stream).new_text
+    assert llm.generate(PROMPTS[2], greedy(30))[0].text == expected[PROMPTS[2]]  # steps both paused streams too
+    for p, stream in streams.items():
+        texts[p] += "".join(chunk.new_text for chunk in stream)
+    assert texts == {p: expected[p] for p in streams}
+    assert not llm.engine.has_unfinished_requests() and not llm._outbox
+
+
 def test_stops_apply_to_tokens_accepted_in_one_round(workers):
     off = make_llm(workers, speculation="off")
     spec = make_llm(workers, speculation="ddtree", budget=64)
