@@ -27,6 +27,8 @@ import torch
 from ddtree.packing import PackedBatch
 from ddtree.sampling_params import GREEDY_TEMPERATURE
 
+FLOAT32_MAX = torch.finfo(torch.float32).max
+
 
 @dataclass
 class AcceptResult:
@@ -114,21 +116,26 @@ def _sample(
     seeds: Sequence[int],
 ) -> torch.Tensor:
     device, vocab = logits.device, logits.shape[1]
-    temp_t = torch.tensor([t if t >= GREEDY_TEMPERATURE else 1.0 for t in temps], dtype=torch.float32,
-                          device=device)  # [R]
-    scores = logits.float() / temp_t[seq_index, None]  # [n, V]
+    logits = logits.float()
+    # (A temperature beyond float32's range divides by its largest value: every score ~0, the uniform limit.)
+    temp_t = torch.tensor([min(t, FLOAT32_MAX) if t >= GREEDY_TEMPERATURE else 1.0 for t in temps],
+                          dtype=torch.float32, device=device)  # [R]
+    scores = logits / temp_t[seq_index, None]  # [n, V]
+    # Top-k and top-p rank tokens by their logits (a temperature does not change the order, and at a huge one the
+    # scores would round to ties).
     if any(k > 0 for k in top_ks):
         k_t = torch.tensor([min(k, vocab) if k > 0 else vocab for k in top_ks], device=device)[seq_index]  # [n]
-        top_values = scores.topk(min(max(top_ks), vocab), dim=-1).values  # [n, k_max]
+        top_values = logits.topk(min(max(top_ks), vocab), dim=-1).values  # [n, k_max]
         kth = top_values.gather(1, (k_t.clamp(max=top_values.shape[1]) - 1)[:, None])  # [n, 1]
-        is_kept = (scores >= kth) | (k_t == vocab)[:, None]
+        is_kept = (logits >= kth) | (k_t == vocab)[:, None]
         scores = scores.masked_fill(~is_kept, float("-inf"))
     if any(p < 1 for p in top_ps):
         p_t = torch.tensor(top_ps, dtype=torch.float32, device=device)[seq_index]  # [n]
-        sorted_scores, order = scores.sort(dim=-1, descending=True)  # [n, V]
-        sorted_probs = sorted_scores.softmax(dim=-1)
+        order = logits.argsort(dim=-1, descending=True, stable=True)  # [n, V]
+        sorted_probs = scores.gather(1, order).softmax(dim=-1)
         mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs  # [n, V]
         is_dropped_sorted = (mass_before >= p_t[:, None]) & (p_t < 1)[:, None]
+        is_dropped_sorted[:, 0] = False  # the most likely token always stays (a top_p below float32's range is 0)
         is_dropped = torch.zeros_like(is_dropped_sorted).scatter_(1, order, is_dropped_sorted)
         scores = scores.masked_fill(is_dropped, float("-inf"))
     # Exponential race (Gumbel-max): argmax_v p_v / E_v with E_v ~ Exp(1) i.i.d. is a sample from p.

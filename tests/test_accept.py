@@ -258,6 +258,20 @@ def test_tiny_temperatures_sample_the_argmax() -> None:
     assert tokens.tolist() == [2, 2, 2]
 
 
+def test_extreme_top_p_and_temperature_keep_their_meaning() -> None:
+    """top_p below float32's range (0 in float32) still samples the most likely token, not token 0; a temperature
+    beyond float32's range still honours top_k (the scores would all round to 0 and tie)."""
+    logits = torch.tensor([[0.0, 1.0, 9.0, 2.0]] * 4)
+    seq_index, positions = torch.tensor([0, 1, 0, 1]), torch.tensor([0, 0, 1, 1])
+    tokens = target_tokens_sampled(logits, seq_index, positions, [1.0, 1e39], [1e-300, 1.0], [0, 1], [1, 2])
+    assert tokens.tolist() == [2, 2, 2, 2]
+    # a huge temperature without top-k is the uniform limit: every token is sampled
+    many = torch.tensor([[0.0, 1.0, 9.0, 2.0]]).expand(4000, 4)
+    sampled = target_tokens_sampled(many, torch.zeros(4000, dtype=torch.long), torch.arange(4000), [1e39], [1.0],
+                                    [0], [3])
+    assert chi_square_p_value(torch.bincount(sampled, minlength=4).tolist(), [0.25] * 4) > 1e-4
+
+
 def test_sampling_input_validation() -> None:
     logits, seq = torch.zeros(3, 4), torch.zeros(3, dtype=torch.long)
     for temperature, top_p, top_k in ((-1.0, 1.0, 0), (1.0, 0.0, 0), (1.0, 1.5, 0), (1.0, 1.0, -2), (1.0, 1.0, 1.5)):
