@@ -83,6 +83,8 @@ class DFlashDrafter:
             ids = torch.as_tensor(draft_token_ids, dtype=torch.int64)
             if ids.dim() != 1 or ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= tc.vocab_size:
                 raise ValueError(f"draft_token_ids must be a non-empty list of ids in [0, {tc.vocab_size})")
+            if ids.unique().numel() != ids.numel():  # two draft positions of one token: sibling nodes alike
+                raise ValueError("draft_token_ids must be distinct")
             self.draft_token_ids = ids.to(device)
             self._draft_lm_head = target.lm_head[:, self.draft_token_ids].contiguous()
         self._cpu_ops = None
@@ -178,7 +180,9 @@ class DFlashDrafter:
             logits = (hidden @ self._draft_lm_head).float()  # [R, L, Vd]
         else:
             logits = self._draft_lm_head(hidden)  # [R, L, Vd], the native panel GEMM
-        logprobs = torch.log_softmax(logits, dim=-1)
+        # A NaN (an overflow in a low-precision drafter) becomes a zero-probability draft: the request's tree is
+        # worthless that round but still verified exactly, instead of the tree builder failing every request.
+        logprobs = torch.log_softmax(logits, dim=-1).nan_to_num_(nan=float("-inf"))
         top = torch.topk(logprobs, min(max_k, logprobs.shape[-1]), dim=-1)
         if self.draft_token_ids is None:
             return top.values, top.indices

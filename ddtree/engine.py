@@ -225,7 +225,10 @@ class Engine:
         """Queue a request; raises ValueError (bad input), PromptTooLongError or EngineFullError, having recorded
         nothing."""
         prompt_token_ids, params = self.validate(prompt, params)
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id is None:  # the next free automatic id (a caller may have chosen "req-N" itself)
+            request_id = f"req-{next(self._ids)}"
+            while request_id in self.requests:
+                request_id = f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         max_new = min(params.max_tokens, self.max_model_len - len(prompt_token_ids))
@@ -354,8 +357,10 @@ class Engine:
         if verify_plan.speculative_ids or verify_plan.autoregressive_ids:
             pending_verify = self._submit_verify(verify_plan, verify_drafted)
         if plan.speculative_ids:  # the next group's trees are built while the target verifies
-            drafted = self._collect_draft(plan, pending_draft)
-            self._drafted_group = _DraftedGroup(RoundPlan(plan.speculative_ids, [], plan.max_budgets), drafted)
+            # priced for the verify pass they will join, which holds this group alone (the requests planned
+            # autoregressive are in the current one)
+            group_plan = RoundPlan(plan.speculative_ids, [], plan.max_budgets)
+            self._drafted_group = _DraftedGroup(group_plan, self._collect_draft(group_plan, pending_draft))
         if pending_verify is not None:
             result = self._collect_verify(verify_plan, pending_verify)
             self._observe(verify_plan, verify_drafted, result)

@@ -176,16 +176,18 @@ def build_trees_from_topk(values: torch.Tensor, token_ids: torch.Tensor, budgets
     return build_padded_trees(values, token_ids, budgets).to_list()
 
 
-# Up to this many nodes in all (sum of the budgets), the reference heap builds a round's trees faster than the
-# batched builder: ~0.1 ms for one request of 64 nodes against 1-1.5 ms (docs/tree_benchmark.md).
+# On a CPU, up to this many nodes in all (sum of the budgets), the reference heap builds a round's trees faster
+# than the batched builder: ~0.1 ms for one request of 64 nodes against 1-1.5 ms (docs/tree_benchmark.md). On GPUs
+# the batched builder stays (the heap would add host copies per request; not measured there).
 HEAP_MAX_TOTAL_NODES = 512
 
 
 def build_round_trees(values: torch.Tensor, token_ids: torch.Tensor, budgets: list[int]) -> list[DraftTree]:
-    """A decoding round's trees, from `topk_logprobs` output [R, L, K]: by the reference heap when the budgets
-    total at most `HEAP_MAX_TOTAL_NODES` nodes, else by the batched builder. Both give identical trees."""
+    """A decoding round's trees, from `topk_logprobs` output [R, L, K]: by the reference heap on a CPU when the
+    budgets total at most `HEAP_MAX_TOTAL_NODES` nodes, else by the batched builder. Both give identical trees."""
     _check_topk(values, token_ids)
-    if sum(_check_budgets(budgets, values.shape[0])) <= HEAP_MAX_TOTAL_NODES:
+    total = sum(_check_budgets(budgets, values.shape[0]))
+    if values.device.type == "cpu" and total <= HEAP_MAX_TOTAL_NODES:
         return build_trees_with_heap(values, token_ids, budgets)
     return build_trees_from_topk(values, token_ids, budgets)
 

@@ -135,7 +135,7 @@ def test_draft_vocabulary_restricts_the_head(pair, tmp_path):
     the full distribution's restricted and renormalised; without the file (or use_draft_vocab=False) the full one."""
     import shutil
 
-    from ddtree.models.dflash import DRAFT_VOCAB_NAME, draft_vocab_from_counts, save_draft_vocab
+    from ddtree.models.dflash import DRAFT_VOCAB_NAME, draft_vocab_from_counts, load_dflash, save_draft_vocab
 
     target, drafter_dir = pair
     folder = tmp_path / "with_vocab"
@@ -158,6 +158,9 @@ def test_draft_vocabulary_restricts_the_head(pair, tmp_path):
         expected = torch.tensor([v for v, _ in in_vocab], dtype=torch.float64)
         torch.testing.assert_close(values[0, pos].double(), expected - torch.logsumexp(expected, 0),
                                    rtol=1e-6, atol=1e-6)
+    config, model = load_dflash(drafter_dir, dtype=torch.float64)
+    with pytest.raises(ValueError, match="distinct"):
+        DFlashDrafter(config, model, target, torch.device("cpu"), torch.float64, draft_token_ids=[3, 3])
     (folder / DRAFT_VOCAB_NAME).write_text('{"token_ids": [1, 1]}')
     with pytest.raises(ValueError, match="distinct"):
         DFlashDrafter.load(folder, target)

@@ -222,6 +222,30 @@ def test_abort_frees_the_request(workers):
     assert engine.target.num_kv_bytes_used == kv_before and not engine.has_unfinished_requests()
 
 
+def test_a_drafter_that_outputs_nan_costs_acceptance_not_the_engine(checkpoints, workers):
+    """A drafter whose forward overflows (NaN) drafts zero-probability trees: every request still decodes exactly,
+    where the tree builder used to raise and stop the engine for all of them."""
+    target_dir, drafter_dir = checkpoints
+    target, drafter, tok = build_workers(str(target_dir), str(drafter_dir), dtype="float64")
+    drafter.drafter.model.norm.weight.fill_(float("nan"))
+    engine = Engine(EngineConfig(speculation="ddtree", budget=8), target, drafter, tok, cost=copy.deepcopy(FLAT_COST))
+    reference = make_llm(workers, speculation="off").generate(PROMPTS[:3], greedy(20))
+    outputs = LLM.from_engine(engine).generate(PROMPTS[:3], greedy(20))
+    assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
+    assert engine.timings.num_draft_calls > 0  # it did draft, every round (fixed budget)
+
+
+def test_automatic_ids_skip_ids_callers_chose(workers):
+    engine = make_llm(workers, speculation="off").engine
+    mine = engine.add_request("hello", greedy(2), request_id="req-0")
+    auto = engine.add_request("hello", greedy(2))
+    assert mine == "req-0" and auto != "req-0" and auto.startswith("req-")
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("hello", greedy(2), request_id=auto)
+    for rid in (mine, auto):
+        engine.abort_request(rid)
+
+
 def test_fallback_skips_the_drafter_and_recovers(workers):
     # A drafter forward that costs five one-token verify passes never pays: requests decode autoregressively with
     # no drafter call at all, and within 3% of their time (BudgetConfig.max_probe_overhead) not even a probe fits.
@@ -435,6 +459,27 @@ def test_pipelined_t0_equals_off_with_requests_joining(workers, config):
     assert finals == reference
     assert max_in_flight >= 1 and engine._drafted_group is None
     assert engine.timings.num_speculative_request_rounds > 0
+
+
+def test_pipelined_group_budgets_are_priced_for_the_group_alone(workers, monkeypatch):
+    """The drafting group's trees join a later verify pass that holds the group alone: the requests decoding one
+    token this phase (in the current pass) must not be priced into its allocation."""
+    engine = make_llm(workers, pipeline=True, speculation="ddtree", budget="auto", max_num_seqs=4).engine
+    seen = []
+    allocate_round = engine.budget.allocate_round
+
+    def spy(plan, *args, **kwargs):
+        seen.append((list(plan.speculative_ids), list(plan.autoregressive_ids)))
+        return allocate_round(plan, *args, **kwargs)
+
+    monkeypatch.setattr(engine.budget, "allocate_round", spy)
+    for p in PROMPTS[:4]:
+        engine.add_request(p, greedy(20))
+    while engine.has_unfinished_requests():
+        engine.step()
+    drafting = [ar for spec, ar in seen if spec]
+    assert drafting and all(ar == [] for ar in drafting)
+    assert any(ar for spec, ar in seen if not spec)  # the one-token requests are priced with their own pass
 
 
 def test_pipelined_groups_stay_balanced(workers):
