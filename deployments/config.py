@@ -53,7 +53,8 @@ class AppArgs(BaseModel):
         "(OpenAI's behaviour); each request reserves its prompt + max_tokens in the KV cache when admitted, so a "
         "cap lets more such requests decode at once.")
     kv_cache_bytes: PositiveInt | None = Field(
-        None, description="KV cache memory of the target worker. None: the worker's default.")
+        None, description="KV cache memory of the target worker, counting with each token's KV entries the target "
+        "features it keeps until the drafter takes them. None: the worker's default.")
     attention: str = Field("auto", description="Attention backend of the workers ('auto', 'sdpa', 'flex').")
     allow_fallback: bool = Field(
         True, description="In 'auto' budget mode, requests whose drafts do not pay decode autoregressively.")

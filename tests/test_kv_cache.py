@@ -117,3 +117,27 @@ def test_holes_too_small_are_compacted_and_entries_kept():
     first = cache.handle(4).slot_start + 7
     assert torch.equal(cache.pool[0, 0, 0, first : first + 3, 0], torch.arange(3, dtype=cache.dtype) + 700)
     assert cache.allocate(10, 100) is not None and cache.allocate(11, 1) is None  # exactly full
+
+
+def test_extra_bytes_per_token_are_counted_in_the_budget():
+    """Memory the runner keeps per token outside the pool (features waiting for the drafter) comes out of the same
+    budget: fewer slots, and each reservation costs the sum."""
+    kv_only = make_cache(100)
+    per_token = kv_only.bytes_per_token
+    cache = KVCache(num_layers=2, num_kv_heads=1, head_dim=4, max_bytes=100 * per_token, dtype=torch.float64,
+                    extra_bytes_per_token=per_token)  # features as large as the KV entries
+    assert cache.kv_bytes_per_token == per_token and cache.bytes_per_token == 2 * per_token
+    assert cache.num_slots == 50 and cache.pool.shape[3] == 50
+    assert cache.allocate(0, 50).num_bytes == 100 * per_token and cache.allocate(1, 1) is None
+
+
+def test_the_runner_counts_its_features_in_the_kv_budget(tmp_path):
+    from ddtree.models.target import TargetModel
+    from ddtree.models.testing import write_random_target
+
+    path = write_random_target(tmp_path / "t")
+    plain = TargetModel.load(path, max_kv_bytes=2**20)
+    with_features = TargetModel.load(path, max_kv_bytes=2**20, feature_layer_ids=[0, 1])
+    feature_bytes = with_features.feature_dim * 4
+    assert with_features.kv.bytes_per_token == plain.kv.bytes_per_token + feature_bytes
+    assert with_features.kv.num_slots == 2**20 // (plain.kv.bytes_per_token + feature_bytes)

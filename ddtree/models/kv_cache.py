@@ -45,6 +45,7 @@ class KVCache:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         max_tokens_per_request: int | None = None,
+        extra_bytes_per_token: int = 0,
     ):
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
@@ -52,7 +53,10 @@ class KVCache:
         self.dtype = dtype
         self.device = torch.device(device)
         self.max_tokens_per_request = max_tokens_per_request  # e.g. a sliding window served exactly
-        self.bytes_per_token = num_layers * 2 * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+        self.kv_bytes_per_token = num_layers * 2 * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+        # What each reserved token takes from `max_bytes`: its KV entries, plus memory the caller keeps per token
+        # outside the pool (the target's features waiting for the drafter), so that `max_bytes` bounds both.
+        self.bytes_per_token = self.kv_bytes_per_token + int(extra_bytes_per_token)
         self.num_slots = int(max_bytes) // self.bytes_per_token
         if self.num_slots < 1:
             raise ValueError(f"max_bytes={max_bytes} holds no token (one token takes {self.bytes_per_token} bytes)")

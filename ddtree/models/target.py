@@ -189,9 +189,11 @@ class TargetModel:
         elif pack_gemm_weights and self.device.type == "cpu" and dtype == torch.float32 and _has_onednn_linear():
             self._pack_gemm_weights()
         self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling)
+        # `max_kv_bytes` covers each token's KV entries and its features (kept until the drafter takes them)
         self.kv = KVCache(
             config.num_hidden_layers, config.num_key_value_heads, config.head_dim, max_kv_bytes, self.device,
             dtype, max_tokens_per_request=config.sliding_window,
+            extra_bytes_per_token=self.feature_dim * torch.empty(0, dtype=dtype).element_size(),
         )
         self._tokenizer = None
         self._flex = None

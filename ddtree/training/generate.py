@@ -248,8 +248,9 @@ def generate_responses_continuous(
     typical_prompt_tokens = 512  # the KV pool's sizing; longer prompts (whole, as the hf engine) just fit fewer at once
     # the KV pool is sized from the config, read alone (loading the weights twice would cost an 8B target minutes)
     config = _runner_config(source)
-    bytes_per_token = (2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
-                       * torch.empty((), dtype=dtype).element_size())  # K + V
+    bytes_per_token = ((2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
+                        + len(stored_layer_ids) * config.hidden_size)  # K + V, and the features the pool budget counts
+                       * torch.empty((), dtype=dtype).element_size())
     model = TargetModel.load(source, device=device, dtype=dtype, feature_layer_ids=stored_layer_ids,
                              max_kv_bytes=batch_size * (typical_prompt_tokens + max_new_tokens) * bytes_per_token)
     tokenizer = model.tokenizer
