@@ -357,10 +357,10 @@ class Engine:
         if verify_plan.speculative_ids or verify_plan.autoregressive_ids:
             pending_verify = self._submit_verify(verify_plan, verify_drafted)
         if plan.speculative_ids:  # the next group's trees are built while the target verifies
-            # priced for the verify pass they will join, which holds this group alone (the requests planned
-            # autoregressive are in the current one)
-            group_plan = RoundPlan(plan.speculative_ids, [], plan.max_budgets)
-            self._drafted_group = _DraftedGroup(group_plan, self._collect_draft(group_plan, pending_draft))
+            # (priced with this phase's one-token requests standing in for those of the pass they will join,
+            # which are planned only then)
+            drafted = self._collect_draft(plan, pending_draft)
+            self._drafted_group = _DraftedGroup(RoundPlan(plan.speculative_ids, [], plan.max_budgets), drafted)
         if pending_verify is not None:
             result = self._collect_verify(verify_plan, pending_verify)
             self._observe(verify_plan, verify_drafted, result)

