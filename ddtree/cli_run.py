@@ -48,7 +48,7 @@ def _int(value: str, name: str) -> int:
     try:
         return int(value)
     except ValueError:
-        raise SystemExit(f"{name} must be 'auto' or an integer, got {value!r}") from None
+        raise ValueError(f"{name} must be 'auto' or an integer, got {value!r}") from None
 
 
 def _stream(llm, prompt, params, show_stats: bool) -> str:

@@ -1,6 +1,6 @@
 """The decoding engine: continuous batching of DDTree rounds over a target worker and a drafter worker.
 
-One round (`Engine.step`), as in DESIGN.md:
+One round (`Engine.step`; docs/engine.md):
 
     admit + prefill     waiting requests that fit in KV memory join; their first token comes from the prefill
     plan                which running requests draft this round (speculative) and which decode without a draft

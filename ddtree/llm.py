@@ -14,8 +14,9 @@ class LLM:
     """Runs the whole engine in this process.
 
     `LLM()` loads the embedded default pair (SmolLM2-135M-Instruct and the shipped DFlash drafter) on CPU.
-    `model`/`drafter`: a local folder (Hugging Face config.json + safetensors, or a DFlash checkpoint), a .gguf file,
-    or a hub id where a network allows; None means the embedded default. `speculation`: "ddtree" (draft trees),
+    `model`: a local Hugging Face folder (config.json + safetensors), a .gguf file, or a hub id where a network
+    allows; None: the embedded default. `drafter`: a local DFlash checkpoint folder trained for that target; None
+    only with the embedded target (its shipped drafter). `speculation`: "ddtree" (draft trees),
     "dflash" (the drafter's argmax chain, the single-path baseline) or "off" (plain autoregressive decoding).
     `budget`: "auto" (adaptive per request and per round) or a fixed node count per speculative request.
     `allow_fallback` (auto budget): requests whose drafts do not pay decode autoregressively, probed again at most

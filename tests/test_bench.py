@@ -68,6 +68,9 @@ def test_ddtree_generate_streams_with_logprobs_and_bad_input_is_one_line(tmp_pat
                                       "--temperature", "-1"])
     assert console_main() == 2
     assert capsys.readouterr().err.strip().startswith("ddtree: error: SamplingParams.temperature")
+    monkeypatch.setattr(sys, "argv", ["ddtree", "generate", "hello", "--budget", "lots"])
+    assert console_main() == 2
+    assert capsys.readouterr().err.strip() == "ddtree: error: --budget must be 'auto' or an integer, got 'lots'"
 
 
 def test_ddtree_chat_keeps_the_conversation_and_quits(tmp_path, capsys, monkeypatch):
