@@ -424,7 +424,7 @@ class Engine:
             topk_logprobs, topk_token_ids = pending.result()
             self.timings.draft += pending.seconds
             self.timings.num_draft_calls += 1
-            self.budget.cost.observe_draft(len(plan.speculative_ids), pending.seconds)
+            self.budget.cost.observe_draft(len(plan.speculative_ids), self._observed_seconds(pending))
             t1 = time.perf_counter()
             if self.config.speculation == "dflash":
                 trees = chain_trees_from_topk(topk_logprobs, topk_token_ids, plan.max_budgets)
@@ -494,8 +494,15 @@ class Engine:
         self.timings.num_rounds += 1
         self.timings.num_speculative_request_rounds += len(plan.speculative_ids)
         self.timings.num_autoregressive_request_rounds += len(plan.autoregressive_ids)
-        self.budget.cost.observe_verify(result.num_tokens, result.forward_seconds + result.accept_seconds)
+        self.budget.cost.observe_verify(result.num_tokens, self._observed_seconds(pending))
         return result
+
+    def _observed_seconds(self, pending) -> float:
+        """What a draft or verify call cost the round, for the cost model: its wall time (an actor call's hops, and
+        for a draft the features' transfer, are part of what drafting costs a round; the start-up curves measure
+        inside the workers only), except when two groups are in flight, where the calls overlap and a result may be
+        read late: then the time inside the worker."""
+        return pending.seconds if self._is_pipelining else pending.wall_seconds
 
     def _observe(self, plan: RoundPlan, drafted: _DraftedTrees, result: VerifyResult) -> None:
         for i, rid in enumerate(plan.speculative_ids):

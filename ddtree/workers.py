@@ -36,6 +36,7 @@ class Completed:
         t0 = time.perf_counter()
         self.value = fn(*args)
         self.seconds = time.perf_counter() - t0  # spent inside the worker
+        self.wall_seconds = self.seconds  # what the call cost its caller (an actor call adds its hops)
 
     def result(self):
         return self.value

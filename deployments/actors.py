@@ -150,13 +150,15 @@ class PendingCall:
         self.start = time.perf_counter()
         self.ref = method.remote(*args)
         self.seconds = 0.0  # inside the actor, known after result()
+        self.wall_seconds = 0.0  # submission to result: the hops included, known after result()
         self._value = None
         self._is_done = False
 
     def result(self):
         if not self._is_done:
             self._value, self.seconds = ray.get(self.ref)
-            self.hops.add(time.perf_counter() - self.start, self.seconds)
+            self.wall_seconds = time.perf_counter() - self.start
+            self.hops.add(self.wall_seconds, self.seconds)
             self._is_done = True
         return self._value
 

@@ -252,6 +252,37 @@ def test_automatic_ids_skip_ids_callers_chose(workers):
         engine.abort_request(rid)
 
 
+class _HopDelayed:
+    """An actor call's pending result: its wall time exceeds the time inside the worker by the hops."""
+
+    def __init__(self, inner, hop_seconds: float) -> None:
+        self.inner, self.seconds, self.wall_seconds = inner, inner.seconds, inner.seconds + hop_seconds
+
+    def result(self):
+        return self.inner.result()
+
+
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_the_cost_model_sees_what_a_call_costs_the_round(workers, monkeypatch, pipeline):
+    """Sequential rounds wait for each call: the cost model observes wall times, hops included (on actors a draft
+    costs its hops too, and ignoring them made drafting look cheaper than it is under Serve). With two groups in
+    flight the calls overlap, so it observes the time inside the workers."""
+    llm = make_llm(workers, speculation="ddtree", budget=4, pipeline=pipeline, max_num_seqs=4)
+    engine, (target, drafter, _) = llm.engine, workers
+    for worker, name in ((drafter, "draft_async"), (target, "verify_async")):
+        call = getattr(worker, name)
+        monkeypatch.setattr(worker, name, lambda *a, call=call: _HopDelayed(call(*a), 1.0))
+    observed = {"draft": [], "verify": []}
+    for kind in observed:
+        method = getattr(engine.budget.cost, f"observe_{kind}")
+        monkeypatch.setattr(engine.budget.cost, f"observe_{kind}",
+                            lambda n, seconds, method=method, kind=kind: (observed[kind].append(seconds),
+                                                                          method(n, seconds)))
+    llm.generate(PROMPTS[:2], greedy(12))
+    for kind, seconds in observed.items():
+        assert seconds and (all(s >= 1.0 for s in seconds) if not pipeline else all(s < 1.0 for s in seconds))
+
+
 def test_fallback_skips_the_drafter_and_recovers(workers):
     # A drafter forward that costs five one-token verify passes never pays: requests decode autoregressively with
     # no drafter call at all, and within 3% of their time (BudgetConfig.max_probe_overhead) not even a probe fits.
