@@ -241,6 +241,17 @@ def test_a_drafter_that_outputs_nan_costs_acceptance_not_the_engine(checkpoints,
     assert engine.timings.num_draft_calls > 0  # it did draft, every round (fixed budget)
 
 
+def test_a_request_with_one_token_left_does_not_draft(workers):
+    """Its last token comes from the verify's root alone: a draft could add nothing to it."""
+    llm = make_llm(workers, speculation="ddtree", budget=8)
+    reference = make_llm(workers, speculation="off").generate(PROMPTS[:2], greedy(2))
+    outputs = llm.generate(PROMPTS[:2], greedy(2))  # one token from the prefill, one left
+    assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
+    assert llm.engine.timings.num_draft_calls == 0 and all(o.acceptance_lengths == [] for o in outputs)
+    longer = llm.generate(PROMPTS[:1], greedy(12))[0]
+    assert longer.acceptance_lengths and sum(longer.acceptance_lengths) <= 11  # drafted, except maybe the last
+
+
 def test_automatic_ids_skip_ids_callers_chose(workers):
     engine = make_llm(workers, speculation="off").engine
     mine = engine.add_request("hello", greedy(2), request_id="req-0")
