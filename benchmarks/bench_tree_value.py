@@ -47,19 +47,6 @@ def build_tree(values: list[list[float]], ids: list[list[int]], budget: int, dep
     return tokens, parents
 
 
-def accepted_length(tokens: list[int], parents: list[int], target_next: list[int]) -> int:
-    children: dict[int, dict[int, int]] = {}
-    for node, (parent, token) in enumerate(zip(parents, tokens)):
-        children.setdefault(parent, {})[token] = node
-    node, depth = -1, 0
-    while depth < len(target_next):
-        node = children.get(node, {}).get(target_next[depth])
-        if node is None:
-            break
-        depth += 1
-    return depth
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--eval-dir", type=Path, default=Path("work/drafter_eval"))
@@ -74,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from ddtree.training.data import FeatureReader, read_sequences, stored_layer_ids
-    from ddtree.training.evaluate import draft_topk_at_every_anchor, load_for_evaluation
+    from ddtree.training.evaluate import accepted_length, draft_topk_at_every_anchor, load_for_evaluation
     from ddtree.training.prompts import CATEGORIES
     from ddtree.workers import DEFAULT_DRAFTER_DIR
 

@@ -126,8 +126,13 @@ def simulate_rounds(
 
 def _tree_accepted(values: torch.Tensor, ids: torch.Tensor, budget: int, target_next: list[int]) -> int:
     tree = build_tree_from_topk(values, ids, budget)
+    return accepted_length(tree.token_ids.tolist(), tree.parents.tolist(), target_next)
+
+
+def accepted_length(token_ids: list[int], parents: list[int], target_next: list[int]) -> int:
+    """How deep a tree (nodes' tokens and parents, -1 for the root's children) follows the target's continuation."""
     children: dict[int, dict[int, int]] = {}
-    for node, (parent, token) in enumerate(zip(tree.parents.tolist(), tree.token_ids.tolist())):
+    for node, (parent, token) in enumerate(zip(parents, token_ids)):
         children.setdefault(parent, {})[token] = node
     node, depth = -1, 0
     while depth < len(target_next):
