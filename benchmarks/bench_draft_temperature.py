@@ -30,8 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(REPO))
     import torch
 
-    from ddtree.training.data import FeatureReader, read_sequences, stored_layer_ids
-    from ddtree.training.evaluate import draft_topk_at_every_anchor, load_for_evaluation, simulate_rounds
+    from ddtree.training.evaluate import (drafts_of_sequences, load_evaluation_set, load_for_evaluation,
+                                          simulate_rounds)
     from ddtree.workers import DEFAULT_DRAFTER_DIR
 
     torch.set_num_threads(args.threads)
@@ -39,19 +39,11 @@ def main(argv: list[str] | None = None) -> int:
     print("| category | tokens | T | " + " | ".join(f"tau B={b}" for b in args.budgets) + " |")
     print("|---|---|---|" + "---|" * len(args.budgets))
     for category in ("code", "math", "chat"):
-        data_dir = args.eval_dir / category
-        sequences = read_sequences(data_dir)[: args.num_sequences]
-        if not sequences:
-            raise SystemExit(f"no evaluation data in {data_dir}: run `ddtree train-drafter eval-data` first")
-        reader = FeatureReader(data_dir, stored_layer_ids(data_dir), drafter.config.target_layer_ids)
+        sequences, reader = load_evaluation_set(args.eval_dir / category, drafter, args.num_sequences)
         rounds = {(t, b): 0 for t in args.temperatures for b in args.budgets}
         num_tokens = 0
-        for seq in sequences:
-            first = seq.prompt_length
-            if len(seq.token_ids) - 1 <= first:
-                continue
-            values, ids = draft_topk_at_every_anchor(drafter, embed, lm_head, reader(seq), seq.token_ids, first,
-                                                     max(64, *args.budgets), draft_token_ids=draft_token_ids)
+        for seq, first, values, ids in drafts_of_sequences(drafter, embed, lm_head, sequences, reader,
+                                                           max(64, *args.budgets), draft_token_ids):
             num_tokens += len(seq.token_ids) - 1 - first
             for t in args.temperatures:
                 tempered = values if t == 1 else torch.log_softmax(values / t, dim=-1)

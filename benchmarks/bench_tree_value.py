@@ -60,8 +60,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from ddtree.training.data import FeatureReader, read_sequences, stored_layer_ids
-    from ddtree.training.evaluate import accepted_length, draft_topk_at_every_anchor, load_for_evaluation
+    from ddtree.training.evaluate import (accepted_length, drafts_of_sequences, load_evaluation_set,
+                                          load_for_evaluation)
     from ddtree.training.prompts import CATEGORIES
     from ddtree.workers import DEFAULT_DRAFTER_DIR
 
@@ -74,19 +74,11 @@ def main(argv: list[str] | None = None) -> int:
     header = "| category | B | " + " | ".join(f"gamma {g:g}" for g in args.gammas) + " |"
     rows = []
     for category in CATEGORIES:
-        data_dir = args.eval_dir / category
-        sequences = read_sequences(data_dir)[: args.num_sequences]
-        if not sequences:
-            raise SystemExit(f"no evaluation data in {data_dir}: run `ddtree train-drafter eval-data` first")
-        reader = FeatureReader(data_dir, stored_layer_ids(data_dir), drafter.config.target_layer_ids)
+        sequences, reader = load_evaluation_set(args.eval_dir / category, drafter, args.num_sequences)
         rounds = {(b, gap): 0 for b in args.budgets for gap in gaps}
         num_tokens = 0
-        for seq in sequences:
-            first = seq.prompt_length
-            if len(seq.token_ids) - 1 <= first:
-                continue
-            values, ids = draft_topk_at_every_anchor(drafter, embed, lm_head, reader(seq), seq.token_ids, first,
-                                                     top_k, draft_token_ids=draft_token_ids)
+        for seq, first, values, ids in drafts_of_sequences(drafter, embed, lm_head, sequences, reader, top_k,
+                                                           draft_token_ids):
             values, ids = values.double().tolist(), ids.tolist()
             num_tokens += len(seq.token_ids) - 1 - first
             for b in args.budgets:

@@ -143,6 +143,29 @@ def accepted_length(token_ids: list[int], parents: list[int], target_next: list[
     return depth
 
 
+def load_evaluation_set(data_dir: Path, drafter: DFlashDraftModel, max_sequences: int | None = None):
+    """(sequences, feature reader) of one evaluation category's data folder (`train-drafter eval-data`)."""
+    from ddtree.training.data import FeatureReader, read_sequences, stored_layer_ids
+
+    sequences = read_sequences(data_dir)[:max_sequences]
+    if not sequences:
+        raise ValueError(f"no evaluation data in {data_dir}: run `ddtree train-drafter eval-data` first")
+    return sequences, FeatureReader(data_dir, stored_layer_ids(data_dir), drafter.config.target_layer_ids)
+
+
+def drafts_of_sequences(drafter: DFlashDraftModel, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
+                        sequences: list, read_features, top_k: int, draft_token_ids: torch.Tensor | None = None):
+    """For every sequence with a response to speculate on: (sequence, first anchor, values, ids) of
+    `draft_topk_at_every_anchor` (on the CPU), the first anchor being the prompt's last token."""
+    for seq in sequences:
+        first_anchor = seq.prompt_length  # the first response token comes from prefill, not from a draft
+        if len(seq.token_ids) - 1 <= first_anchor:
+            continue
+        values, ids = draft_topk_at_every_anchor(drafter, embed_weight, lm_head_weight, read_features(seq),
+                                                 seq.token_ids, first_anchor, top_k, draft_token_ids=draft_token_ids)
+        yield seq, first_anchor, values.cpu(), ids.cpu()  # one copy per sequence: the simulations walk them in Python
+
+
 def evaluate_tau(
     drafter: DFlashDraftModel,
     embed_weight: torch.Tensor,
@@ -155,14 +178,8 @@ def evaluate_tau(
 ) -> TauResult:
     result = TauResult(category, num_rounds_tree={b: 0 for b in budgets})
     top_k = min(max(budgets, default=1), lm_head_weight.shape[0])
-    for seq in sequences:
-        first_anchor = seq.prompt_length  # the first response token comes from prefill, not from a draft
-        if len(seq.token_ids) - 1 <= first_anchor:
-            continue
-        values, ids = draft_topk_at_every_anchor(drafter, embed_weight, lm_head_weight, read_features(seq),
-                                                 seq.token_ids, first_anchor, top_k,
-                                                 draft_token_ids=draft_token_ids)
-        values, ids = values.cpu(), ids.cpu()  # one copy per sequence; the simulation walks them in Python
+    for seq, first_anchor, values, ids in drafts_of_sequences(drafter, embed_weight, lm_head_weight, sequences,
+                                                              read_features, top_k, draft_token_ids):
         result.num_sequences += 1
         result.num_tokens += len(seq.token_ids) - 1 - first_anchor
         result.num_rounds_chain += simulate_rounds(seq.token_ids, first_anchor, ids, values, None)

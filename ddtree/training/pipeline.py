@@ -333,8 +333,8 @@ def _vocab(args: argparse.Namespace) -> None:
 def _eval(args: argparse.Namespace) -> None:
     import torch
 
-    from ddtree.training.data import FeatureReader, read_sequences, stored_layer_ids
-    from ddtree.training.evaluate import evaluate_tau, format_table, load_for_evaluation, write_results
+    from ddtree.training.evaluate import (evaluate_tau, format_table, load_evaluation_set, load_for_evaluation,
+                                          write_results)
     from ddtree.training.prompts import CATEGORIES
 
     torch.set_num_threads(args.num_threads)
@@ -345,11 +345,7 @@ def _eval(args: argparse.Namespace) -> None:
     results = []
     start = time.time()
     for category in CATEGORIES:
-        data_dir = args.eval_dir / category
-        sequences = read_sequences(data_dir)[: args.max_eval_sequences]
-        if not sequences:
-            raise ValueError(f"no evaluation data in {data_dir}: run the eval-data step first")
-        reader = FeatureReader(data_dir, stored_layer_ids(data_dir), drafter.config.target_layer_ids)
+        sequences, reader = load_evaluation_set(args.eval_dir / category, drafter, args.max_eval_sequences)
         results.append(evaluate_tau(drafter, embed, lm_head, sequences, reader, category, budgets,
                                     draft_token_ids=draft_token_ids))
         print(f"[eval] {results[-1].summary()}", flush=True)
