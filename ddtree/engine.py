@@ -399,12 +399,13 @@ class Engine:
         if self.drafter is None:
             return RoundPlan([], list(running), [])
         # A request with one token left gets it from the verify's root alone: a draft could add nothing.
-        last = [r for r in running
-                if self.requests[r].output.max_new_tokens - len(self.requests[r].output.token_ids) <= 1]
+        last = {r for r in running
+                if self.requests[r].output.max_new_tokens - len(self.requests[r].output.token_ids) <= 1}
         if not last:
             return self.budget.plan(running)
-        plan = self.budget.plan([r for r in running if r not in set(last)])
-        return RoundPlan(plan.speculative_ids, plan.autoregressive_ids + last, plan.max_budgets)
+        plan = self.budget.plan([r for r in running if r not in last])
+        return RoundPlan(plan.speculative_ids, plan.autoregressive_ids + [r for r in running if r in last],
+                         plan.max_budgets)
 
     def _submit_draft(self, plan: RoundPlan):
         """Start the drafter forward for the plan's speculative requests (None when there are none)."""

@@ -149,9 +149,10 @@ class LLM:
         items = [self.engine.validate(prompt if isinstance(prompt, str) else list(prompt), p) for prompt, p in items]
         finals: dict[str, RequestOutput] = {}
         order: list[str] = []
+        unfinished: list[str] = []
         pending = list(items)
         try:
-            while pending or len(finals) < len(order):
+            while pending or unfinished:
                 while pending:
                     prompt, params = pending[0]
                     try:
@@ -159,18 +160,21 @@ class LLM:
                     except EngineFullError:
                         break
                     order.append(rid)
+                    unfinished.append(rid)
                     self._outbox[rid] = []
                     pending.pop(0)
-                for rid in order:
-                    if rid not in finals and not self._outbox[rid]:
-                        self._check_alive(rid)
+                for rid in unfinished:
+                    self._check_alive(rid)
                 self._step()
-                for rid in order:
-                    box = self._outbox.get(rid)
+                still = []
+                for rid in unfinished:
+                    box = self._outbox[rid]
                     if box and box[-1].finished:
                         finals[rid] = box[-1]
-                    if box:
-                        box.clear()
+                    else:
+                        still.append(rid)
+                    box.clear()
+                unfinished = still
         finally:  # interrupted (Ctrl-C, an error): nothing of this call stays queued or holds the KV cache
             for rid in order:
                 self._outbox.pop(rid, None)
