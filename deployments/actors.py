@@ -16,6 +16,11 @@ deserialised there).
 Each timed actor method returns (result, seconds spent inside the actor); the proxies keep the difference from the
 wall time of the call: the cost of the actor hop itself (see `HopTimes`, reported as a metric and by
 benchmarks/bench_actors.py).
+
+What crosses between processes in the round is numpy arrays and lists, never torch tensors: Ray pickles a torch
+tensor through torch's own reducer, ~0.3 ms apiece on this project's CPU, where a numpy array travels as one buffer
+(~0.05 ms). A verify call carried four tensors per request's tree, so its hop grew with the batch (`trees_to_wire`,
+`tensor_to_wire`).
 """
 
 from __future__ import annotations
@@ -24,7 +29,9 @@ import os
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import ray
+import torch
 
 from deployments.config import ActorPlace, WorkerSpec
 
@@ -41,6 +48,48 @@ def _set_torch_threads(spec: WorkerSpec) -> None:
         import torch
 
         torch.set_num_threads(spec.torch_threads or len(os.sched_getaffinity(0)))
+
+
+def tensor_to_wire(t: torch.Tensor) -> tuple[np.ndarray, str]:
+    """A tensor as (numpy array on the host, dtype name); bfloat16, which numpy lacks, travels as its bits."""
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy(), "bfloat16"
+    return t.numpy(), str(t.dtype).removeprefix("torch.")
+
+
+def tensor_from_wire(wire: tuple[np.ndarray, str]) -> torch.Tensor:
+    array, dtype = wire
+    t = torch.from_numpy(np.array(array))  # a writable copy: Ray hands out read-only views of its object store
+    return t.view(torch.bfloat16) if dtype == "bfloat16" else t
+
+
+def trees_to_wire(trees: list) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """A verify call's trees (DraftTree, or None for a root-only segment) as node counts (-1: None) and two arrays:
+    [3, N] int64 token ids, parents, depths and [N] float32 path log-probs of all nodes, request after request."""
+    from ddtree.tree import DraftTree
+
+    counts = [-1 if t is None else t.num_nodes for t in trees]
+    present = [t for t in trees if t is not None and t.num_nodes] or [DraftTree.empty()]
+    ints = torch.stack([torch.cat([getattr(t, f).cpu() for t in present]) for f in ("token_ids", "parents", "depths")])
+    values = torch.cat([t.path_logprobs.cpu().float() for t in present])
+    return counts, ints.numpy(), values.numpy()
+
+
+def trees_from_wire(wire: tuple[list[int], np.ndarray, np.ndarray]) -> list:
+    from ddtree.tree import DraftTree
+
+    counts, ints, values = wire
+    ints, values = torch.from_numpy(np.array(ints)), torch.from_numpy(np.array(values))
+    trees, start = [], 0
+    for n in counts:
+        if n < 0:
+            trees.append(None)
+            continue
+        rows = slice(start, start + n)
+        trees.append(DraftTree(ints[0, rows], ints[1, rows], ints[2, rows], values[rows]))
+        start += n
+    return trees
 
 
 class TargetActor:
@@ -75,13 +124,14 @@ class TargetActor:
     def prefill(self, request_ids, prompts):
         return _timed(self.worker.prefill, request_ids, prompts)
 
-    def verify(self, request_ids, trees, roots):
-        return _timed(self.worker.verify, request_ids, trees, roots)
+    def verify(self, request_ids, trees_wire, roots):
+        return _timed(lambda: self.worker.verify(request_ids, trees_from_wire(trees_wire), roots))
 
     def take_features(self, request_ids):
-        # On the CPU: they leave this process serialised anyway (a CUDA tensor is copied to the host to be pickled),
-        # and a CUDA tensor would be unpickled onto the receiver's GPU of the same index, not the drafter's device.
-        return [f.cpu() for f in self.worker.take_features(request_ids)]
+        # On the host, as numpy (module docstring): they leave this process serialised anyway, and a CUDA tensor
+        # would be unpickled onto the receiver's GPU of the same index, not the drafter's device.
+        features = self.worker.take_features(request_ids)
+        return [f.shape[0] for f in features], tensor_to_wire(torch.cat(features))
 
     def free(self, request_id):
         return _timed(self.worker.free, request_id)
@@ -106,14 +156,16 @@ class DrafterActor:
     def block_len(self) -> int:
         return self.worker.block_len
 
-    def draft(self, request_ids, roots, features, max_k):
-        """The top-K draft log-probs and token ids, on the CPU: the engine replica that builds the trees from them
-        holds no GPU (unpickling a CUDA tensor there would open a context on a GPU Ray never gave it)."""
-        def draft_to_cpu():
+    def draft(self, request_ids, roots, features_wire, max_k):
+        """The top-K draft log-probs and token ids, on the host as numpy: the engine replica that builds the trees
+        from them holds no GPU (unpickling a CUDA tensor there would open a context on a GPU Ray never gave it)."""
+        def draft_to_host():
+            lengths, wire = features_wire
+            features = list(tensor_from_wire(wire).split(lengths))
             logprobs, token_ids = self.worker.draft(request_ids, roots, features, max_k)
-            return logprobs.cpu(), token_ids.cpu()
+            return tensor_to_wire(logprobs), tensor_to_wire(token_ids)
 
-        return _timed(draft_to_cpu)
+        return _timed(draft_to_host)
 
     def free(self, request_id):
         return _timed(self.worker.free, request_id)
@@ -145,8 +197,9 @@ class PendingCall:
     waits for it. The hop time booked is the wall time from submission to result minus the time inside the actor,
     so it is an upper bound when the caller reads the result late."""
 
-    def __init__(self, hops: HopTimes, method, *args) -> None:
+    def __init__(self, hops: HopTimes, method, *args, convert=None) -> None:
         self.hops = hops
+        self.convert = convert  # applied to the actor's result (e.g. numpy arrays back into tensors)
         self.start = time.perf_counter()
         self.ref = method.remote(*args)
         self.seconds = 0.0  # inside the actor, known after result()
@@ -157,6 +210,8 @@ class PendingCall:
     def result(self):
         if not self._is_done:
             self._value, self.seconds = ray.get(self.ref)
+            if self.convert is not None:
+                self._value = self.convert(self._value)
             self.wall_seconds = time.perf_counter() - self.start
             self.hops.add(self.wall_seconds, self.seconds)
             self._is_done = True
@@ -192,10 +247,10 @@ class TargetProxy:
         return _call(self.hops, self.actor.prefill, request_ids, prompts)
 
     def verify(self, request_ids, trees, roots):
-        return _call(self.hops, self.actor.verify, request_ids, trees, roots)
+        return _call(self.hops, self.actor.verify, request_ids, trees_to_wire(trees), roots)
 
     def verify_async(self, request_ids, trees, roots) -> PendingCall:
-        return PendingCall(self.hops, self.actor.verify, request_ids, trees, roots)
+        return PendingCall(self.hops, self.actor.verify, request_ids, trees_to_wire(trees), roots)
 
     def take_features(self, request_ids):
         # Un-fetched on purpose: the drafter actor resolves it (see the module docstring).
@@ -222,16 +277,22 @@ class DrafterProxy:
         self.block_len = ray.get(actor.block_len.remote())
 
     def draft(self, request_ids, roots, features_ref, max_k):
-        return _call(self.hops, self.actor.draft, request_ids, roots, features_ref, max_k)
+        return _draft_from_wire(_call(self.hops, self.actor.draft, request_ids, roots, features_ref, max_k))
 
     def draft_async(self, request_ids, roots, features_ref, max_k) -> PendingCall:
-        return PendingCall(self.hops, self.actor.draft, request_ids, roots, features_ref, max_k)
+        return PendingCall(self.hops, self.actor.draft, request_ids, roots, features_ref, max_k,
+                           convert=_draft_from_wire)
 
     def free(self, request_id):
         return _call(self.hops, self.actor.free, request_id)
 
     def measure_draft_cost(self, batch_sizes, max_k):
         return ray.get(self.actor.measure_draft_cost.remote(batch_sizes, max_k))
+
+
+def _draft_from_wire(wire) -> tuple[torch.Tensor, torch.Tensor]:
+    logprobs, token_ids = wire
+    return tensor_from_wire(logprobs), tensor_from_wire(token_ids)
 
 
 @dataclass
