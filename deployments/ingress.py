@@ -173,8 +173,7 @@ class OpenAIIngress:
             try:
                 finals = await asyncio.gather(*(_engine_call(r) for r in responses))
             except BaseException:
-                for r in responses:
-                    r.cancel()
+                _cancel_all(responses)
                 raise
             usage = protocol.usage_of(finals, self.args.speculation)
             if chat:

@@ -25,6 +25,11 @@ import torch
 COMPACT_CHUNK_TOKENS = 256  # entries moved per copy when the pool compacts (bounds the temporary memory)
 
 
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """K and V of one token in every layer."""
+    return num_layers * 2 * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+
+
 @dataclass
 class KVHandle:
     """One request's reservation in the pool."""
@@ -55,7 +60,7 @@ class KVCache:
         self.dtype = dtype
         self.device = torch.device(device)
         self.max_tokens_per_request = max_tokens_per_request  # e.g. a sliding window served exactly
-        self.kv_bytes_per_token = num_layers * 2 * num_kv_heads * head_dim * torch.empty(0, dtype=dtype).element_size()
+        self.kv_bytes_per_token = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
         # What each reserved token takes from `max_bytes`: its KV entries, plus memory the caller keeps per token
         # outside the pool (the target's features waiting for the drafter), so that `max_bytes` bounds both.
         self.bytes_per_token = self.kv_bytes_per_token + int(extra_bytes_per_token)

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ddtree.models.config import TargetConfig
-from ddtree.models.kv_cache import KVCache
+from ddtree.models.kv_cache import KVCache, kv_bytes_per_token
 from ddtree.models.layers import Rotary, rms_norm
 from ddtree.kernels import NO_TENSOR
 from ddtree.packing import PackedBatch
@@ -65,6 +65,17 @@ class LayerWeights:
     w_down: torch.Tensor | None  # [intermediate, H]
     # w_qkv, w_o, w_gate_up, w_down are None when the native CPU ops hold them as panels (PanelLayerWeights).
 
+
+
+def feature_bytes_per_token(config: TargetConfig, dtype: torch.dtype, num_feature_layers: int) -> int:
+    """The features a token keeps for the drafter (hidden states of `num_feature_layers` layers)."""
+    return num_feature_layers * config.hidden_size * torch.empty(0, dtype=dtype).element_size()
+
+
+def kv_budget_bytes_per_token(config: TargetConfig, dtype: torch.dtype, num_feature_layers: int) -> int:
+    """What one reserved token takes from a runner's `max_kv_bytes`: its K and V in every layer, and its features."""
+    return (kv_bytes_per_token(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, dtype)
+            + feature_bytes_per_token(config, dtype, num_feature_layers))
 
 @dataclass
 class PanelLayerWeights:
@@ -193,7 +204,7 @@ class TargetModel:
         self.kv = KVCache(
             config.num_hidden_layers, config.num_key_value_heads, config.head_dim, max_kv_bytes, self.device,
             dtype, max_tokens_per_request=config.sliding_window,
-            extra_bytes_per_token=self.feature_dim * torch.empty(0, dtype=dtype).element_size(),
+            extra_bytes_per_token=feature_bytes_per_token(config, dtype, len(self.feature_layer_ids)),
         )
         self._tokenizer = None
         self._flex = None

@@ -234,7 +234,7 @@ def generate_responses_continuous(
     hidden_states[layer + 1]."""
     from safetensors.torch import save_file
 
-    from ddtree.models.target import TargetModel
+    from ddtree.models.target import TargetModel, kv_budget_bytes_per_token
     from ddtree.training.target import DEFAULT_TARGET, chat_prompt_ids, resolve_device
 
     if batch_size <= 0 or max_new_tokens <= 0:
@@ -248,9 +248,7 @@ def generate_responses_continuous(
     typical_prompt_tokens = 512  # the KV pool's sizing; longer prompts (whole, as the hf engine) just fit fewer at once
     # the KV pool is sized from the config, read alone (loading the weights twice would cost an 8B target minutes)
     config = _runner_config(source)
-    bytes_per_token = ((2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
-                        + len(stored_layer_ids) * config.hidden_size)  # K + V, and the features the pool budget counts
-                       * torch.empty((), dtype=dtype).element_size())
+    bytes_per_token = kv_budget_bytes_per_token(config, dtype, len(stored_layer_ids))
     model = TargetModel.load(source, device=device, dtype=dtype, feature_layer_ids=stored_layer_ids,
                              max_kv_bytes=batch_size * (typical_prompt_tokens + max_new_tokens) * bytes_per_token)
     tokenizer = model.tokenizer
