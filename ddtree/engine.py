@@ -399,13 +399,16 @@ class Engine:
         if self.drafter is None:
             return RoundPlan([], list(running), [])
         # A request with one token left gets it from the verify's root alone: a draft could add nothing.
-        last = {r for r in running
-                if self.requests[r].output.max_new_tokens - len(self.requests[r].output.token_ids) <= 1}
+        last = {r for r in running if self._tokens_left(r) <= 1}
         if not last:
             return self.budget.plan(running)
         plan = self.budget.plan([r for r in running if r not in last])
         return RoundPlan(plan.speculative_ids, plan.autoregressive_ids + [r for r in running if r in last],
                          plan.max_budgets)
+
+    def _tokens_left(self, rid: str) -> int:
+        output = self.requests[rid].output
+        return output.max_new_tokens - len(output.token_ids)
 
     def _submit_draft(self, plan: RoundPlan):
         """Start the drafter forward for the plan's speculative requests (None when there are none)."""
@@ -433,15 +436,19 @@ class Engine:
             self.timings.num_draft_calls += 1
             self.budget.cost.observe_draft(len(plan.speculative_ids), self._observed_seconds(pending))
             t1 = time.perf_counter()
+            # A round commits at most (accepted nodes + 1) tokens: nodes deeper than a request's tokens left - 1
+            # would be verified for nothing (its last rounds), and their share of the allocation go to no one.
+            max_depths = [self._tokens_left(r) - 1 for r in plan.speculative_ids]
             if self.config.speculation == "dflash":
-                trees = chain_trees_from_topk(topk_logprobs, topk_token_ids, plan.max_budgets)
+                lengths = [min(b, d) for b, d in zip(plan.max_budgets, max_depths)]
+                trees = chain_trees_from_topk(topk_logprobs, topk_token_ids, lengths)
             else:
-                trees = build_round_trees(topk_logprobs, topk_token_ids, plan.max_budgets)
+                trees = _build_depth_capped_trees(topk_logprobs, topk_token_ids, plan.max_budgets, max_depths)
             proposed = self._proposed_trees(trees)
         chains: dict[str, list[int]] = {}
         if self.ngram_tokens:
             for rid in list(plan.speculative_ids) + list(ngram_candidates):
-                chains[rid] = self.requests[rid].ngrams.propose(self.ngram_tokens)
+                chains[rid] = self.requests[rid].ngrams.propose(min(self.ngram_tokens, self._tokens_left(rid) - 1))
             drafted.proposals = {rid: chain for rid, chain in chains.items() if chain}
         allocation = self.budget.allocate_round(plan, proposed, chains, packed)
         if not allocation.request_ids:
@@ -625,6 +632,22 @@ class Engine:
             self.drafter.measure_draft_cost([1, 4, 16], cap) if self.drafter is not None else [(1, 1e-3)]
         )
         return CostModel(verify_points, draft_points)
+
+
+def _build_depth_capped_trees(values: torch.Tensor, token_ids: torch.Tensor, budgets: list[int],
+                              max_depths: list[int]) -> list[DraftTree]:
+    """`build_round_trees`, each request's tree holding only nodes of depth <= its max depth: the positions past it
+    get log-probability -inf, so their nodes pop after every finite one (best-first) and are cut off the end."""
+    capped = [r for r, d in enumerate(max_depths) if d < values.shape[1]]
+    if not capped:
+        return build_round_trees(values, token_ids, budgets)
+    values = values.clone()
+    for r in capped:
+        values[r, max(max_depths[r], 0):] = float("-inf")
+    trees = build_round_trees(values, token_ids, budgets)
+    for r in capped:
+        trees[r] = _truncate(trees[r], int(torch.isfinite(trees[r].path_logprobs).sum()))
+    return trees
 
 
 def _truncate(tree: DraftTree, num_nodes: int) -> DraftTree:

@@ -252,6 +252,31 @@ def test_a_request_with_one_token_left_does_not_draft(workers):
     assert longer.acceptance_lengths and sum(longer.acceptance_lengths) <= 11  # drafted, except maybe the last
 
 
+@pytest.mark.parametrize("config", [dict(speculation="ddtree", budget=64), dict(speculation="dflash"),
+                                    dict(speculation="ddtree", budget="auto", ngram_tokens=8)],
+                         ids=["ddtree-64", "dflash", "auto-ngram"])
+def test_trees_hold_no_node_deeper_than_the_tokens_left(workers, config, monkeypatch):
+    """A round commits at most accepted nodes + 1 tokens: a request with n tokens left verifies no node deeper
+    than n - 1, and its output stays the target's own."""
+    llm = make_llm(workers, max_num_seqs=3, **config)
+    engine, depth_excess = llm.engine, []
+    submit = engine.target.verify_async
+
+    def checked_verify(request_ids, trees, roots):
+        for rid, tree in zip(request_ids, trees):
+            if tree is not None and tree.num_nodes:
+                output = engine.requests[rid].output
+                depth_excess.append(int(tree.depths.max()) - (output.max_new_tokens - len(output.token_ids) - 1))
+        return submit(request_ids, trees, roots)
+
+    monkeypatch.setattr(engine.target, "verify_async", checked_verify)  # (the workers are the module's)
+    params = [greedy(n) for n in (3, 4, 5, 7, 9)]
+    reference = make_llm(workers, speculation="off").generate(PROMPTS, params)
+    outputs = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
+    assert depth_excess and max(depth_excess) == 0  # capped, and some at their cap
+
+
 def test_automatic_ids_skip_ids_callers_chose(workers):
     engine = make_llm(workers, speculation="off").engine
     mine = engine.add_request("hello", greedy(2), request_id="req-0")
@@ -432,7 +457,11 @@ def test_sampling_matches_the_target_distribution(checkpoints, workers, proposal
     from transformers import AutoModelForCausalLM
 
     tok = workers[2]
-    prompt = tok.encode("the cat" if proposals == "tree" else "the cat the cat the", add_special_tokens=False)
+    # n-gram variant: every character of the tiny vocabulary occurs in the prompt with one after it, so the first
+    # sampled token always has a 1-token chain to verify in the round that samples the second (with two tokens
+    # left, a round verifies no deeper).
+    ngram_prompt = "abcdefghijklmnopqrstuvwxyz .,!?0123456789 the cat the cat the"
+    prompt = tok.encode("the cat" if proposals == "tree" else ngram_prompt, add_special_tokens=False)
     hf = AutoModelForCausalLM.from_pretrained(checkpoints[0], dtype=torch.float64).eval()
 
     def dist(ids):
@@ -451,7 +480,7 @@ def test_sampling_matches_the_target_distribution(checkpoints, workers, proposal
         llm = make_llm(workers, speculation="ddtree", budget=16, max_num_seqs=8)
     else:
         target, drafter, _ = workers
-        llm = LLM.from_engine(Engine(EngineConfig(max_num_seqs=8), target, drafter, tok,
+        llm = LLM.from_engine(Engine(EngineConfig(max_num_seqs=4), target, drafter, tok,
                                      cost=copy.deepcopy(NGRAM_ONLY_COST)))
     n = 1500
     torch.manual_seed(1234)
