@@ -13,7 +13,7 @@ the machine hits both alike); the table reports every measured round. The table 
 overhead per round (wall time of the proxy calls minus the time the actors spent working), tokens/s, and the round
 split into the engine's stages (draft is timed around the drafter call, hops included; verify and accept inside the
 target; "other" is the rest: admission, the verify call's hop); last, the bare cost of one actor round trip and of a
-features hand-off between two actors.
+call taking features another actor returned.
 """
 
 from __future__ import annotations
@@ -91,10 +91,13 @@ def run_engine(engine, prompts, params, concurrency: int, name: str, hops=None) 
 
 
 def bare_hops(num_calls: int, feature_shape: tuple[int, int]) -> tuple[float, float]:
-    """Seconds per no-op actor round trip, and per features hand-off (actor A returns a tensor by reference, actor B
-    receives it), as the round loop does."""
+    """Seconds per no-op actor round trip, and per round trip of a call whose argument is a features object that
+    another actor returned earlier (as the drafter's call takes the features a verify returned; the wire format of
+    deployments/actors.py)."""
     import ray
     import torch
+
+    from deployments.actors import tensor_from_wire, tensor_to_wire
 
     @ray.remote(num_cpus=0)
     class Echo:
@@ -102,10 +105,10 @@ def bare_hops(num_calls: int, feature_shape: tuple[int, int]) -> tuple[float, fl
             return None
 
         def make(self, rows, cols):
-            return torch.randn(rows, cols)  # [num_tokens, num_feature_dims]
+            return [rows], tensor_to_wire(torch.randn(rows, cols))  # [num_tokens, num_feature_dims]
 
         def take(self, features):
-            return features.shape[0]
+            return tensor_from_wire(features[1]).shape[0]
 
     a, b = Echo.remote(), Echo.remote()
     ray.get([a.noop.remote(), b.noop.remote()])
@@ -113,9 +116,11 @@ def bare_hops(num_calls: int, feature_shape: tuple[int, int]) -> tuple[float, fl
     for _ in range(num_calls):
         ray.get(a.noop.remote())
     noop = (time.perf_counter() - t0) / num_calls
+    refs = [a.make.remote(*feature_shape) for _ in range(num_calls)]
+    ray.wait(refs, num_returns=len(refs))
     t0 = time.perf_counter()
-    for _ in range(num_calls):
-        ray.get(b.take.remote(a.make.remote(*feature_shape)))
+    for ref in refs:
+        ray.get(b.take.remote(ref))
     handoff = (time.perf_counter() - t0) / num_calls
     for actor in (a, b):
         ray.kill(actor)
@@ -244,8 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     extra = statistics.fmean(remote.round_seconds) - statistics.fmean(local.round_seconds)
     print(f"actors - in-process: {1000 * extra:+.2f} ms per round "
           f"({100 * extra / statistics.fmean(local.round_seconds):+.1f}%)")
-    print(f"bare no-op actor round trip: {1000 * noop:.2f} ms; features hand-off A -> B (8 x 1728 fp32): "
-          f"{1000 * handoff:.2f} ms")
+    print(f"bare no-op actor round trip: {1000 * noop:.2f} ms; a call taking features actor A returned earlier "
+          f"(8 x 1728 fp32) to actor B: {1000 * handoff:.2f} ms")
     return 0 if same else 1
 
 

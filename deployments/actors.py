@@ -7,11 +7,14 @@ also come as `verify_async` / `draft_async`, which submit and return a `PendingC
 engine keeps two request groups in flight and the drafter actor drafts one while the target actor verifies the
 other (ddtree/engine.py `_pipelined_step`).
 
-Target features go from the target actor to the drafter actor by object reference: `TargetProxy.take_features`
-returns the ObjectRef un-fetched and `DrafterProxy.draft` passes it as an argument of the drafter's call, so Ray
-resolves it on the drafter's side (large objects move between the two actors' object stores; Ray inlines objects
-under ~100 KB into the reply to the caller, so small feature sets do pass by the engine process, still without being
-deserialised there).
+Target features go from the target actor to the drafter actor by object reference, with no call of their own: a
+prefill or verify call returns them as a second object (the features of every token it committed, for all its
+requests), which the engine never fetches. `TargetProxy` keeps, per request, the references holding its features
+since it last drafted; `take_features` hands them over (a `FeatureRefs`) and `DrafterProxy.draft` passes them as
+arguments of the drafter's call, so Ray resolves them on the drafter's side (large objects move between the two
+actors' object stores; Ray inlines objects under ~100 KB into the reply to the caller, so small feature sets do pass
+by the engine process, still without being deserialised there). A separate `take_features` actor call, which the
+draft waited for every round, used to do this.
 
 Each timed actor method returns (result, seconds spent inside the actor); the proxies keep the difference from the
 wall time of the call: the cost of the actor hop itself (see `HopTimes`, reported as a metric and by
@@ -109,7 +112,7 @@ class TargetActor:
         """What the engine reads from the worker once, and the tokenizer it detokenizes with."""
         w = self.worker
         return {"max_model_len": w.max_model_len, "max_request_tokens": w.max_request_tokens,
-                "eos_token_ids": list(w.eos_token_ids),
+                "eos_token_ids": list(w.eos_token_ids), "keeps_features": w.keep_features,
                 "vocab_size": w.vocab_size, "tokenizer": self.tokenizer}
 
     def head(self):
@@ -122,16 +125,22 @@ class TargetActor:
         return _timed(self.worker.allocate, request_id, capacity, params)
 
     def prefill(self, request_ids, prompts):
-        return _timed(self.worker.prefill, request_ids, prompts)
+        """(result, seconds) and, where a drafter reads features, the prompts' features (a second return)."""
+        return self._with_features(request_ids, _timed(self.worker.prefill, request_ids, prompts))
 
     def verify(self, request_ids, trees_wire, roots):
-        return _timed(lambda: self.worker.verify(request_ids, trees_from_wire(trees_wire), roots))
+        """(result, seconds) and, where a drafter reads features, the committed tokens' features (a second
+        return)."""
+        timed = _timed(lambda: self.worker.verify(request_ids, trees_from_wire(trees_wire), roots))
+        return self._with_features(request_ids, timed)
 
-    def take_features(self, request_ids):
+    def _with_features(self, request_ids, timed):
+        if not self.worker.keep_features:
+            return timed
         # On the host, as numpy (module docstring): they leave this process serialised anyway, and a CUDA tensor
         # would be unpickled onto the receiver's GPU of the same index, not the drafter's device.
         features = self.worker.take_features(request_ids)
-        return [f.shape[0] for f in features], tensor_to_wire(torch.cat(features))
+        return timed, ([f.shape[0] for f in features], tensor_to_wire(torch.cat(features)))
 
     def free(self, request_id):
         return _timed(self.worker.free, request_id)
@@ -156,12 +165,14 @@ class DrafterActor:
     def block_len(self) -> int:
         return self.worker.block_len
 
-    def draft(self, request_ids, roots, features_wire, max_k):
+    def draft(self, request_ids, roots, picks, max_k, *feature_objects):
         """The top-K draft log-probs and token ids, on the host as numpy: the engine replica that builds the trees
-        from them holds no GPU (unpickling a CUDA tensor there would open a context on a GPU Ray never gave it)."""
+        from them holds no GPU (unpickling a CUDA tensor there would open a context on a GPU Ray never gave it).
+        Request i's new features are its rows in the prefill / verify results `feature_objects` that `picks[i]`
+        names (`FeatureRefs`), in order."""
         def draft_to_host():
-            lengths, wire = features_wire
-            features = list(tensor_from_wire(wire).split(lengths))
+            groups = [tensor_from_wire(wire).split(lengths) for lengths, wire in feature_objects]
+            features = [_joined([groups[o][r] for o, r in pick]) for pick in picks]
             logprobs, token_ids = self.worker.draft(request_ids, roots, features, max_k)
             return tensor_to_wire(logprobs), tensor_to_wire(token_ids)
 
@@ -172,6 +183,12 @@ class DrafterActor:
 
     def measure_draft_cost(self, batch_sizes, max_k):
         return self.worker.measure_draft_cost(batch_sizes, max_k)
+
+
+def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
+    if not parts:
+        return torch.zeros(0, 0)
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
 def _timed(fn, *args):
@@ -197,11 +214,13 @@ class PendingCall:
     waits for it. The hop time booked is the wall time from submission to result minus the time inside the actor,
     so it is an upper bound when the caller reads the result late."""
 
-    def __init__(self, hops: HopTimes, method, *args, convert=None) -> None:
+    def __init__(self, hops: HopTimes, method, *args, convert=None, with_features: bool = False) -> None:
         self.hops = hops
         self.convert = convert  # applied to the actor's result (e.g. numpy arrays back into tensors)
         self.start = time.perf_counter()
-        self.ref = method.remote(*args)
+        # with_features: the method returns a second object, the features, left un-fetched in `features_ref`
+        self.ref, self.features_ref = method.options(num_returns=2).remote(*args) if with_features else (
+            method.remote(*args), None)
         self.seconds = 0.0  # inside the actor, known after result()
         self.wall_seconds = 0.0  # submission to result: the hops included, known after result()
         self._value = None
@@ -225,6 +244,15 @@ def _call(hops: HopTimes, method, *args):
     return result
 
 
+@dataclass
+class FeatureRefs:
+    """Requests' new target features in transit: `picks[i]` lists (index into `refs`, row group) for request i; each
+    referenced object is a prefill or verify call's (row counts per request, features wire)."""
+
+    picks: list[list[tuple[int, int]]]
+    refs: list
+
+
 class TargetProxy:
     """Looks like a TargetWorker to the Engine; every method is one actor call."""
 
@@ -239,24 +267,47 @@ class TargetProxy:
         self.eos_token_ids = info["eos_token_ids"]
         self.vocab_size = info["vocab_size"]
         self.tokenizer = info["tokenizer"]
+        self.keeps_features = info["keeps_features"]
+        # per request: (features object of a prefill / verify call, the request's index in that call), oldest first
+        self._feature_refs: dict[str, list[tuple[ray.ObjectRef, int]]] = {}
 
     def allocate(self, request_id, capacity, params):
         return _call(self.hops, self.actor.allocate, request_id, capacity, params)
 
     def prefill(self, request_ids, prompts):
-        return _call(self.hops, self.actor.prefill, request_ids, prompts)
+        return self._submit(self.actor.prefill, request_ids, prompts).result()
 
     def verify(self, request_ids, trees, roots):
-        return _call(self.hops, self.actor.verify, request_ids, trees_to_wire(trees), roots)
+        return self.verify_async(request_ids, trees, roots).result()
 
     def verify_async(self, request_ids, trees, roots) -> PendingCall:
-        return PendingCall(self.hops, self.actor.verify, request_ids, trees_to_wire(trees), roots)
+        return self._submit(self.actor.verify, request_ids, trees_to_wire(trees), roots)
 
-    def take_features(self, request_ids):
-        # Un-fetched on purpose: the drafter actor resolves it (see the module docstring).
-        return self.actor.take_features.remote(request_ids)
+    def _submit(self, method, request_ids, *args) -> PendingCall:
+        call = PendingCall(self.hops, method, request_ids, *args, with_features=self.keeps_features)
+        if call.features_ref is not None:
+            for i, rid in enumerate(request_ids):
+                self._feature_refs.setdefault(rid, []).append((call.features_ref, i))
+        return call
+
+    def take_features(self, request_ids) -> "FeatureRefs":
+        """The features committed for each request since it last drafted, as references for the drafter's call
+        (un-fetched on purpose: the drafter actor resolves them, see the module docstring)."""
+        refs: list[ray.ObjectRef] = []
+        position: dict[ray.ObjectRef, int] = {}
+        picks = []
+        for rid in request_ids:
+            pick = []
+            for ref, row in self._feature_refs.pop(rid, ()):
+                if ref not in position:
+                    position[ref] = len(refs)
+                    refs.append(ref)
+                pick.append((position[ref], row))
+            picks.append(pick)
+        return FeatureRefs(picks, refs)
 
     def free(self, request_id):
+        self._feature_refs.pop(request_id, None)
         return _call(self.hops, self.actor.free, request_id)
 
     def measure_verify_cost(self, token_counts):
@@ -276,11 +327,12 @@ class DrafterProxy:
         self.hops = hops
         self.block_len = ray.get(actor.block_len.remote())
 
-    def draft(self, request_ids, roots, features_ref, max_k):
-        return _draft_from_wire(_call(self.hops, self.actor.draft, request_ids, roots, features_ref, max_k))
+    def draft(self, request_ids, roots, features: FeatureRefs, max_k):
+        return self.draft_async(request_ids, roots, features, max_k).result()
 
-    def draft_async(self, request_ids, roots, features_ref, max_k) -> PendingCall:
-        return PendingCall(self.hops, self.actor.draft, request_ids, roots, features_ref, max_k,
+    def draft_async(self, request_ids, roots, features: FeatureRefs, max_k) -> PendingCall:
+        # the references as top-level arguments: Ray resolves those (and only those) before the call runs
+        return PendingCall(self.hops, self.actor.draft, request_ids, roots, features.picks, max_k, *features.refs,
                            convert=_draft_from_wire)
 
     def free(self, request_id):
