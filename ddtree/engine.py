@@ -49,6 +49,12 @@ class PromptTooLongError(ValueError):
     """The prompt leaves no room to generate within the model's context window (HTTP 400/413)."""
 
 
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """A text prompt's token ids: with the tokenizer's own special tokens (BOS for Llama/Mistral), as Hugging Face
+    and vLLM encode a prompt."""
+    return tokenizer.encode(text, add_special_tokens=True)
+
+
 @dataclass
 class EngineConfig:
     speculation: str = "ddtree"  # "ddtree" (draft trees), "dflash" (the drafter's argmax chain), "off"
@@ -248,8 +254,7 @@ class Engine:
         # __post_init__), and a bad value found in the middle of a round would fail every request in it.
         params = replace(params)
         if isinstance(prompt, str):
-            # the tokenizer's own special tokens (BOS for Llama/Mistral), as Hugging Face and vLLM encode a prompt
-            prompt_token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            prompt_token_ids = encode_prompt(self.tokenizer, prompt)
         elif isinstance(prompt, (list, tuple)):
             prompt_token_ids = list(prompt)
             vocab = self.target.vocab_size

@@ -77,9 +77,6 @@ class _Stream:
 class EngineLoop:
     engine: object  # ddtree.engine.Engine
     on_round: Callable[[RoundReport], None] | None = None
-    # Turns what callers pass as a prompt (e.g. chat messages) into the engine's prompt, on the loop thread, where
-    # the tokenizer is used by no one else at the same time.
-    prepare_prompt: Callable[[object], str | list[int]] | None = None
     _inbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     _streams: dict[str, _Stream] = field(default_factory=dict)
     _thread: threading.Thread | None = None
@@ -214,8 +211,7 @@ class EngineLoop:
             return False
         if isinstance(item, _Add):
             try:
-                prompt = self.prepare_prompt(item.prompt) if self.prepare_prompt is not None else item.prompt
-                self.engine.add_request(prompt, item.params, request_id=item.request_id)
+                self.engine.add_request(item.prompt, item.params, request_id=item.request_id)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller, nothing was recorded
                 item.loop.call_soon_threadsafe(_settle, item.admitted, None, exc)
                 return True

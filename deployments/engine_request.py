@@ -10,12 +10,15 @@ from ddtree.sampling_params import SamplingParams
 @dataclass
 class EngineRequest:
     """Exactly one of `prompt` (text or token ids, used as is) and `messages` (chat messages, rendered with the
-    model's chat template on the engine replica)."""
+    model's chat template on the engine replica). `strict_max_tokens`: a prompt that leaves fewer than
+    `params.max_tokens` tokens of the context window is refused (the client asked for them, as the OpenAI API
+    refuses it); otherwise generation stops at the window's end (finish reason "length")."""
 
     prompt: str | list[int] | None = None
     messages: list[dict] | None = None
     params: SamplingParams | None = None
     request_id: str | None = None
+    strict_max_tokens: bool = False
 
     def __post_init__(self) -> None:
         if (self.prompt is None) == (self.messages is None):

@@ -6,9 +6,12 @@ the per-round calls from the engine to its workers are plain actor calls (deploy
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import copy
 import logging
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 from deployments.config import AppArgs, WorkerSpec, parse_args
 from deployments.engine_request import EngineRequest
@@ -42,14 +45,53 @@ class DDTreeEngine:
         target = self.actors.target_proxy
         self.engine = Engine(config, target, self.actors.drafter_proxy, target.tokenizer)
         self.metrics = EngineMetrics(self.engine, self.actors.hops, kv_cache_stats=target.kv_cache_stats)
-        self.loop = EngineLoop(self.engine, on_round=self.metrics.on_round, prepare_prompt=self._prepare_prompt)
+        # Prompts are tokenized (chat templates rendered) here, off the loop thread, by a tokenizer of their own
+        # (the loop's detokenizes at the same time): a long prompt delays itself, not every running request's
+        # next round. One thread: a Rust tokenizer holds the GIL while it encodes, so more would not run at once.
+        self._prompt_tokenizer = copy.deepcopy(target.tokenizer)
+        self._prompt_pool = ThreadPoolExecutor(1, thread_name_prefix="ddtree-prompts")
+        # A prompt of more characters than the window holds tokens of the longest token is refused untokenized.
+        self._max_prompt_chars = self.engine.max_model_len * longest_token_chars(self._prompt_tokenizer)
+        self.loop = EngineLoop(self.engine, on_round=self.metrics.on_round)
         self.loop.start()
 
-    def _prepare_prompt(self, request: EngineRequest) -> str | list[int]:
-        """The engine's prompt; chat messages through the model's chat template (runs on the loop thread)."""
-        if request.messages is None:
-            return request.prompt
-        return chat_prompt_token_ids(self.engine.tokenizer, request.messages)
+    async def _prompt_token_ids(self, request: EngineRequest) -> list[int]:
+        """The request's prompt as token ids, checked against the context window; chat messages through the
+        model's chat template."""
+        from ddtree.engine import PromptTooLongError
+
+        if request.prompt is not None and not isinstance(request.prompt, str):
+            token_ids = request.prompt  # the engine checks them
+        else:
+            texts = [request.prompt] if request.messages is None else [
+                m.get("content") for m in request.messages if isinstance(m, dict)]
+            texts = [t for t in texts if isinstance(t, str)]  # (the template refuses other messages, below)
+            num_chars = sum(len(t) for t in texts)
+            for text in texts:
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as exc:  # a lone UTF-16 surrogate: JSON's "\ud800" parses into one
+                    raise ValueError(f"the prompt is not valid Unicode text: {exc.reason} at character "
+                                     f"{exc.start}") from None
+            if num_chars > self._max_prompt_chars:
+                raise PromptTooLongError(
+                    f"the prompt has {num_chars} characters: more tokens than the context window "
+                    f"({self.engine.max_model_len}) holds")
+            token_ids = await asyncio.get_running_loop().run_in_executor(self._prompt_pool, self._encode, request)
+        params = request.params
+        if request.strict_max_tokens and len(token_ids) + params.max_tokens > self.engine.max_model_len:
+            raise PromptTooLongError(
+                f"this model's context window is {self.engine.max_model_len} tokens; the request asks for "
+                f"{len(token_ids) + params.max_tokens} ({len(token_ids)} in the prompt, {params.max_tokens} to "
+                f"generate): lower max_tokens or shorten the prompt")
+        return token_ids
+
+    def _encode(self, request: EngineRequest) -> list[int]:
+        from ddtree.engine import encode_prompt
+
+        if request.messages is not None:
+            return chat_prompt_token_ids(self._prompt_tokenizer, request.messages)
+        return encode_prompt(self._prompt_tokenizer, request.prompt)
 
     async def generate(self, request: EngineRequest):
         """The finished `RequestOutput` of one request, or the APIError that refused it."""
@@ -67,7 +109,8 @@ class DDTreeEngine:
         A refused request (bad input, prompt too long, queue full) yields one APIError instead of raising it: these
         are answers, not failures of the replica (Serve would log a traceback for each)."""
         try:
-            async for output in self.loop.stream(request, request.params, request.request_id):
+            prompt_token_ids = await self._prompt_token_ids(request)
+            async for output in self.loop.stream(prompt_token_ids, request.params, request.request_id):
                 yield output if output.finished else output.increment()
         except Exception as exc:  # noqa: BLE001 - sorted into client errors and engine failures below
             error = _as_api_error(exc, request)
@@ -110,10 +153,19 @@ class DDTreeEngine:
         loop = getattr(self, "loop", None)
         if loop is not None:
             loop.stop()
+        pool = getattr(self, "_prompt_pool", None)
+        if pool is not None:
+            pool.shutdown(wait=False, cancel_futures=True)
         actors = getattr(self, "actors", None)
         if actors is not None:
             with contextlib.suppress(Exception):
                 actors.kill()
+
+
+def longest_token_chars(tokenizer) -> int:
+    """The most characters one token of the vocabulary covers (a byte-level token's string has one character per
+    byte, so its length bounds the text it decodes to; added tokens are spelled out)."""
+    return max(1, max((len(t) for t in tokenizer.get_vocab()), default=1))
 
 
 def chat_prompt_token_ids(tokenizer, messages: list[dict]) -> list[int]:

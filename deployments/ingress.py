@@ -93,6 +93,8 @@ async def _json(request: Request):
         return await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise bad_request("The request body is not valid JSON.") from None
+    except RecursionError:
+        raise bad_request("The request body nests too deeply.") from None
 
 
 def _event(payload: dict) -> str:
@@ -127,6 +129,12 @@ class OpenAIIngress:
         self._authorize(request)
         return protocol.models_body(self.model_name, self.created)
 
+    @api.get("/v1/models/{model_id:path}")
+    async def model(self, model_id: str, request: Request) -> dict:
+        self._authorize(request)
+        self._check_model(model_id)
+        return protocol.models_body(self.model_name, self.created)["data"][0]
+
     @api.post("/v1/completions")
     async def completions(self, request: Request):
         self._authorize(request)
@@ -136,7 +144,8 @@ class OpenAIIngress:
         response_id = protocol.new_id("cmpl")
         # A batch of prompts: one engine request each (choice i answers prompt i)
         engine_requests = [EngineRequest(prompt=prompt, params=params,
-                                         request_id=response_id if len(body.prompt) == 1 else f"{response_id}-{i}")
+                                         request_id=response_id if len(body.prompt) == 1 else f"{response_id}-{i}",
+                                         strict_max_tokens=body.gives_max_tokens)
                            for i, prompt in enumerate(body.prompt)]
         return await self._respond(body, response_id, engine_requests, chat=False)
 
@@ -149,7 +158,7 @@ class OpenAIIngress:
         engine_request = EngineRequest(messages=body.template_messages(),
                                        params=body.sampling_params(self.args.default_max_tokens
                                                                    or UNLIMITED_MAX_TOKENS),
-                                       request_id=response_id)
+                                       request_id=response_id, strict_max_tokens=body.gives_max_tokens)
         return await self._respond(body, response_id, [engine_request], chat=True)
 
     def _authorize(self, request: Request) -> None:
@@ -222,6 +231,8 @@ class OpenAIIngress:
                     if output.finished:
                         return
                     output = await _engine_call(stream.__anext__())
+            except StopAsyncIteration:  # (raised inside `_sse`, an async generator, it would become a RuntimeError)
+                await arrived.put((index, None, internal_error("the engine's stream ended before its last output")))
             except Exception as exc:  # noqa: BLE001 - raised where the events are written
                 await arrived.put((index, None, exc))
 

@@ -16,7 +16,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator,
+                      model_validator)
 
 from ddtree.sampling_params import MAX_LOGPROBS, SamplingParams
 from deployments.errors import APIError, bad_request
@@ -26,9 +27,13 @@ MAX_STOP_SEQUENCES = 16
 _IGNORED_METADATA = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key")
 
 
+# Integers and booleans are strict, as OpenAI's API is: `"max_tokens": true` or `"stream": "yes"` is a 400, not 1 and
+# True. Floats take integers (`"temperature": 1`) but not strings.
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class _GenerationRequest(BaseModel):
@@ -37,22 +42,23 @@ class _GenerationRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)  # OpenAI's default and range
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: StrictInt | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=2.0, strict=True)  # OpenAI's default and range
+    top_p: float = Field(1.0, gt=0.0, le=1.0, strict=True)
     stop: str | list[str] | None = None
-    seed: int | None = None
-    stream: bool = False
+    seed: StrictInt | None = None
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     # Accepted only at their neutral values:
-    n: int = 1
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
+    n: StrictInt = 1
+    frequency_penalty: float = Field(0.0, strict=True)
+    presence_penalty: float = Field(0.0, strict=True)
     logit_bias: dict[str, float] | None = None
     # Extensions:
-    top_k: int = Field(0, ge=0, description="Sample among the k most likely tokens only (0: off).")
-    ignore_eos: bool = Field(False, description="Keep generating past the end-of-sequence token.")
-    stop_token_ids: list[int] | None = Field(None, description="Token ids that end the generation.")
+    top_k: StrictInt = Field(0, ge=-1, description="Sample among the k most likely tokens only (0 or -1, vLLM's "
+                             "spelling: off).")
+    ignore_eos: StrictBool = Field(False, description="Keep generating past the end-of-sequence token.")
+    stop_token_ids: list[StrictInt] | None = Field(None, description="Token ids that end the generation.")
     # Ignored metadata:
     user: str | None = None
     metadata: dict[str, Any] | None = None
@@ -95,6 +101,11 @@ class _GenerationRequest(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    @property
+    def gives_max_tokens(self) -> bool:
+        """Whether the client chose max_tokens (a prompt leaving less room in the window is then refused)."""
+        return self._max_tokens() is not None
+
     def sampling_params(self, default_max_tokens: int) -> SamplingParams:
         """The engine's SamplingParams; what they reject (e.g. negative stop_token_ids) is a 400."""
         max_tokens = self._max_tokens()
@@ -107,7 +118,7 @@ class _GenerationRequest(BaseModel):
         return SamplingParams(
             temperature=float(self.temperature),
             top_p=float(self.top_p),
-            top_k=self.top_k,
+            top_k=max(self.top_k, 0),
             max_tokens=max_tokens,
             stop=list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []),
@@ -131,7 +142,7 @@ class CompletionRequest(_GenerationRequest):
     # A string, token ids, or a batch of either: always a list of prompts once parsed (`true` is not token 1)
     prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the k most likely per token (OpenAI: up to 5)
-    echo: bool = False
+    echo: StrictBool = False
     suffix: str | None = None
     best_of: int | None = None
 
@@ -196,12 +207,12 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_GenerationRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: StrictInt | None = Field(None, ge=1)
     tools: list[Any] | None = None
     tool_choice: Any = None
     response_format: dict[str, Any] | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     parallel_tool_calls: bool | None = None
 
     @model_validator(mode="after")

@@ -181,6 +181,10 @@ def test_replicas_drain_on_shutdown_and_a_dead_engine_is_replaced_soon(app_args)
 
 def test_models_and_health(served, client):
     assert [m.id for m in client.models.list().data] == [MODEL_NAME]
+    assert client.models.retrieve(MODEL_NAME).id == MODEL_NAME
+    with pytest.raises(openai.NotFoundError) as info:
+        client.models.retrieve("gpt-9")
+    assert info.value.body["code"] == "model_not_found"
     assert requests.get(served["base_url"] + "/health", timeout=10).json() == {"status": "ok"}
 
 
@@ -353,18 +357,60 @@ def test_errors_through_the_client(served, client):
         ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "best_of": 3}, API_KEY, 400),
         ("/v1/chat/completions", {"model": MODEL_NAME, "messages": "hi"}, API_KEY, 400),
         ("/v1/embeddings", {"model": MODEL_NAME, "input": "hi"}, API_KEY, 404),
+        # a lone UTF-16 surrogate ("\ud800" in JSON) is not text a tokenizer can take
+        ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi \ud800 there"}, API_KEY, 400),
+        ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "user", "content": "a\udfff"}]},
+         API_KEY, 400),
+        # OpenAI's types are strict: no true for 1, no "yes" for true, no "0.5" for 0.5
+        ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "max_tokens": True}, API_KEY, 400),
+        ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "stream": "yes"}, API_KEY, 400),
+        ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}],
+                                  "temperature": "0.5"}, API_KEY, 400),
     ],
 )
 def test_error_shape_and_status(served, path, body, key, status):
     r = _post(served, path, body, key=key)
     assert r.status_code == status
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+    if status == 400:
+        assert r.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_invalid_json_is_a_400(served):
-    r = requests.post(served["base_url"] + "/v1/completions", data="{nope",
-                      headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}, timeout=10)
-    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    for data in ("{nope", "[" * 100_000 + "]" * 100_000):  # not JSON; JSON nested past the parser's recursion
+        r = requests.post(served["base_url"] + "/v1/completions", data=data, timeout=10,
+                          headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_max_tokens_past_the_context_window_is_refused_as_openai_does(served, client):
+    """A client that asks for more tokens than the window leaves is told so (400), not cut short; a request that
+    gives no max_tokens still gets the server's default."""
+    window = _engine_info(served)["max_model_len"]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL_NAME, prompt="hello", max_tokens=window)
+    assert info.value.body["code"] == "context_length_exceeded" and str(window) in info.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
+                                       max_completion_tokens=window)
+    assert info.value.body["code"] == "context_length_exceeded"
+    prompt = [5] * (window - 4)  # token ids: exactly window - 4 tokens
+    out = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    assert out.usage.completion_tokens == 4  # the window, exactly: accepted
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=5)
+    assert info.value.body["code"] == "context_length_exceeded"
+
+
+def test_a_huge_prompt_is_refused_before_it_is_tokenized(served):
+    """More characters than the window could hold tokens of the vocabulary's longest: refused at once, without
+    the tokenizer (which holds the GIL for seconds on megabytes of text)."""
+    t0 = time.perf_counter()
+    r = _post(served, "/v1/completions", {"model": MODEL_NAME, "prompt": "a b " * 500_000, "max_tokens": 4})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert "characters" in r.json()["error"]["message"]
+    assert time.perf_counter() - t0 < 5
 
 
 def test_full_queue_answers_429_and_disconnects_abort(served):

@@ -126,12 +126,32 @@ def test_completion_request_to_sampling_params():
         ({"model": "m", "prompt": [1.0, 2]}, "prompt", "invalid_value"),
         ({"model": "m", "prompt": "hi", "speculation": "off"}, "speculation", "unrecognized_parameter"),
         ({"model": "m"}, "prompt", "missing_parameter"),
+        # strict types, as OpenAI's: pydantic's lax mode would read these as 1, 1, True, False, 0.5, [1]
+        ({"model": "m", "prompt": "hi", "max_tokens": True}, "max_tokens", "invalid_value"),
+        ({"model": "m", "prompt": "hi", "seed": True}, "seed", "invalid_value"),
+        ({"model": "m", "prompt": "hi", "stream": "yes"}, "stream", "invalid_value"),
+        ({"model": "m", "prompt": "hi", "ignore_eos": "false"}, "ignore_eos", "invalid_value"),
+        ({"model": "m", "prompt": "hi", "top_p": "0.5"}, "top_p", "invalid_value"),
+        ({"model": "m", "prompt": "hi", "stop_token_ids": [True]}, "stop_token_ids.0", "invalid_value"),
+        ({"model": "m", "prompt": "hi", "top_k": -2}, "top_k", "invalid_value"),
     ],
 )
 def test_bad_completion_requests_name_the_parameter(body, param, code):
     err = _error(CompletionRequest, body)
     assert (err.status, err.param, err.code, err.type) == (400, param, code, "invalid_request_error")
     assert set(err.body()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_integers_are_floats_and_top_k_minus_one_is_off():
+    body = parse_request(CompletionRequest, {"model": "m", "prompt": "hi", "temperature": 1, "top_p": 1, "top_k": -1})
+    params = body.sampling_params(16)
+    assert (params.temperature, params.top_p, params.top_k) == (1.0, 1.0, 0)  # vLLM's -1: off, as 0
+    chat = parse_request(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                                 "logprobs": True, "top_logprobs": 2})
+    assert chat.sampling_params(16).logprobs == 2
+    with pytest.raises(APIError):
+        parse_request(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                              "logprobs": 1})
 
 
 @pytest.mark.parametrize("prompt", [123, None, b"hi", [True], ["a"], (1.0,)])
