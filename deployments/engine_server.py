@@ -47,7 +47,7 @@ class DDTreeEngine:
         self.metrics = EngineMetrics(self.engine, self.actors.hops, kv_cache_stats=target.kv_cache_stats)
         # Prompts are tokenized (chat templates rendered) here, off the loop thread, by a tokenizer of their own
         # (the loop's detokenizes at the same time): a long prompt delays itself, not every running request's
-        # next round. One thread: a Rust tokenizer holds the GIL while it encodes, so more would not run at once.
+        # next round (the Rust tokenizer releases the GIL while it encodes). One thread: prompts in arrival order.
         self._prompt_tokenizer = copy.deepcopy(target.tokenizer)
         self._prompt_pool = ThreadPoolExecutor(1, thread_name_prefix="ddtree-prompts")
         # A prompt of more characters than the window holds tokens of the longest token is refused untokenized.

@@ -405,7 +405,7 @@ def test_max_tokens_past_the_context_window_is_refused_as_openai_does(served, cl
 
 def test_a_huge_prompt_is_refused_before_it_is_tokenized(served):
     """More characters than the window could hold tokens of the vocabulary's longest: refused at once, without
-    the tokenizer (which holds the GIL for seconds on megabytes of text)."""
+    tokenizing megabytes of text."""
     t0 = time.perf_counter()
     r = _post(served, "/v1/completions", {"model": MODEL_NAME, "prompt": "a b " * 500_000, "max_tokens": 4})
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
