@@ -38,9 +38,30 @@ class OutputState:
 class Detokenizer:
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
+        self._byte_of_char = _byte_level_alphabet() if _is_byte_level(tokenizer) else None
+        self._added_ids = set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes of text one token stands for: a byte-level BPE token (GPT-2, Llama 3, SmolLM2) or a
+        SentencePiece byte-fallback token (`<0xE2>`) may hold part of a character, whose own decode shows U+FFFD;
+        the tokens' bytes, joined, are the text's UTF-8 (OpenAI's `bytes` in log-probabilities)."""
+        if token_id in self._added_ids:  # spelled out (or, for special tokens, decoded to nothing)
+            return self.decode([token_id]).encode()
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str):
+            if self._byte_of_char is not None and all(c in self._byte_of_char for c in piece):
+                return bytes(self._byte_of_char[c] for c in piece)
+            if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+                try:
+                    return bytes([int(piece[3:5], 16)])
+                except ValueError:
+                    pass
+            if "\u2581" in piece:  # SentencePiece's word boundary: a space (a decode drops it at the start)
+                return piece.replace("\u2581", " ").encode()
+        return self.decode([token_id]).encode()
 
     def append(self, state: OutputState, new_token_ids: list[int]) -> list[int]:
         """Add tokens until one of them finishes the request; returns the tokens actually kept."""
@@ -119,3 +140,24 @@ class Detokenizer:
         new = state.text[state.num_text_emitted : end]
         state.num_text_emitted = max(state.num_text_emitted, end)
         return new
+
+
+def _is_byte_level(tokenizer) -> bool:
+    """Whether the (fast) tokenizer's decoder maps GPT-2's byte alphabet back to bytes."""
+    import json
+
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return False
+    decoder = json.loads(backend.to_str()).get("decoder") or {}
+    steps = decoder.get("decoders") or [decoder]
+    return any(isinstance(step, dict) and step.get("type") == "ByteLevel" for step in steps)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte: printable bytes stand for themselves, the other 68 for the
+    characters 256 and up, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}

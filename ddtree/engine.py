@@ -178,6 +178,7 @@ class Engine:
         self.detokenizer = Detokenizer(tokenizer)
         # A token's text for log-probabilities (up to 21 per generated token): decoded once per token id.
         self._token_text = functools.lru_cache(maxsize=1 << 16)(lambda token_id: self.detokenizer.decode([token_id]))
+        self._token_bytes = functools.lru_cache(maxsize=1 << 16)(self.detokenizer.token_bytes)
         self.eos_token_ids = frozenset(target.eos_token_ids)
         self.block_len = drafter.block_len if self.drafter is not None else 0
         fixed_budget = config.fixed_budget
@@ -585,10 +586,11 @@ class Engine:
         """The worker's numbers for the kept tokens, with each token's text."""
         if raw is None or len(raw.chosen) < len(kept):
             raise RuntimeError("the target worker returned no log-probabilities for a request that asked for them")
-        text = self._token_text
+        text, to_bytes = self._token_text, self._token_bytes
         return [
             TokenLogprobs(token_id, text(token_id), raw.chosen[k],
-                          [(t, text(t), v) for t, v in zip(raw.top_ids[k], raw.top_values[k])])
+                          [(t, text(t), v) for t, v in zip(raw.top_ids[k], raw.top_values[k])],
+                          to_bytes(token_id), [to_bytes(t) for t in raw.top_ids[k]])
             for k, token_id in enumerate(kept)
         ]
 

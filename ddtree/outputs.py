@@ -42,12 +42,16 @@ class RequestStats:
 class TokenLogprobs:
     """Log-probabilities at one generated token, under the target's own distribution (its raw logits, before
     temperature, top-k and top-p, as vLLM reports them by default): the token's, and the `logprobs` most likely
-    tokens', most likely first (`(token_id, text, logprob)`)."""
+    tokens', most likely first (`(token_id, text, logprob)`). `text` is the token's own decode (U+FFFD for part of a
+    multi-byte character); `token_bytes` and `top_bytes` are the bytes of text the tokens stand for (joined over
+    the output's tokens: its UTF-8)."""
 
     token_id: int
     text: str
     logprob: float
     top: list[tuple[int, str, float]] = field(default_factory=list)
+    token_bytes: bytes | None = None  # None: text.encode()
+    top_bytes: list[bytes] | None = None  # per entry of `top`; None: their texts' encode()
 
 
 @dataclass

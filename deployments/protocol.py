@@ -11,6 +11,7 @@ request: the engine batches every request in one verify pass under one policy.
 
 from __future__ import annotations
 
+import codecs
 import time
 import uuid
 from dataclasses import dataclass
@@ -346,15 +347,33 @@ def usage_of(final_outputs: list, speculation: str) -> UsageInfo:
     )
 
 
-def completion_logprobs(token_logprobs: list | None, text_offset: int = 0) -> dict | None:
-    """The legacy completions `logprobs` object for `ddtree.TokenLogprobs` (None: not asked); `text_offset` is the
-    completion text's length before these tokens (a stream's earlier chunks)."""
+class TextOffsets:
+    """Where tokens start in the completion text, in characters: from their bytes, decoded incrementally (a
+    character split across tokens starts at the offset of the token holding its first byte; the next ones share
+    it). One per response, or per stream across its chunks."""
+
+    def __init__(self) -> None:
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.num_chars = 0
+
+    def take(self, token_logprobs: list) -> list[int]:
+        offsets = []
+        for lp in token_logprobs:
+            offsets.append(self.num_chars)
+            self.num_chars += len(self.decoder.decode(_token_bytes(lp)))
+        return offsets
+
+
+def _token_bytes(lp) -> bytes:
+    return lp.token_bytes if lp.token_bytes is not None else lp.text.encode()
+
+
+def completion_logprobs(token_logprobs: list | None, offsets: TextOffsets | None = None) -> dict | None:
+    """The legacy completions `logprobs` object for `ddtree.TokenLogprobs` (None: not asked); `offsets`: the text
+    offsets of a stream's earlier chunks (None: these tokens start the completion)."""
     if token_logprobs is None:
         return None
-    offsets = []
-    for lp in token_logprobs:
-        offsets.append(text_offset)
-        text_offset += len(lp.text)
+    offsets = (offsets or TextOffsets()).take(token_logprobs)
     return {
         "tokens": [lp.text for lp in token_logprobs],
         "token_logprobs": [lp.logprob for lp in token_logprobs],
@@ -371,10 +390,14 @@ def chat_logprobs(token_logprobs: list | None) -> dict | None:
     if token_logprobs is None:
         return None
 
-    def entry(text: str, value: float) -> dict:
-        return {"token": text, "logprob": value, "bytes": list(text.encode())}
+    def entry(text: str, value: float, raw: bytes) -> dict:
+        return {"token": text, "logprob": value, "bytes": list(raw)}
 
-    return {"content": [{**entry(lp.text, lp.logprob), "top_logprobs": [entry(t, v) for _, t, v in lp.top]}
+    def top(lp) -> list[dict]:
+        raws = lp.top_bytes if lp.top_bytes is not None else [t.encode() for _, t, _ in lp.top]
+        return [entry(t, v, raw) for (_, t, v), raw in zip(lp.top, raws)]
+
+    return {"content": [{**entry(lp.text, lp.logprob, _token_bytes(lp)), "top_logprobs": top(lp)}
                         for lp in token_logprobs]}
 
 
@@ -386,7 +409,7 @@ class StreamLogprobs:
     def __init__(self, chat: bool) -> None:
         self.chat = chat
         self.pending: list = []
-        self.num_chars = 0
+        self.offsets = TextOffsets()
 
     def add(self, new_logprobs: list | None) -> None:
         self.pending += new_logprobs or []
@@ -395,9 +418,7 @@ class StreamLogprobs:
         taken, self.pending = self.pending, []
         if self.chat:
             return chat_logprobs(taken)
-        body = completion_logprobs(taken, self.num_chars)
-        self.num_chars += sum(len(lp.text) for lp in taken)
-        return body
+        return completion_logprobs(taken, self.offsets)
 
 
 def completion_body(request_id: str, model: str, choices: list[tuple[str, str | None, list | None]],

@@ -1,6 +1,6 @@
 import pytest
 
-from ddtree.detokenizer import Detokenizer, OutputState
+from ddtree.detokenizer import REPLACEMENT_CHAR, Detokenizer, OutputState
 from ddtree.sampling_params import SamplingParams
 from tests.factories import decode_in_random_rounds
 from tests.tiny_tokenizer import make_byte_tokenizer, make_char_tokenizer
@@ -110,3 +110,32 @@ def test_incremental_text_equals_decoding_everything(make):
         s, pieces = decode_in_random_rounds(tok, tokens, 4, rng)
         assert s.finish_reason == "length" and s.text == tok.decode(tokens) == "".join(pieces)
         assert s.read_offset == len(tokens)
+
+
+def _byte_fallback_tokenizer():
+    """A SentencePiece-style tokenizer (Llama 2, Mistral): words with a leading "\u2581", bytes as <0xNN> tokens."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", *(f"<0x{b:02X}>" for b in range(256)), "\u2581", *"abcdehlnorw\u00e9", "\u2581h", "\u2581w"]
+    tok = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[], unk_token="<unk>",
+                               byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+
+
+@pytest.mark.parametrize("make", [make_byte_tokenizer, make_char_tokenizer, _byte_fallback_tokenizer])
+def test_token_bytes_join_into_the_text(make):
+    """OpenAI's `bytes` of log-probabilities: a token holding part of a character decodes to U+FFFD alone, but its
+    bytes are that part, so the tokens' bytes join into the text."""
+    tok = make()
+    text = {make_byte_tokenizer: "héllo 🎉 東京!", make_char_tokenizer: "hello, world 42.",
+            _byte_fallback_tokenizer: "hello w\u00e9rld \u6771\U0001f389"}[make]
+    tokens = ids(tok, text)
+    joined = b"".join(Detokenizer(tok).token_bytes(t) for t in tokens)
+    # (SentencePiece: the first word's "\u2581" is a space that a decode strips at the start of a text)
+    assert joined == (" " + text if make is _byte_fallback_tokenizer else text).encode()
+    if make is not make_char_tokenizer:
+        assert any(REPLACEMENT_CHAR in tok.decode([t]) for t in tokens)  # parts of characters

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ddtree.detokenizer import Detokenizer
 from ddtree.models import default as default_model
 from ddtree.models.target import TargetModel
 
@@ -132,3 +133,8 @@ def test_incremental_detokenizing_equals_decoding_everything_on_the_default_toke
     for _ in range(10):
         state, pieces = decode_in_random_rounds(tokenizer, tokens, 5, rng)
         assert state.text == "".join(pieces) == tokenizer.decode(tokens, skip_special_tokens=True) == text
+        # each token's bytes, joined, are the text's UTF-8, though a token's own decode shows U+FFFD (OpenAI's bytes)
+        detokenizer = Detokenizer(tokenizer)
+        assert b"".join(detokenizer.token_bytes(t) for t in tokens) == text.encode()
+        assert any("\ufffd" in tokenizer.decode([t]) for t in tokens)
+        assert detokenizer.token_bytes(tokenizer.eos_token_id) == b""  # a special token: no text, as decoded

@@ -217,6 +217,28 @@ def test_streamed_logprobs_equal_the_whole_responses():
     assert [e["token"] for e in chat.take()["content"]] == ["Hello", " wor"] and chat.take() == {"content": []}
 
 
+def test_logprobs_of_tokens_splitting_a_character_carry_its_bytes_and_offsets():
+    """"é🎉!" as byte-level tokens [é][🎉's first two bytes][its last two][!]: each part's own text is U+FFFD, its
+    bytes the part, so chat `bytes` join into the text's UTF-8; completion offsets count characters of the text,
+    the emoji's two tokens both starting at its offset (streamed in any chunks: the same)."""
+    from ddtree.outputs import TokenLogprobs
+    from deployments.protocol import StreamLogprobs, chat_logprobs, completion_logprobs
+
+    parts = ["é".encode(), "🎉".encode()[:2], "🎉".encode()[2:], b"!"]
+    lps = [TokenLogprobs(i, raw.decode(errors="replace"), -1.0, [(i, raw.decode(errors="replace"), -1.0)],
+                         raw, [raw]) for i, raw in enumerate(parts)]
+    content = chat_logprobs(lps)["content"]
+    assert b"".join(bytes(e["bytes"]) for e in content).decode() == "é🎉!"
+    assert [bytes(e["top_logprobs"][0]["bytes"]) for e in content] == parts
+    assert completion_logprobs(lps)["text_offset"] == [0, 1, 1, 2]
+    stream = StreamLogprobs(chat=False)
+    offsets = []
+    for new in ([lps[0], lps[1]], [lps[2], lps[3]]):
+        stream.add(new)
+        offsets += stream.take()["text_offset"]
+    assert offsets == [0, 1, 1, 2]
+
+
 def test_chat_request_messages_and_limits():
     req = parse_request(ChatCompletionRequest, {
         "model": "m", "max_completion_tokens": 7,
