@@ -19,7 +19,7 @@ any budget, or no speculation at all.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -208,6 +208,67 @@ def accept(packed: PackedBatch, target_tokens: torch.Tensor) -> AcceptResult:
         result.accepted_token_ids.append(on_token[i + 1 : j])
         result.bonus_token_ids.append(on_target[j - 1])
     return result
+
+
+def accept_on_demand(packed: PackedBatch, target_tokens_of: Callable[[list[int]], list[int]]
+                     ) -> tuple[AcceptResult, list[int]]:
+    """The walk of `accept`, asking for the target's token only at the packed tokens it reaches, so that the LM head
+    runs on those rows only. Each pass asks `target_tokens_of(packed indices)`, for every request still walking, for
+    its current node and the chain of first children below it (nodes are in best-first pop order, so that chain is
+    the draft's most likely continuation); the walk goes on where the asked tokens take it, and a request that
+    leaves the chain for another child is asked for again in the next pass. The same result as `accept` given the
+    same tokens at the reached nodes. Returns it and the packed indices asked, in order (every accepted node and
+    each request's root among them)."""
+    num_requests, starts = packed.num_requests, packed.query_starts
+    parents_local, tokens = torch.stack([packed.local_parents, packed.input_ids]).tolist()  # one host copy
+    children: dict[int, dict[int, int]] = {}  # packed node -> {token: packed child}
+    first_child: dict[int, int] = {}
+    ambiguous: set[tuple[int, int]] = set()  # (parent, token) of siblings sharing a token
+    for r in range(num_requests):
+        for p in range(starts[r] + 1, starts[r + 1]):
+            parent = starts[r] + parents_local[p]
+            kids = children.setdefault(parent, {})
+            if tokens[p] in kids:
+                ambiguous.add((parent, tokens[p]))
+            kids.setdefault(tokens[p], p)
+            first_child.setdefault(parent, p)
+    known: dict[int, int] = {}
+    asked: list[int] = []
+    at = [starts[r] for r in range(num_requests)]  # each walk's node whose target token is next needed
+    paths = [[starts[r]] for r in range(num_requests)]
+    bonus = [0] * num_requests
+    walking = list(range(num_requests))
+    while walking:
+        need = []
+        for r in walking:
+            p = at[r]
+            while p is not None and p not in known:
+                need.append(p)
+                p = first_child.get(p)
+        known.update(zip(need, target_tokens_of(need)))
+        asked += need
+        still_walking = []
+        for r in walking:
+            p = at[r]
+            while p in known:
+                child = children.get(p, {}).get(known[p])
+                if child is None:
+                    bonus[r] = known[p]
+                    break
+                if (p, known[p]) in ambiguous:
+                    raise ValueError(f"request {r}: siblings in its tree share a token, the accepted path is ambiguous")
+                paths[r].append(child)
+                p = child
+            else:
+                at[r] = p
+                still_walking.append(r)
+        walking = still_walking
+    result = AcceptResult([], [], [], bonus)
+    for r, path in enumerate(paths):
+        result.accepted_packed.append(path)
+        result.accepted_nodes.append([p - starts[r] - 1 for p in path[1:]])
+        result.accepted_token_ids.append([tokens[p] for p in path[1:]])
+    return result, asked
 
 
 def _per_request(name: str, values, num_requests: int, kind: type) -> list:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ddtree.accept import accept, target_tokens_greedy, target_tokens_sampled
+from ddtree.accept import accept, accept_on_demand, target_tokens_greedy, target_tokens_sampled
 from ddtree.models.dflash import DFlashConfig
 from ddtree.packing import pack
 from ddtree.sampling_params import SamplingParams
@@ -67,6 +67,12 @@ class VerifyResult:
     accept_seconds: float  # target tokens, the walk and the KV compaction
     logprobs: list[RawLogprobs | None]  # per request: at its accepted tokens and the bonus token (None: not asked)
 
+
+# From this many packed tokens a verify runs the LM head only on the rows its acceptance walk reaches (each pass an
+# LM head call and a host sync; `TargetWorker._accept_on_demand`), below it on all rows at once. CPU: one LM head
+# call costs the same up to ~8 rows (the weights' read) and ~0.27 ms per row beyond (SmolLM2, 2 threads):
+# docs/runtime_benchmark.md. GPU: not measured here; a GPU's LM head is flat to far more rows, so a high guess.
+LM_HEAD_ON_DEMAND_MIN_TOKENS = {False: 16, True: 1024}  # by "is on a GPU"
 
 LOGPROB_ROWS_PER_CHUNK = 512  # rows of [rows, vocab] float32 log-softmax held at once (a GPU's vocab: 150k x 4 B)
 
@@ -132,6 +138,7 @@ class TargetWorker:
         if tokenizer_eos is not None and tokenizer_eos not in self.eos_token_ids:
             self.eos_token_ids.append(tokenizer_eos)  # as Hugging Face and vLLM stop at the tokenizer's EOS too
         self.vocab_size = int(model.config.vocab_size)
+        self.lm_head_on_demand_min_tokens = LM_HEAD_ON_DEMAND_MIN_TOKENS[model.device.type == "cuda"]
         self.model_dir = str(model.source_path) if model.source_path is not None else None
         self._seq_ids: dict[str, int] = {}
         self._next_seq_id = 0
@@ -182,21 +189,45 @@ class TargetWorker:
         trees = [t.to(device) if t is not None else DraftTree.empty(device) for t in trees]
         num_cached = [self.model.kv.num_committed(s) for s in seq_ids]
         packed = pack(trees, root_token_ids, num_cached, device=device)
-        logits, features = self.model.verify(seq_ids, packed)  # [N, V], [N, F]
+        on_demand = packed.num_tokens >= self.lm_head_on_demand_min_tokens
+        out, features = self.model.verify(seq_ids, packed, hidden_only=on_demand)  # [N, H] or [N, V]; [N, F]
         t1 = time.perf_counter()
-        tokens = self._target_tokens(request_ids, logits, packed.seq_index, packed.position_ids)
-        result = accept(packed, tokens)  # the round's one host sync
+        if on_demand:
+            result, logits, tokens, logit_rows = self._accept_on_demand(request_ids, packed, out)
+        else:
+            logits = out
+            tokens = self._target_tokens(request_ids, logits, packed.seq_index, packed.position_ids)
+            result = accept(packed, tokens)  # the round's one host sync
+            logit_rows = result.accepted_packed
         for r, (rid, seq_id) in enumerate(zip(request_ids, seq_ids)):
             start = packed.query_starts[r]
             kept = result.accepted_packed[r]  # the root and the accepted nodes: they produced the committed tokens
             self.model.commit(seq_id, [p - start for p in kept])
             if self.keep_features:
                 self._pending_features[rid].append(features[kept])
-        logprobs = raw_logprobs(logits, tokens, result.accepted_packed,
-                                [self._params[rid].logprobs for rid in request_ids])
+        logprobs = raw_logprobs(logits, tokens, logit_rows, [self._params[rid].logprobs for rid in request_ids])
         t2 = time.perf_counter()
         return VerifyResult(result.accepted_token_ids, result.bonus_token_ids, packed.num_tokens, t1 - t0, t2 - t1,
                             logprobs)
+
+    def _accept_on_demand(self, request_ids: list[str], packed, hidden: torch.Tensor):
+        """The walk with the LM head run only on the rows it reaches (`accept_on_demand`): (result, logits [M, V] of
+        the rows asked, the target's tokens there [M], each request's accepted rows as indices into them)."""
+        asked_logits, asked_tokens = [], []
+
+        def target_tokens_of(rows: list[int]) -> list[int]:
+            index = torch.tensor(rows, device=hidden.device)
+            logits = self.model.lm_head_logits(hidden.index_select(0, index))
+            tokens = self._target_tokens(request_ids, logits, packed.seq_index.index_select(0, index),
+                                         packed.position_ids.index_select(0, index))
+            asked_logits.append(logits)
+            asked_tokens.append(tokens)
+            return tokens.tolist()
+
+        result, asked = accept_on_demand(packed, target_tokens_of)
+        row_of = {p: i for i, p in enumerate(asked)}
+        logit_rows = [[row_of[p] for p in path] for path in result.accepted_packed]
+        return result, torch.cat(asked_logits), torch.cat(asked_tokens), logit_rows
 
     def verify_async(self, request_ids: list[str], trees: list[DraftTree | None], root_token_ids: list[int]
                      ) -> Completed:

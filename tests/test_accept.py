@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from ddtree.accept import accept, target_tokens_greedy, target_tokens_sampled
+from ddtree.accept import accept, accept_on_demand, target_tokens_greedy, target_tokens_sampled
 from ddtree.packing import pack
 from ddtree.tree import DraftTree, build_tree
 
@@ -167,6 +167,40 @@ def test_greedy_walk_equals_sequential_walk(seed: int) -> None:
         assert result.bonus_token_ids[r] == bonus
         assert result.accepted_packed[r] == [packed.query_starts[r] + 1 + i for i in [-1] + path]
         assert result.accepted_token_ids[r] == [int(tree.token_ids[i]) for i in path]
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_walk_on_demand_equals_the_walk_over_every_token(seed: int) -> None:
+    """`accept_on_demand` asks for the target's token at the nodes it reaches only (passes of the current node and
+    its first-child chain), and gives `accept`'s result; it asks for each root and every accepted node, never twice,
+    and for fewer tokens than the batch holds when trees are bushy."""
+    g = torch.Generator().manual_seed(seed)
+    vocab, num_positions = 3, 5
+    budgets = [int(b) for b in torch.randint(0, 60, (6,), generator=g)]
+    trees = [build_tree(torch.log_softmax(torch.randn(num_positions, vocab, generator=g), -1), b) for b in budgets]
+    packed = pack(trees, [0] * len(trees), [4] * len(trees))
+    target = target_tokens_greedy(torch.randn(packed.num_tokens, vocab, generator=g))
+    passes = []
+
+    def target_tokens_of(rows: list[int]) -> list[int]:
+        passes.append(rows)
+        return target[rows].tolist()
+
+    result, asked = accept_on_demand(packed, target_tokens_of)
+    expected = accept(packed, target)
+    assert result == expected
+    assert asked == [p for rows in passes for p in rows] and len(set(asked)) == len(asked)
+    assert all(p in asked for path in result.accepted_packed for p in path)
+    assert len(asked) < packed.num_tokens or packed.num_tokens <= 2 * len(trees)
+
+
+def test_walk_on_demand_refuses_an_ambiguous_path_only_when_it_walks_it() -> None:
+    twins = tree_of([5, 5, 7], [-1, -1, -1])
+    packed = pack([twins], [1], [0])
+    with pytest.raises(ValueError, match="ambiguous"):
+        accept_on_demand(packed, lambda rows: [5] * len(rows))
+    result, _ = accept_on_demand(packed, lambda rows: [7] * len(rows))  # the walk takes the third child
+    assert result.accepted_token_ids == [[7]]
 
 
 # --- sampling ---

@@ -277,6 +277,26 @@ def test_trees_hold_no_node_deeper_than_the_tokens_left(workers, config, monkeyp
     assert depth_excess and max(depth_excess) == 0  # capped, and some at their cap
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_lm_head_on_the_walked_rows_only_changes_nothing(workers, monkeypatch, temperature):
+    """A verify that runs the LM head only on the rows its walk reaches (from LM_HEAD_ON_DEMAND_MIN_TOKENS packed
+    tokens) gives the tokens and log-probabilities of one over every row, greedy and sampled (seeded)."""
+    target = workers[0]
+    params = [SamplingParams(temperature=temperature, max_tokens=20, ignore_eos=True, seed=s, logprobs=2)
+              for s in range(len(PROMPTS))]
+    runs = {}
+    for name, min_tokens in (("all rows", 10**9), ("walked rows", 1)):
+        monkeypatch.setattr(target, "lm_head_on_demand_min_tokens", min_tokens)
+        outputs = make_llm(workers, speculation="ddtree", budget=16, max_num_seqs=3).generate(PROMPTS, params)
+        runs[name] = outputs
+        assert any(a > 1 for o in outputs for a in o.acceptance_lengths)  # trees were walked past their roots
+    for walked, full in zip(runs["walked rows"], runs["all rows"]):
+        assert walked.token_ids == full.token_ids
+        # (an LM head over fewer rows may block its float64 sums differently: the last bits)
+        assert [[t for t, _, _ in lp.top] for lp in walked.logprobs] == [[t for t, _, _ in lp.top] for lp in full.logprobs]
+        assert [lp.logprob for lp in walked.logprobs] == pytest.approx([lp.logprob for lp in full.logprobs], abs=1e-9)
+
+
 def test_automatic_ids_skip_ids_callers_chose(workers):
     engine = make_llm(workers, speculation="off").engine
     mine = engine.add_request("hello", greedy(2), request_id="req-0")

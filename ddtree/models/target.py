@@ -17,6 +17,7 @@ Public API (engine side):
     runner.prefill(seq_ids, token_id_lists) -> (last_logits [R, V], features: list of [n_i, F])    commits
     runner.decode(seq_ids, token_ids) -> (logits [R, V], features [R, F])                          commits
     runner.verify(seq_ids, packed, logits_rows=None) -> (logits [M, V], features [N, F])   KV in scratch slots
+    runner.verify(seq_ids, packed, hidden_only=True) -> (hidden [N, H], features); runner.lm_head_logits(rows)
     runner.commit(seq_id, keep_local_indices)        keep root + accepted path (local indices in the segment)
     runner.free(seq_id) -> bool
     runner.embed(token_ids [n]) -> [n, H];  runner.project_logits(hidden [n, H]) -> [n, V]  (for the drafter)
@@ -435,11 +436,13 @@ class TargetModel:
 
     @torch.inference_mode()
     def verify(
-        self, seq_ids: list[int], packed: PackedBatch, logits_rows: torch.Tensor | None = None
+        self, seq_ids: list[int], packed: PackedBatch, logits_rows: torch.Tensor | None = None,
+        hidden_only: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward over a packed batch of trees. KV entries go to scratch slots after each request's committed
         entries (call `commit` next). Returns logits [M, V] for `logits_rows` (all N rows if None) and features
-        [N, F] for every packed token."""
+        [N, F] for every packed token; `hidden_only`: the final-normed hidden states [N, H] instead of logits, for
+        `lm_head_logits` of the rows a caller turns out to need."""
         if len(seq_ids) != packed.num_requests:
             raise ValueError(f"{len(seq_ids)} seq_ids for a batch of {packed.num_requests} requests")
         for r, s in enumerate(seq_ids):
@@ -457,10 +460,12 @@ class TargetModel:
             masks = [packed.dense_mask(r).to(self.device) for r in range(packed.num_requests)]
         batch = _Batch(list(seq_ids), list(packed.query_starts), list(packed.num_cached), masks, slots,
                        packed if (self.attention == "flex" and not is_root_only) else None)
-        if logits_rows is None:
+        if hidden_only:
+            logits_rows = None
+        elif logits_rows is None:
             logits_rows = torch.arange(packed.num_tokens, device=self.device)
         return self._forward(packed.input_ids.to(self.device), packed.position_ids.to(self.device), batch,
-                             logits_rows.to(self.device))
+                             None if logits_rows is None else logits_rows.to(self.device))
 
     def commit(self, seq_id: int, keep_local_indices) -> None:
         """After verify: keep the given segment entries (root + accepted path), contiguous; drop the rest."""
@@ -506,8 +511,10 @@ class TargetModel:
         return out
 
     def _forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: _Batch, logits_rows: torch.Tensor
+        self, input_ids: torch.Tensor, positions: torch.Tensor, batch: _Batch, logits_rows: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [M, V] of `logits_rows`, or the final-normed hidden states [N, H] of all rows if None;
+        features [N, F])."""
         # Few, large ops per layer: at one decode token every op costs microseconds of overhead, and the weight
         # reads (the bandwidth bound) are all the time a decode step should take.
         cfg = self.config
@@ -562,14 +569,26 @@ class TargetModel:
                 # Hugging Face's last hidden state is after the final norm.
                 features.append(norm(h, self.final_norm) if layer == last_layer else h)
         feats = self._order_features(features, num_tokens)
-        hidden = norm(h.index_select(0, logits_rows), self.final_norm)  # [M, H]
+        hidden = norm(h if logits_rows is None else h.index_select(0, logits_rows), self.final_norm)  # [M, H]
+        if logits_rows is None:  # the caller projects the rows it needs (`lm_head_logits`)
+            return hidden, feats
+        return self._lm_head(hidden, prefer_packed=linear == self._packed_linear), feats
+
+    @torch.inference_mode()
+    def lm_head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[M, H] final-normed hidden states (`verify(..., hidden_only=True)`) -> [M, V] logits."""
+        return self._lm_head(hidden.contiguous(), prefer_packed=torch.get_num_threads() > 1)
+
+    def _lm_head(self, hidden: torch.Tensor, prefer_packed: bool) -> torch.Tensor:
+        """The fastest LM head kernel for M rows (`prefer_packed`: oneDNN even for one row, as the layers used)."""
+        ops = self._cpu_ops
         if ops is not None:
             if hidden.shape[0] == 1:  # the embedding matrix [V, H] is the LM head's contiguous [out, in] form
-                return ops.gemv(hidden[0], self.lm_head.t(), NO_TENSOR).unsqueeze(0), feats  # [1, V]
-            return ops.panel_linear(hidden, self.panel_lm_head, self.config.vocab_size, NO_TENSOR, NO_TENSOR), feats
-        if self.packed_lm_head is not None and (hidden.shape[0] > 1 or linear == self._packed_linear):
-            return _packed_linear(hidden, self.packed_lm_head), feats  # [M, V]
-        return self.project_logits(hidden), feats
+                return ops.gemv(hidden[0], self.lm_head.t(), NO_TENSOR).unsqueeze(0)  # [1, V]
+            return ops.panel_linear(hidden, self.panel_lm_head, self.config.vocab_size, NO_TENSOR, NO_TENSOR)
+        if self.packed_lm_head is not None and (hidden.shape[0] > 1 or prefer_packed):
+            return _packed_linear(hidden, self.packed_lm_head)  # [M, V]
+        return self.project_logits(hidden)
 
     # The layer's matrix `name` applied to x [N, in] (+ bias, + residual [N, out]): one meaning, three mechanisms
     # (torch on the plain matrices, oneDNN on packed copies, the native panel GEMM).
