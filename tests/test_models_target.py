@@ -103,6 +103,13 @@ def test_verify_matches_hf_on_every_path(checkpoints, family, gemm):
             ref_logits, ref_feats = hf_logits_and_features(hf, ids)
             torch.testing.assert_close(logits[row], ref_logits[-1], rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(feats[row], ref_feats[-1], rtol=1e-4, atol=1e-4)
+    # The hidden states alone, then the LM head on chosen rows (one row: the GEMV path; several: the GEMM)
+    for s in seq_ids:
+        runner.commit(s, [])
+    hidden, hidden_feats = runner.verify(seq_ids, packed, hidden_only=True)
+    assert hidden.shape == (packed.num_tokens, 64) and torch.equal(hidden_feats, feats)
+    for rows in ([2], [0, 3, 4], list(range(packed.num_tokens))):
+        torch.testing.assert_close(runner.lm_head_logits(hidden[rows]), logits[rows], rtol=1e-5, atol=1e-5)
 
 
 def sequential_logits(runner, prompt, path, seq_id=99):
