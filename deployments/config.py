@@ -148,9 +148,13 @@ class AppArgs(BaseModel):
     @property
     def engine_max_ongoing_requests(self) -> int:
         # Serve must hand every request to the engine, whose own queue answers 429 when full (Serve's router would
-        # otherwise hold the excess where no one can report it). The 8 beyond are for the ingress's own calls
-        # (/health's `ready`, `info`), so that they are not queued behind a full replica's requests.
-        return self.max_num_seqs + self.max_waiting + 8
+        # otherwise hold the excess where no one can report it). Beyond the engine's own limits: one completions
+        # request's batch of prompts arriving at once (each an engine call, refused at once if the queue is full),
+        # and 8 for the ingress's own calls (/health's `ready`, `info`), so that they are not queued behind a full
+        # replica's requests.
+        from deployments.protocol import MAX_PROMPTS_PER_REQUEST
+
+        return self.max_num_seqs + self.max_waiting + MAX_PROMPTS_PER_REQUEST + 8
 
     def worker_layout(self) -> "WorkerLayout":
         cpu = self.worker_num_cpus

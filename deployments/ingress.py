@@ -1,6 +1,7 @@
 """The ingress deployment: the OpenAI HTTP API (FastAPI) and the Python handle API, in front of the engine replicas.
 
-HTTP: POST /v1/completions, POST /v1/chat/completions (SSE with `stream: true`), GET /v1/models, GET /health.
+HTTP: POST /v1/completions, POST /v1/chat/completions (SSE with `stream: true`), GET /v1/models[/{model}],
+GET /health; JSON, or msgpack bodies and non-streamed answers (`MSGPACK_MEDIA_TYPES`).
 Python (`serve.get_app_handle(name)`): `generate(prompt | messages=..., params)` -> the final `RequestOutput`;
 `generate_stream(...)` with `handle.options(stream=True)` -> incremental `RequestOutput`s.
 """
@@ -13,9 +14,10 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
+import msgpack
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -37,9 +39,28 @@ HEALTH_TIMEOUT_S = 5.0
 api = FastAPI(title="DDTree Serve", description="OpenAI-compatible API with DDTree speculative decoding")
 
 
+# The binary option (../DESIGN.md, "Wire formats"): a request body in msgpack with this Content-Type, and a
+# non-streamed answer (errors included) in msgpack when the Accept header names it; JSON otherwise.
+MSGPACK_MEDIA_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
+
+
+def _media_type(value: str) -> str:
+    return value.split(";")[0].strip().lower()
+
+
+def _wants_msgpack(request: Request) -> bool:
+    return any(_media_type(part) in MSGPACK_MEDIA_TYPES for part in request.headers.get("accept", "").split(","))
+
+
+def _answer(request: Request, body: dict, status: int = 200) -> Response:
+    if _wants_msgpack(request):
+        return Response(msgpack.packb(body), status_code=status, media_type=MSGPACK_MEDIA_TYPES[0])
+    return JSONResponse(body, status_code=status)
+
+
 @api.exception_handler(APIError)
-async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-    return JSONResponse(exc.body(), status_code=exc.status)
+async def _api_error(request: Request, exc: APIError) -> Response:
+    return _answer(request, exc.body(), exc.status)
 
 
 @api.exception_handler(RequestValidationError)
@@ -88,7 +109,13 @@ def _cancel_all(responses) -> None:
         response.cancel()
 
 
-async def _json(request: Request):
+async def _body(request: Request):
+    """The request body: msgpack when its Content-Type says so, else JSON."""
+    if _media_type(request.headers.get("content-type", "")) in MSGPACK_MEDIA_TYPES:
+        try:
+            return msgpack.unpackb(await request.body(), raw=False)
+        except (ValueError, msgpack.UnpackException):  # (ExtraData, FormatError, StackError, bad UTF-8: ValueErrors)
+            raise bad_request("The request body is not valid msgpack.") from None
     try:
         return await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError):
@@ -125,20 +152,20 @@ class OpenAIIngress:
         return {"status": "ok"}
 
     @api.get("/v1/models")
-    async def models(self, request: Request) -> dict:
+    async def models(self, request: Request) -> Response:
         self._authorize(request)
-        return protocol.models_body(self.model_name, self.created)
+        return _answer(request, protocol.models_body(self.model_name, self.created))
 
     @api.get("/v1/models/{model_id:path}")
-    async def model(self, model_id: str, request: Request) -> dict:
+    async def model(self, model_id: str, request: Request) -> Response:
         self._authorize(request)
         self._check_model(model_id)
-        return protocol.models_body(self.model_name, self.created)["data"][0]
+        return _answer(request, protocol.models_body(self.model_name, self.created)["data"][0])
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):
         self._authorize(request)
-        body = protocol.parse_request(protocol.CompletionRequest, await _json(request))
+        body = protocol.parse_request(protocol.CompletionRequest, await _body(request))
         self._check_model(body.model)
         params = body.sampling_params(COMPLETIONS_DEFAULT_MAX_TOKENS)
         response_id = protocol.new_id("cmpl")
@@ -147,19 +174,19 @@ class OpenAIIngress:
                                          request_id=response_id if len(body.prompt) == 1 else f"{response_id}-{i}",
                                          strict_max_tokens=body.gives_max_tokens)
                            for i, prompt in enumerate(body.prompt)]
-        return await self._respond(body, response_id, engine_requests, chat=False)
+        return await self._respond(request, body, response_id, engine_requests, chat=False)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
         self._authorize(request)
-        body = protocol.parse_request(protocol.ChatCompletionRequest, await _json(request))
+        body = protocol.parse_request(protocol.ChatCompletionRequest, await _body(request))
         self._check_model(body.model)
         response_id = protocol.new_id("chatcmpl")
         engine_request = EngineRequest(messages=body.template_messages(),
                                        params=body.sampling_params(self.args.default_max_tokens
                                                                    or UNLIMITED_MAX_TOKENS),
                                        request_id=response_id, strict_max_tokens=body.gives_max_tokens)
-        return await self._respond(body, response_id, [engine_request], chat=True)
+        return await self._respond(request, body, response_id, [engine_request], chat=True)
 
     def _authorize(self, request: Request) -> None:
         if self._api_key is None:
@@ -174,7 +201,8 @@ class OpenAIIngress:
         if model != self.model_name:
             raise model_not_found(model, self.model_name)
 
-    async def _respond(self, body, response_id: str, engine_requests: list[EngineRequest], chat: bool):
+    async def _respond(self, request: Request, body, response_id: str, engine_requests: list[EngineRequest],
+                       chat: bool):
         """The answer to one API request: its engine requests (one per prompt) run concurrently; if one is refused,
         the others are cancelled and the refusal is the answer."""
         if not body.stream:
@@ -187,10 +215,10 @@ class OpenAIIngress:
             usage = protocol.usage_of(finals, self.args.speculation)
             if chat:
                 (final,) = finals
-                return protocol.chat_body(response_id, self.model_name, final.text, final.finish_reason, usage,
-                                          final.logprobs)
-            return protocol.completion_body(response_id, self.model_name,
-                                            [(f.text, f.finish_reason, f.logprobs) for f in finals], usage)
+                return _answer(request, protocol.chat_body(response_id, self.model_name, final.text,
+                                                           final.finish_reason, usage, final.logprobs))
+            return _answer(request, protocol.completion_body(
+                response_id, self.model_name, [(f.text, f.finish_reason, f.logprobs) for f in finals], usage))
         streams = [self.engine.options(stream=True).generate_stream.remote(r) for r in engine_requests]
         # The first outputs (or an admission error: bad prompt, too long, queue full) before any byte is sent, so
         # that errors keep their HTTP status.

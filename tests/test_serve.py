@@ -383,6 +383,38 @@ def test_invalid_json_is_a_400(served):
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
+def test_msgpack_bodies_and_answers(served):
+    """The binary option: a msgpack request body gets the JSON request's answer; `Accept: application/msgpack`
+    gets it (and errors) in msgpack; a stream stays server-sent events; a bad msgpack body is a 400."""
+    import msgpack
+
+    body = {"model": MODEL_NAME, "prompt": "hello world", "max_tokens": 6, "temperature": 0}
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    as_json = _post(served, "/v1/completions", body).json()
+
+    def post(payload: bytes, **headers) -> requests.Response:
+        return requests.post(served["base_url"] + "/v1/completions", data=payload, timeout=60,
+                             headers={**auth, "Content-Type": "application/msgpack", **headers})
+
+    r = post(msgpack.packb(body))
+    assert r.headers["content-type"].startswith("application/json")
+    assert r.json()["choices"][0]["text"] == as_json["choices"][0]["text"]
+    r = post(msgpack.packb(body), Accept="application/msgpack")
+    assert r.status_code == 200 and r.headers["content-type"] == "application/msgpack"
+    answer = msgpack.unpackb(r.content)
+    assert answer["choices"][0]["text"] == as_json["choices"][0]["text"] and answer["object"] == "text_completion"
+    r = post(msgpack.packb({**body, "n": 2}), Accept="application/msgpack")
+    assert r.status_code == 400 and msgpack.unpackb(r.content)["error"]["param"] == "n"
+    r = post(msgpack.packb({**body, "stream": True}))
+    assert r.headers["content-type"].startswith("text/event-stream") and r.text.rstrip().endswith("[DONE]")
+    for bad in (b"\xc1", msgpack.packb(body) + b"x", b"\xd9\x02\xff\xfe"):  # reserved byte, trailing data, bad UTF-8
+        r = post(bad)
+        assert r.status_code == 400 and r.json()["error"]["message"] == "The request body is not valid msgpack."
+    models = requests.get(served["base_url"] + "/v1/models", headers={**auth, "Accept": "application/msgpack"},
+                          timeout=10)
+    assert msgpack.unpackb(models.content)["data"][0]["id"] == MODEL_NAME
+
+
 def test_max_tokens_past_the_context_window_is_refused_as_openai_does(served, client):
     """A client that asks for more tokens than the window leaves is told so (400), not cut short; a request that
     gives no max_tokens still gets the server's default."""
