@@ -196,7 +196,9 @@ class EngineLoop:
                     continue
                 if out.finished:
                     del self._streams[out.request_id]
-                stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, out)
+                if not _notify(stream.loop, stream.outputs.put_nowait, out) and not out.finished:
+                    self._streams.pop(out.request_id, None)  # its caller's event loop is gone: no one reads it
+                    engine.abort_request(out.request_id)
             if self.on_round is not None:
                 try:
                     self.on_round(RoundReport(wall, outputs, engine.num_running, engine.num_waiting))
@@ -213,10 +215,12 @@ class EngineLoop:
             try:
                 self.engine.add_request(item.prompt, item.params, request_id=item.request_id)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller, nothing was recorded
-                item.loop.call_soon_threadsafe(_settle, item.admitted, None, exc)
+                _notify(item.loop, _settle, item.admitted, None, exc)
                 return True
-            self._streams[item.request_id] = _Stream(item.loop, item.outputs)
-            item.loop.call_soon_threadsafe(_settle, item.admitted, item.request_id, None)
+            if _notify(item.loop, _settle, item.admitted, item.request_id, None):
+                self._streams[item.request_id] = _Stream(item.loop, item.outputs)
+            else:
+                self.engine.abort_request(item.request_id)
         elif isinstance(item, _Abort):
             self._streams.pop(item.request_id, None)
             if item.request_id in self.engine.requests:
@@ -226,7 +230,7 @@ class EngineLoop:
                 result, exc = item.fn(self.engine), None
             except BaseException as e:  # noqa: BLE001 - handed to the caller
                 result, exc = None, e
-            item.loop.call_soon_threadsafe(_settle, item.done, result, exc)
+            _notify(item.loop, _settle, item.done, result, exc)
         return True
 
     def _fail_all(self, exc: BaseException) -> None:
@@ -234,7 +238,7 @@ class EngineLoop:
         with self._inbox_lock:
             self._is_closed = True
         for stream in self._streams.values():
-            stream.loop.call_soon_threadsafe(stream.outputs.put_nowait, exc)
+            _notify(stream.loop, stream.outputs.put_nowait, exc)
         self._streams.clear()
         while True:  # callers still waiting to be admitted
             try:
@@ -242,9 +246,19 @@ class EngineLoop:
             except queue.Empty:
                 return
             if isinstance(item, _Add):
-                item.loop.call_soon_threadsafe(_settle, item.admitted, None, exc)
+                _notify(item.loop, _settle, item.admitted, None, exc)
             elif isinstance(item, _Call):
-                item.loop.call_soon_threadsafe(_settle, item.done, None, exc)
+                _notify(item.loop, _settle, item.done, None, exc)
+
+
+def _notify(loop: asyncio.AbstractEventLoop, fn: Callable, *args) -> bool:
+    """Schedule `fn(*args)` on a caller's event loop; False when that loop is closed (its caller is gone, e.g. at
+    shutdown), which must not stop the engine's thread."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _settle(future: asyncio.Future, result, exc: BaseException | None) -> None:

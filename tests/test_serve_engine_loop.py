@@ -190,3 +190,25 @@ def test_a_round_in_progress_is_timed_for_the_health_check(workers):
 
     hung_for, after = run_loop(engine, body)
     assert hung_for >= 0.2 and after == 0.0
+
+
+def test_a_caller_whose_event_loop_closed_does_not_stop_the_engine(workers):
+    """Outputs for a caller whose asyncio loop is gone (a replica shutting down) cannot be delivered: its request is
+    aborted and the loop thread goes on serving the others (scheduling on a closed loop raises RuntimeError, which
+    used to end the thread silently)."""
+    from deployments.engine_loop import _Add
+
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    engine = make_engine(workers)
+
+    async def body(loop):
+        gone = asyncio.new_event_loop()
+        admitted = gone.create_future()
+        gone.close()
+        loop._put(_Add("hello world", params, "orphan", gone, admitted, asyncio.Queue()))
+        final = await asyncio.wait_for(loop.generate("the cat sat on", params), 60)  # (hung when the thread died)
+        return final, loop.is_alive
+
+    final, alive = run_loop(engine, body)
+    assert alive and final.finished and len(final.token_ids) == 8
+    assert "orphan" not in engine.requests and not engine.has_unfinished_requests()
