@@ -7,14 +7,17 @@ also come as `verify_async` / `draft_async`, which submit and return a `PendingC
 engine keeps two request groups in flight and the drafter actor drafts one while the target actor verifies the
 other (ddtree/engine.py `_pipelined_step`).
 
-Target features go from the target actor to the drafter actor by object reference, with no call of their own: a
-prefill or verify call returns them as a second object (the features of every token it committed, for all its
-requests), which the engine never fetches. `TargetProxy` keeps, per request, the references holding its features
-since it last drafted; `take_features` hands them over (a `FeatureRefs`) and `DrafterProxy.draft` passes them as
-arguments of the drafter's call, so Ray resolves them on the drafter's side (large objects move between the two
-actors' object stores; Ray inlines objects under ~100 KB into the reply to the caller, so small feature sets do pass
-by the engine process, still without being deserialised there). A separate `take_features` actor call, which the
-draft waited for every round, used to do this.
+Target features go from the target actor to the drafter actor by object reference, with no call of their own in a
+round: a prefill or verify call returns them as a second object (the features of the tokens it committed, for its
+requests that are drafting: they draft again next), which the engine never fetches. `TargetProxy` keeps, per
+request, the references holding its features since it last drafted; `take_features` hands them over (a
+`FeatureRefs`) and `DrafterProxy.draft` passes them as arguments of the drafter's call, so Ray resolves them on the
+drafter's side (large objects move between the two actors' object stores; Ray inlines objects under ~100 KB into
+the reply to the caller, so small feature sets do pass by the engine process, still without being deserialised
+there), and the drafter copies only its requests' rows. A request decoding without a draft (fallback) leaves its
+features in the target actor, so that no reference pins a whole batch's features for the rounds it rests; when it
+drafts again one `take_features` actor call fetches them (by reference too). A `take_features` actor call that
+every draft waited for used to do this every round.
 
 Each timed actor method returns (result, seconds spent inside the actor); the proxies keep the difference from the
 wall time of the call: the cost of the actor hop itself (see `HopTimes`, reported as a metric and by
@@ -128,19 +131,30 @@ class TargetActor:
         """(result, seconds) and, where a drafter reads features, the prompts' features (a second return)."""
         return self._with_features(request_ids, _timed(self.worker.prefill, request_ids, prompts))
 
-    def verify(self, request_ids, trees_wire, roots):
-        """(result, seconds) and, where a drafter reads features, the committed tokens' features (a second
-        return)."""
+    def verify(self, request_ids, trees_wire, roots, feature_request_ids):
+        """(result, seconds) and, where a drafter reads features, the features of `feature_request_ids` (those
+        drafting: they draft again next) committed since they were last taken (a second return); the other
+        requests' stay here until `take_features`."""
         timed = _timed(lambda: self.worker.verify(request_ids, trees_from_wire(trees_wire), roots))
-        return self._with_features(request_ids, timed)
+        return self._with_features(feature_request_ids, timed)
+
+    def take_features(self, request_ids):
+        """The features waiting here for requests back from fallback (the rare path: no other call takes them)."""
+        return self._features_wire(request_ids)
 
     def _with_features(self, request_ids, timed):
         if not self.worker.keep_features:
             return timed
-        # On the host, as numpy (module docstring): they leave this process serialised anyway, and a CUDA tensor
-        # would be unpickled onto the receiver's GPU of the same index, not the drafter's device.
+        return timed, self._features_wire(request_ids)
+
+    def _features_wire(self, request_ids):
+        """(row counts per request, features wire); None when there are no requests. On the host, as numpy (module
+        docstring): they leave this process serialised anyway, and a CUDA tensor would be unpickled onto the
+        receiver's GPU of the same index, not the drafter's device."""
+        if not request_ids:
+            return None
         features = self.worker.take_features(request_ids)
-        return timed, ([f.shape[0] for f in features], tensor_to_wire(torch.cat(features)))
+        return [f.shape[0] for f in features], tensor_to_wire(torch.cat(features))
 
     def free(self, request_id):
         return _timed(self.worker.free, request_id)
@@ -170,9 +184,13 @@ class DrafterActor:
         from them holds no GPU (unpickling a CUDA tensor there would open a context on a GPU Ray never gave it).
         Request i's new features are its rows in the prefill / verify results `feature_objects` that `picks[i]`
         names (`FeatureRefs`), in order."""
+        def rows(o: int, r: int) -> torch.Tensor:  # copies request r's rows of object o only (the object is
+            lengths, (array, dtype) = feature_objects[o]  # a whole batch's, a read-only view of the object store)
+            start = sum(lengths[:r])
+            return tensor_from_wire((array[start : start + lengths[r]], dtype))
+
         def draft_to_host():
-            groups = [tensor_from_wire(wire).split(lengths) for lengths, wire in feature_objects]
-            features = [_joined([groups[o][r] for o, r in pick]) for pick in picks]
+            features = [_joined([rows(o, r) for o, r in pick]) for pick in picks]
             logprobs, token_ids = self.worker.draft(request_ids, roots, features, max_k)
             return tensor_to_wire(logprobs), tensor_to_wire(token_ids)
 
@@ -270,29 +288,40 @@ class TargetProxy:
         self.keeps_features = info["keeps_features"]
         # per request: (features object of a prefill / verify call, the request's index in that call), oldest first
         self._feature_refs: dict[str, list[tuple[ray.ObjectRef, int]]] = {}
+        # Requests that took their features to draft and have not been verified since: their next verify returns
+        # their new features. The others' (requests in fallback) wait in the target actor, so that no reference
+        # pins a whole batch's features object for the many rounds a request may rest in fallback.
+        self._drafting: set[str] = set()
+        self._waiting_in_actor: set[str] = set()
 
     def allocate(self, request_id, capacity, params):
         return _call(self.hops, self.actor.allocate, request_id, capacity, params)
 
     def prefill(self, request_ids, prompts):
-        return self._submit(self.actor.prefill, request_ids, prompts).result()
+        # (a new request drafts next, unless it starts in fallback: one prefill object, pinned until it probes)
+        return self._submit(self.actor.prefill, request_ids, request_ids, prompts).result()
 
     def verify(self, request_ids, trees, roots):
         return self.verify_async(request_ids, trees, roots).result()
 
     def verify_async(self, request_ids, trees, roots) -> PendingCall:
-        return self._submit(self.actor.verify, request_ids, trees_to_wire(trees), roots)
+        drafting = [r for r in request_ids if r in self._drafting]
+        self._drafting.difference_update(request_ids)
+        if self.keeps_features:
+            self._waiting_in_actor.update(r for r in request_ids if r not in drafting)
+        return self._submit(self.actor.verify, request_ids, drafting, trees_to_wire(trees), roots, drafting)
 
-    def _submit(self, method, request_ids, *args) -> PendingCall:
+    def _submit(self, method, request_ids, feature_request_ids, *args) -> PendingCall:
         call = PendingCall(self.hops, method, request_ids, *args, with_features=self.keeps_features)
         if call.features_ref is not None:
-            for i, rid in enumerate(request_ids):
+            for i, rid in enumerate(feature_request_ids):
                 self._feature_refs.setdefault(rid, []).append((call.features_ref, i))
         return call
 
     def take_features(self, request_ids) -> "FeatureRefs":
         """The features committed for each request since it last drafted, as references for the drafter's call
-        (un-fetched on purpose: the drafter actor resolves them, see the module docstring)."""
+        (un-fetched on purpose: the drafter actor resolves them, see the module docstring): those its verifies
+        returned, then, for a request back from fallback, those waiting in the target actor (one call for all)."""
         refs: list[ray.ObjectRef] = []
         position: dict[ray.ObjectRef, int] = {}
         picks = []
@@ -304,10 +333,19 @@ class TargetProxy:
                     refs.append(ref)
                 pick.append((position[ref], row))
             picks.append(pick)
+        back = [i for i, rid in enumerate(request_ids) if rid in self._waiting_in_actor]
+        if back:
+            refs.append(self.actor.take_features.remote([request_ids[i] for i in back]))
+            for row, i in enumerate(back):
+                picks[i].append((len(refs) - 1, row))
+            self._waiting_in_actor.difference_update(request_ids)
+        self._drafting.update(request_ids)
         return FeatureRefs(picks, refs)
 
     def free(self, request_id):
         self._feature_refs.pop(request_id, None)
+        self._drafting.discard(request_id)
+        self._waiting_in_actor.discard(request_id)
         return _call(self.hops, self.actor.free, request_id)
 
     def measure_verify_cost(self, token_counts):

@@ -297,6 +297,43 @@ def test_the_lm_head_on_the_walked_rows_only_changes_nothing(workers, monkeypatc
         assert [lp.logprob for lp in walked.logprobs] == pytest.approx([lp.logprob for lp in full.logprobs], abs=1e-9)
 
 
+def _sentencepiece_tokenizer(vocab_size: int):
+    """A SentencePiece-style tokenizer (Llama 2, Mistral) over the tiny target's vocabulary: words with a leading
+    "\u2581" (a decode drops the first one), letters, and byte-fallback tokens <0xNN>."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    pieces = ["<unk>", "\u2581", "\u2581h", "\u2581w", "\u2581he", *"abcdefghijklmn"]
+    pieces += [f"<0x{b:02X}>" for b in range(0x41, 0x41 + vocab_size - len(pieces))]
+    tok = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[], unk_token="<unk>",
+                               byte_fallback=True))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+
+
+def test_logprob_bytes_and_offsets_follow_the_text_with_a_sentencepiece_tokenizer(workers):
+    """The output's text drops its first word's space (the decode strips it at the start): the bytes of its tokens
+    join into the text all the same, and completion offsets are where each token's text starts in it."""
+    from deployments.protocol import completion_logprobs
+
+    target, drafter, _ = workers
+    tokenizer = _sentencepiece_tokenizer(target.vocab_size)
+    engine = Engine(EngineConfig(speculation="ddtree", budget=4), target, drafter, tokenizer,
+                    cost=copy.deepcopy(FLAT_COST))
+    outputs = LLM.from_engine(engine).generate([[5, 12], [41, 27], [3, 3, 3]], greedy(24, logprobs=1))
+    num_spaced_starts = 0
+    for out in outputs:
+        assert b"".join(lp.token_bytes for lp in out.logprobs).decode() == out.text
+        first_piece = tokenizer.convert_ids_to_tokens(out.token_ids[0])
+        num_spaced_starts += first_piece.startswith("\u2581")
+        offsets = completion_logprobs(out.logprobs)["text_offset"]
+        assert offsets == [len(tokenizer.decode(out.token_ids[:i], skip_special_tokens=True))
+                           for i in range(len(out.token_ids))]
+    assert num_spaced_starts  # outputs whose first token's space the text dropped
+
+
 def test_automatic_ids_skip_ids_callers_chose(workers):
     engine = make_llm(workers, speculation="off").engine
     mine = engine.add_request("hello", greedy(2), request_id="req-0")

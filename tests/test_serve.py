@@ -592,6 +592,43 @@ def test_pipelined_engine_on_worker_actors_equals_offline_off(served, app_args, 
         actors.kill()
 
 
+def test_features_reach_the_drafter_through_fallback_and_back(served, app_args):
+    """On the worker actors, a drafting request's features ride its verify's reply; a request decoding without a
+    draft (fallback) leaves its features in the target actor, pinning no reply, and gets them all when it drafts
+    again: the drafter's context always holds every token the target has run for it, once."""
+    from deployments.actors import start_worker_actors
+    from deployments.config import ActorPlace, WorkerSpec, parse_args
+
+    place = ActorPlace(0, 0.0, 0.0)  # the app holds the CPUs
+    actors = start_worker_actors(WorkerSpec.from_args(parse_args(app_args)), place, place)
+    target, drafter = actors.target_proxy, actors.drafter_proxy
+    try:
+        prompts = {"a": [5, 6, 7, 8], "b": [9, 10, 11]}
+        params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+        for rid, prompt in prompts.items():
+            assert target.allocate(rid, 64, params)
+        roots = dict(zip(prompts, target.prefill(list(prompts), list(prompts.values())).token_ids))
+        num_run = {rid: len(p) for rid, p in prompts.items()}  # tokens the target has run (features made)
+
+        def context_len(rid: str) -> int:
+            return ray.get(actors.drafter.__ray_call__.remote(lambda actor, r: actor.worker.drafter.context_len(r),
+                                                              rid))
+
+        for round_index in range(5):
+            drafting = ["a", "b"] if round_index in (0, 4) else ["a"]  # b rests in fallback for rounds 1-3
+            drafter.draft(drafting, [roots[r] for r in drafting], target.take_features(drafting), 4)
+            assert [context_len(r) for r in drafting] == [num_run[r] for r in drafting]
+            result = target.verify(["a", "b"], [None, None], [roots["a"], roots["b"]])  # root only: 1 token each
+            for i, rid in enumerate(["a", "b"]):
+                num_run[rid] += 1 + len(result.accepted_token_ids[i])
+                roots[rid] = result.bonus_token_ids[i]
+            if 1 <= round_index <= 3:  # the verify of round 0 (b drafting) holds b's features since; no more
+                assert len(target._feature_refs.get("b", [])) == 1  # its new ones wait in the actor
+        assert context_len("b") == num_run["b"] - 1  # (the last verify's token not taken yet)
+    finally:
+        actors.kill()
+
+
 def test_chat_without_max_tokens_gets_the_servers_default(client):
     out = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
                                          temperature=0, extra_body={"ignore_eos": True})
