@@ -49,7 +49,13 @@ def _media_type(value: str) -> str:
 
 
 def _wants_msgpack(request: Request) -> bool:
-    return any(_media_type(part) in MSGPACK_MEDIA_TYPES for part in request.headers.get("accept", "").split(","))
+    """The Accept header names a msgpack type (not with q=0, which refuses it)."""
+    for part in request.headers.get("accept", "").split(","):
+        media_type, *params = (p.strip().lower() for p in part.split(";"))
+        if media_type in MSGPACK_MEDIA_TYPES and not any(p.replace(" ", "") in ("q=0", "q=0.0", "q=0.00", "q=0.000")
+                                                         for p in params):
+            return True
+    return False
 
 
 def _answer(request: Request, body: dict, status: int = 200) -> Response:

@@ -15,7 +15,7 @@ import codecs
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator,
                       model_validator)
@@ -54,7 +54,7 @@ class _GenerationRequest(BaseModel):
     n: StrictInt = 1
     frequency_penalty: float = Field(0.0, strict=True)
     presence_penalty: float = Field(0.0, strict=True)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, Annotated[float, Field(strict=True)]] | None = None
     # Extensions:
     top_k: StrictInt = Field(0, ge=-1, description="Sample among the k most likely tokens only (0 or -1, vLLM's "
                              "spelling: off).")
@@ -63,7 +63,7 @@ class _GenerationRequest(BaseModel):
     # Ignored metadata:
     user: str | None = None
     metadata: dict[str, Any] | None = None
-    store: bool | None = None
+    store: StrictBool | None = None
     service_tier: str | None = None
     safety_identifier: str | None = None
     prompt_cache_key: str | None = None
@@ -145,7 +145,7 @@ class CompletionRequest(_GenerationRequest):
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)  # the k most likely per token (OpenAI: up to 5)
     echo: StrictBool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: StrictInt | None = None
 
     @field_validator("prompt")
     @classmethod
@@ -214,7 +214,7 @@ class ChatCompletionRequest(_GenerationRequest):
     response_format: dict[str, Any] | None = None
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
 
     @model_validator(mode="after")
     def _check_chat_unsupported(self):
@@ -261,7 +261,7 @@ def _require_neutral(ok: bool, param: str, message: str) -> None:
 def parse_request(model: type[BaseModel], body: Any) -> Any:
     """The validated request, or an APIError 400 naming the first bad parameter."""
     if not isinstance(body, dict):
-        raise bad_request("The request body must be a JSON object.")
+        raise bad_request("The request body must be an object (a JSON object, or a msgpack map).")
     try:
         return model.model_validate(body)
     except ValidationError as exc:

@@ -413,6 +413,11 @@ def test_msgpack_bodies_and_answers(served):
     models = requests.get(served["base_url"] + "/v1/models", headers={**auth, "Accept": "application/msgpack"},
                           timeout=10)
     assert msgpack.unpackb(models.content)["data"][0]["id"] == MODEL_NAME
+    refused = requests.get(served["base_url"] + "/v1/models", timeout=10,
+                           headers={**auth, "Accept": "application/msgpack;q=0, application/json"})
+    assert refused.json()["data"][0]["id"] == MODEL_NAME  # q=0 refuses msgpack
+    r = post(msgpack.packb([1, 2]))
+    assert r.status_code == 400 and "msgpack map" in r.json()["error"]["message"]
 
 
 def test_max_tokens_past_the_context_window_is_refused_as_openai_does(served, client):

@@ -134,6 +134,8 @@ def test_completion_request_to_sampling_params():
         ({"model": "m", "prompt": "hi", "top_p": "0.5"}, "top_p", "invalid_value"),
         ({"model": "m", "prompt": "hi", "stop_token_ids": [True]}, "stop_token_ids.0", "invalid_value"),
         ({"model": "m", "prompt": "hi", "top_k": -2}, "top_k", "invalid_value"),
+        ({"model": "m", "prompt": "hi", "best_of": "1"}, "best_of", "invalid_value"),
+        ({"model": "m", "prompt": "hi", "logit_bias": {"5": "1"}}, "logit_bias", "invalid_value"),
     ],
 )
 def test_bad_completion_requests_name_the_parameter(body, param, code):
