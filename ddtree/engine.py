@@ -573,7 +573,9 @@ class Engine:
         req.root_token_id = kept[-1] if kept else req.root_token_id
         new_logprobs = None
         if req.output.params.logprobs is not None:
-            new_logprobs = self._token_logprobs(kept, logprobs, starts_output=not req.logprobs)
+            # (the output's text starts at the first token that decodes to something: special tokens do not)
+            at_text_start = not any(lp.token_bytes for lp in req.logprobs)
+            new_logprobs = self._token_logprobs(kept, logprobs, at_text_start)
             req.logprobs.extend(new_logprobs)
         new_text = self.detokenizer.take_new_text(req.output)
         if req.output.finish_reason is not None:
@@ -582,28 +584,32 @@ class Engine:
             return None
         return self._output(req, new_text, kept, new_logprobs, finished=False)
 
-    def _token_logprobs(self, kept: list[int], raw: RawLogprobs | None, starts_output: bool) -> list[TokenLogprobs]:
-        """The worker's numbers for the kept tokens, with each token's text and bytes (`starts_output`: the first
-        of them is the output's first token)."""
+    def _token_logprobs(self, kept: list[int], raw: RawLogprobs | None, at_text_start: bool) -> list[TokenLogprobs]:
+        """The worker's numbers for the kept tokens, with each token's text and bytes (`at_text_start`: the output
+        has no text before them)."""
         if raw is None or len(raw.chosen) < len(kept):
             raise RuntimeError("the target worker returned no log-probabilities for a request that asked for them")
         text = self._token_text
 
         def to_bytes(token_id: int, at_start: bool) -> bytes:
             raw_bytes = self._token_bytes(token_id)
-            # A SentencePiece word's space, which a decode drops at the start of a text (so the output's text
-            # starts without it): the bytes join into the text as decoded.
-            if at_start and raw_bytes.startswith(b" ") and not text(token_id).startswith(" "):
-                return raw_bytes[1:]
+            if at_start:
+                # The spaces a decode drops at the start of a text (SentencePiece: the first word's one) are not in
+                # the output's text either: the bytes join into the text as decoded.
+                own = text(token_id)
+                drop = (len(raw_bytes) - len(raw_bytes.lstrip(b" "))) - (len(own) - len(own.lstrip(" ")))
+                if drop > 0:
+                    return raw_bytes[drop:]
             return raw_bytes
 
-        return [
-            TokenLogprobs(token_id, text(token_id), raw.chosen[k],
-                          [(t, text(t), v) for t, v in zip(raw.top_ids[k], raw.top_values[k])],
-                          to_bytes(token_id, starts_output and k == 0),
-                          [to_bytes(t, starts_output and k == 0) for t in raw.top_ids[k]])
-            for k, token_id in enumerate(kept)
-        ]
+        out = []
+        for k, token_id in enumerate(kept):
+            token_bytes = to_bytes(token_id, at_text_start)
+            out.append(TokenLogprobs(token_id, text(token_id), raw.chosen[k],
+                                     [(t, text(t), v) for t, v in zip(raw.top_ids[k], raw.top_values[k])],
+                                     token_bytes, [to_bytes(t, at_text_start) for t in raw.top_ids[k]]))
+            at_text_start = at_text_start and not token_bytes
+        return out
 
     def _finish(self, req: _Request, new_text: str, new_token_ids: list[int],
                 new_logprobs: list[TokenLogprobs] | None = None) -> RequestOutput:

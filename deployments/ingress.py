@@ -49,13 +49,24 @@ def _media_type(value: str) -> str:
 
 
 def _wants_msgpack(request: Request) -> bool:
-    """The Accept header names a msgpack type (not with q=0, which refuses it)."""
-    for part in request.headers.get("accept", "").split(","):
-        media_type, *params = (p.strip().lower() for p in part.split(";"))
-        if media_type in MSGPACK_MEDIA_TYPES and not any(p.replace(" ", "") in ("q=0", "q=0.0", "q=0.00", "q=0.000")
-                                                         for p in params):
-            return True
-    return False
+    """The Accept header ranks a msgpack type above zero and no lower than JSON (`application/json`, or the
+    `application/*` and `*/*` ranges that cover it), by their q-values (RFC 9110; a malformed q counts as 1)."""
+    quality: dict[str, float] = {}
+    for header in request.headers.getlist("accept"):
+        for part in header.split(","):
+            media_type, *params = (p.strip().lower() for p in part.split(";"))
+            q = 1.0
+            for param in params:
+                name, _, value = param.partition("=")
+                if name.strip() == "q":
+                    try:
+                        q = min(max(float(value), 0.0), 1.0)
+                    except ValueError:
+                        q = 1.0
+            quality[media_type] = max(q, quality.get(media_type, 0.0))
+    msgpack_q = max(quality.get(t, 0.0) for t in MSGPACK_MEDIA_TYPES)
+    json_q = max(quality.get(t, 0.0) for t in ("application/json", "application/*", "*/*"))
+    return msgpack_q > 0 and msgpack_q >= json_q
 
 
 def _answer(request: Request, body: dict, status: int = 200) -> Response:

@@ -303,7 +303,7 @@ def _sentencepiece_tokenizer(vocab_size: int):
     from tokenizers import Tokenizer, decoders, models, normalizers
     from transformers import PreTrainedTokenizerFast
 
-    pieces = ["<unk>", "\u2581", "\u2581h", "\u2581w", "\u2581he", *"abcdefghijklmn"]
+    pieces = ["<unk>", "\u2581", "\u2581h", "\u2581w", "\u2581he", "\u2581\u2581", "\u2581\u2581h", *"abcdefghijkl"]
     pieces += [f"<0x{b:02X}>" for b in range(0x41, 0x41 + vocab_size - len(pieces))]
     tok = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[], unk_token="<unk>",
                                byte_fallback=True))
@@ -332,6 +332,26 @@ def test_logprob_bytes_and_offsets_follow_the_text_with_a_sentencepiece_tokenize
         assert offsets == [len(tokenizer.decode(out.token_ids[:i], skip_special_tokens=True))
                            for i in range(len(out.token_ids))]
     assert num_spaced_starts  # outputs whose first token's space the text dropped
+
+
+@pytest.mark.parametrize("first", [["\u2581\u2581h"], ["\u2581\u2581", "\u2581h"], ["<unk>", "\u2581h"], ["\u2581"]])
+def test_logprob_bytes_drop_only_the_spaces_the_text_drops(workers, first):
+    """Where the output's text starts (its first token that decodes to anything, after special ones), its bytes
+    drop the space a decode strips at a text's start, one, not more: a first token "\u2581\u2581h" is " h"."""
+    from ddtree.workers import RawLogprobs
+
+    target, drafter, _ = workers
+    tokenizer = _sentencepiece_tokenizer(target.vocab_size)
+    engine = Engine(EngineConfig(speculation="off"), target, None, tokenizer, cost=copy.deepcopy(FLAT_COST))
+    ids = tokenizer.convert_tokens_to_ids(first + ["a", "\u2581w"])
+    raw = RawLogprobs([-1.0] * len(ids), [[t] for t in ids], [[-1.0] for _ in ids])
+    for split in range(len(ids) + 1):  # the tokens over two rounds, cut anywhere
+        done = engine._token_logprobs(ids[:split], raw, True)
+        rest = RawLogprobs(raw.chosen[split:], raw.top_ids[split:], raw.top_values[split:])
+        done += engine._token_logprobs(ids[split:], rest, not any(lp.token_bytes for lp in done))
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        assert b"".join(lp.token_bytes for lp in done).decode() == text
+        assert [lp.top_bytes[0] for lp in done] == [lp.token_bytes for lp in done]
 
 
 def test_automatic_ids_skip_ids_callers_chose(workers):

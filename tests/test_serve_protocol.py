@@ -358,3 +358,21 @@ def test_what_crosses_between_actors_round_trips_exactly():
         got = tensor_from_wire(pickle.loads(pickle.dumps(tensor_to_wire(t))))
         assert got.dtype == t.dtype and torch.equal(got, t)
         got.add_(1)  # writable: not a view of the (read-only) received buffer
+
+
+@pytest.mark.parametrize("accept, wants", [
+    (["application/msgpack"], True),
+    (["application/json, application/msgpack;q=0.1"], False),  # JSON ranked higher
+    (["application/msgpack, */*;q=0.5"], True),
+    (["application/json", "application/msgpack"], True),  # two header lines, tied
+    (["application/msgpack;q=0."], False), (["application/msgpack;q=00"], False), (["application/msgpack;q=-1"], False),
+    (["application/msgpack;q=oops"], True),  # a malformed q counts as 1
+    (["*/*"], False), ([], False),
+])
+def test_msgpack_answers_follow_the_accept_header_q_values(accept, wants):
+    from starlette.requests import Request
+
+    from deployments.ingress import _wants_msgpack
+
+    request = Request({"type": "http", "headers": [(b"accept", a.encode()) for a in accept]})
+    assert _wants_msgpack(request) is wants
