@@ -15,8 +15,9 @@ request, the references holding its features since it last drafted; `take_featur
 drafter's side (large objects move between the two actors' object stores; Ray inlines objects under ~100 KB into
 the reply to the caller, so small feature sets do pass by the engine process, still without being deserialised
 there), and the drafter copies only its requests' rows. A request decoding without a draft (fallback) leaves its
-features in the target actor, so that no reference pins a whole batch's features for the rounds it rests; when it
-drafts again one `take_features` actor call fetches them (by reference too). A `take_features` actor call that
+features in the target actor (where the KV cache's budget counts them per token), so that the rounds it rests add no
+reference to whole batches' feature objects (it holds at most the one from its last drafting round, or its
+prefill's); when it drafts again one `take_features` actor call fetches them (by reference too). A `take_features` actor call that
 every draft waited for used to do this every round.
 
 Each timed actor method returns (result, seconds spent inside the actor); the proxies keep the difference from the
