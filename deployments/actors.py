@@ -1,15 +1,15 @@
 """The target and drafter workers on their own Ray actors, and the thin proxies the Engine calls.
 
 The engine calls its workers only through a handful of methods (allocate, prefill, verify, take_features, free,
-measure_verify_cost / draft, free, measure_draft_cost), so each proxy method is one plain actor call:
-`ray.get(actor.method.remote(...))`. Serve handles never appear in the per-round loop. The round's two big calls
+measure_verify_cost / draft, free, measure_draft_cost), so each proxy method is at most one plain actor call:
+`ray.get(actor.method.remote(...))` (`take_features` usually none: it hands over references). Serve handles never appear in the per-round loop. The round's two big calls
 also come as `verify_async` / `draft_async`, which submit and return a `PendingCall`: with `pipeline=True` the
 engine keeps two request groups in flight and the drafter actor drafts one while the target actor verifies the
 other (ddtree/engine.py `_pipelined_step`).
 
 Target features go from the target actor to the drafter actor by object reference, with no call of their own in a
-round: a prefill or verify call returns them as a second object (the features of the tokens it committed, for its
-requests that are drafting: they draft again next), which the engine never fetches. `TargetProxy` keeps, per
+round: a prefill or verify call returns them as a second object (the features of the tokens it committed: a
+prefill's for all its requests, a verify's for those drafting, which draft again next), which the engine never fetches. `TargetProxy` keeps, per
 request, the references holding its features since it last drafted; `take_features` hands them over (a
 `FeatureRefs`) and `DrafterProxy.draft` passes them as arguments of the drafter's call, so Ray resolves them on the
 drafter's side (large objects move between the two actors' object stores; Ray inlines objects under ~100 KB into

@@ -39,7 +39,7 @@ HEALTH_TIMEOUT_S = 5.0
 api = FastAPI(title="DDTree Serve", description="OpenAI-compatible API with DDTree speculative decoding")
 
 
-# The binary option (../DESIGN.md, "Wire formats"): a request body in msgpack with this Content-Type, and a
+# The binary option (the project's design notes, "Wire formats"): a request body in msgpack with this Content-Type, and a
 # non-streamed answer (errors included) in msgpack when the Accept header names it; JSON otherwise.
 MSGPACK_MEDIA_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
 

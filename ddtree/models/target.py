@@ -17,7 +17,7 @@ Public API (engine side):
     runner.prefill(seq_ids, token_id_lists) -> (last_logits [R, V], features: list of [n_i, F])    commits
     runner.decode(seq_ids, token_ids) -> (logits [R, V], features [R, F])                          commits
     runner.verify(seq_ids, packed, logits_rows=None) -> (logits [M, V], features [N, F])   KV in scratch slots
-    runner.verify(seq_ids, packed, hidden_only=True) -> (hidden [N, H], features); runner.lm_head_logits(rows)
+    runner.verify(seq_ids, packed, hidden_only=True) -> (hidden [N, H], features); runner.lm_head_logits(hidden[rows]) -> [M, V]
     runner.commit(seq_id, keep_local_indices)        keep root + accepted path (local indices in the segment)
     runner.free(seq_id) -> bool
     runner.embed(token_ids [n]) -> [n, H];  runner.project_logits(hidden [n, H]) -> [n, V]  (for the drafter)
