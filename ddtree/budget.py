@@ -36,7 +36,10 @@ Two choices keep probes informative and the start cheap:
   the stale estimate instead of moving it by `ema_weight`; a request that pays again comes back after one probe.
 - A new request's prior gain is the EMA of gains observed over all requests (`population_gain`), which its first
   observation moves by one round's weight (one round's acceptance is too noisy to replace it); `initial_gain`
-  (optimistic, so that the drafter gets tried) applies only before anything has been observed. When the drafter
+  (optimistic, so that the drafter gets tried) applies only before anything has been observed, and each request
+  that leaves without having drafted (it started in fallback and left before its first probe) moves the population
+  one weight back toward it: after requests that did not pay, new short requests would otherwise start in fallback
+  and leave unprobed forever. When the drafter
   does not pay on this workload, a new request therefore starts in fallback and is first probed under the same
   cost bound, instead of paying full-budget drafts at its start; when it pays, new requests draft from round one.
 """
@@ -241,7 +244,15 @@ class BudgetPolicy:
         self.states[request_id] = RequestBudgetState()
 
     def remove(self, request_id: str) -> None:
-        self.states.pop(request_id, None)
+        """A request leaves. One that never drafted (it started in fallback and left before its first probe) taught
+        nothing: the population's gain moves one weight back toward the optimistic `initial_gain`, so that a run of
+        requests that did not pay (a long sampled one that accepted nothing for thousands of rounds, say) cannot
+        keep drafting off for every short request after it, none of which would live to be probed (a review saw
+        35+ requests in a row without a draft after one 8k-token request at T=1)."""
+        s = self.states.pop(request_id, None)
+        if s is not None and s.gain is None and self.population_gain is not None:
+            pw = self.config.ema_weight
+            self.population_gain = (1 - pw) * self.population_gain + pw * self.config.initial_gain
 
     @property
     def budget_cap(self) -> int:

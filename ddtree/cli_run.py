@@ -37,8 +37,14 @@ def _build(args):
 
     budget = args.budget if args.budget == "auto" else _int(args.budget, "--budget")
     # the parameters first: a bad value is reported before the model loads
-    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                            max_tokens=args.max_tokens, seed=args.seed, logprobs=args.logprobs)
+    try:
+        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                                max_tokens=args.max_tokens, seed=args.seed, logprobs=args.logprobs)
+    except ValueError as exc:  # name the flag, not the field ("SamplingParams.max_tokens must be ...")
+        message = str(exc)
+        for field in ("temperature", "top_p", "top_k", "max_tokens", "seed", "logprobs"):
+            message = message.replace(f"SamplingParams.{field}", f"--{field.replace('_', '-')}")
+        raise ValueError(message.replace("None or ", "")) from None
     llm = LLM(args.model, args.drafter, device=args.device, dtype=args.dtype, speculation=args.speculation,
               budget=budget)
     return llm, params
@@ -92,6 +98,7 @@ def run_chat(args) -> int:
             break
         if line.strip() == "/reset":
             messages = []
+            print("(conversation reset)", file=sys.stderr)
             continue
         messages.append({"role": "user", "content": line})
         answer = _stream(llm, llm.apply_chat_template(messages), params, args.stats)

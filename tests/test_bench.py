@@ -67,7 +67,10 @@ def test_ddtree_generate_streams_with_logprobs_and_bad_input_is_one_line(tmp_pat
     monkeypatch.setattr(sys, "argv", ["ddtree", "generate", "hello", "--model", str(tmp_path / "missing"),
                                       "--temperature", "-1"])
     assert console_main() == 2
-    assert capsys.readouterr().err.strip().startswith("ddtree: error: SamplingParams.temperature")
+    assert capsys.readouterr().err.strip().startswith("ddtree: error: --temperature must be")  # the flag's name
+    monkeypatch.setattr(sys, "argv", ["ddtree", "generate", "hello", "--logprobs", "25"])
+    assert console_main() == 2
+    assert capsys.readouterr().err.strip() == "ddtree: error: --logprobs must be an integer in [0, 20], got 25"
     monkeypatch.setattr(sys, "argv", ["ddtree", "generate", "hello", "--budget", "lots"])
     assert console_main() == 2
     assert capsys.readouterr().err.strip() == "ddtree: error: --budget must be 'auto' or an integer, got 'lots'"
@@ -83,5 +86,7 @@ def test_ddtree_chat_keeps_the_conversation_and_quits(tmp_path, capsys, monkeypa
     monkeypatch.setattr(sys, "stdin", io.StringIO("hi\nhi\n/reset\nhi\n/quit\nnever sent\n"))
     assert main(["chat", "--model", str(target), "--drafter", str(drafter), "--dtype", "float64",
                  "--max-tokens", "4", "--stats", "--temperature", "0"]) == 0
-    stats = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[")]
+    err = capsys.readouterr().err
+    stats = [line for line in err.splitlines() if line.startswith("[")]
     assert len(stats) == 3  # three answers: "never sent" was not
+    assert err.count("(conversation reset)") == 1

@@ -362,3 +362,23 @@ def test_allocate_prices_nodes_after_the_tokens_already_packed():
     assert policy.allocate(["a"], chain, 0, num_drafted=0) == [3]  # free inside the flat part
     assert policy.allocate(["a"], chain, 0, num_drafted=0, packed=(8, 3.0)) == [0]
     assert policy.allocate(["a"], chain, 0, num_drafted=0, packed=(4, 1.0)) == [3]  # still inside it
+
+
+def test_requests_that_leave_undrafted_bring_drafting_back():
+    """One long request that accepted nothing drives the population's gain to ~0, so new requests start in
+    fallback; short ones leave before their first probe, having taught nothing. Each moves the population back
+    toward the optimistic prior: within a few such requests, new ones draft again (they used to stay off for good)."""
+    cost = linear_cost(per_token=1.0, fixed=30.0, draft=20.0)
+    policy = BudgetPolicy(BudgetConfig(), cost)
+    simulate(policy, {"long": 0}, 300, lambda rid, t, n: 0)  # sampling noise: nothing accepted
+    policy.remove("long")
+    assert policy.population_gain < 0.01
+    drafted_at = None
+    for i in range(40):
+        rid = f"short-{i}"
+        policy.add(rid)
+        if policy.plan([rid]).speculative_ids:
+            drafted_at = i
+            break
+        policy.remove(rid)  # left after two rounds, never probed
+    assert drafted_at is not None and drafted_at <= 15
