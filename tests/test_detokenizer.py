@@ -3,7 +3,7 @@ import pytest
 from ddtree.detokenizer import REPLACEMENT_CHAR, Detokenizer, OutputState
 from ddtree.sampling_params import SamplingParams
 from tests.factories import decode_in_random_rounds
-from tests.tiny_tokenizer import make_byte_tokenizer, make_char_tokenizer
+from tests.tiny_tokenizer import make_byte_tokenizer, make_char_tokenizer, make_sentencepiece_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -113,17 +113,9 @@ def test_incremental_text_equals_decoding_everything(make):
 
 
 def _byte_fallback_tokenizer():
-    """A SentencePiece-style tokenizer (Llama 2, Mistral): words with a leading "\u2581", bytes as <0xNN> tokens."""
-    from tokenizers import Tokenizer, decoders, models, normalizers
-    from transformers import PreTrainedTokenizerFast
-
-    pieces = ["<unk>", *(f"<0x{b:02X}>" for b in range(256)), "\u2581", *"abcdehlnorw\u00e9", "\u2581h", "\u2581w"]
-    tok = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[], unk_token="<unk>",
-                               byte_fallback=True))
-    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
-    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+    """Every byte as a <0xNN> token, a few letters and words."""
+    return make_sentencepiece_tokenizer(["<unk>", *(f"<0x{b:02X}>" for b in range(256)), "\u2581",
+                                         *"abcdehlnorw\u00e9", "\u2581h", "\u2581w"])
 
 
 @pytest.mark.parametrize("make", [make_byte_tokenizer, make_char_tokenizer, _byte_fallback_tokenizer])

@@ -17,6 +17,7 @@ from ddtree.sampling_params import SamplingParams
 from ddtree.scheduler import EngineFullError
 from ddtree.workers import build_workers
 from tests.factories import make_tiny_drafter, make_tiny_target
+from tests.tiny_tokenizer import make_sentencepiece_tokenizer
 
 PROMPTS = ["hello world", "the cat sat on", "a", "12 + 7 =", "why is the sky blue?"]
 # A fixed cost model keeps the tests deterministic (the engine measures one at start-up otherwise).
@@ -298,19 +299,9 @@ def test_the_lm_head_on_the_walked_rows_only_changes_nothing(workers, monkeypatc
 
 
 def _sentencepiece_tokenizer(vocab_size: int):
-    """A SentencePiece-style tokenizer (Llama 2, Mistral) over the tiny target's vocabulary: words with a leading
-    "\u2581" (a decode drops the first one), letters, and byte-fallback tokens <0xNN>."""
-    from tokenizers import Tokenizer, decoders, models, normalizers
-    from transformers import PreTrainedTokenizerFast
-
+    """A SentencePiece-style tokenizer over the tiny target's vocabulary: words, letters, byte-fallback tokens."""
     pieces = ["<unk>", "\u2581", "\u2581h", "\u2581w", "\u2581he", "\u2581\u2581", "\u2581\u2581h", *"abcdefghijkl"]
-    pieces += [f"<0x{b:02X}>" for b in range(0x41, 0x41 + vocab_size - len(pieces))]
-    tok = Tokenizer(models.BPE(vocab={p: i for i, p in enumerate(pieces)}, merges=[], unk_token="<unk>",
-                               byte_fallback=True))
-    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
-    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(" ", 1, 0)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>")
+    return make_sentencepiece_tokenizer(pieces + [f"<0x{b:02X}>" for b in range(0x41, 0x41 + vocab_size - len(pieces))])
 
 
 def test_logprob_bytes_and_offsets_follow_the_text_with_a_sentencepiece_tokenizer(workers):
