@@ -106,25 +106,27 @@ def test_rms_norm_and_silu_and_mul_match_torch(ops):
         ops.silu_and_mul(torch.randn(2, 5))
 
 
-@pytest.mark.parametrize("heads, kv_heads, num_cached, num_new, is_tree", [
-    (9, 3, 128, 1, False), (4, 4, 0, 1, False), (6, 2, 17, 5, False), (6, 2, 0, 7, False), (9, 3, 40, 8, True),
-    (4, 2, 3, 1, True), (9, 3, 1008, 16, True), (6, 2, 1023, 1, False),  # T = 1024 and 1024 + 0: the padded copy
+@pytest.mark.parametrize("heads, kv_heads, num_cached, num_new, is_tree, d", [
+    (9, 3, 128, 1, False, 64), (4, 4, 0, 1, False, 64), (6, 2, 17, 5, False, 64), (6, 2, 0, 7, False, 64),
+    (9, 3, 40, 8, True, 64), (4, 2, 3, 1, True, 64), (9, 3, 1008, 16, True, 64), (6, 2, 1023, 1, False, 64),
+    (9, 3, 128, 33, True, 64), (9, 3, 300, 129, True, 64), (9, 3, 0, 130, False, 64), (9, 3, 31, 70, False, 64),
+    (4, 2, 20, 9, True, 128), (4, 2, 20, 9, False, 48), (4, 2, 5, 3, True, 16),  # head_dim past / short of 32s
 ])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_attention_block_ropes_writes_the_cache_and_attends(ops, heads, kv_heads, num_cached, num_new, is_tree,
+def test_attention_block_ropes_writes_the_cache_and_attends(ops, heads, kv_heads, num_cached, num_new, is_tree, d,
                                                             threads):
     """Rotary, the KV write into the cache views and attention (causal, or a tree's ancestor mask) against
     torch's rotary and SDPA."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        _check_attention_block(ops, heads, kv_heads, num_cached, num_new, is_tree)
+        _check_attention_block(ops, heads, kv_heads, num_cached, num_new, is_tree, d)
     finally:
         torch.set_num_threads(previous)
 
 
-def _check_attention_block(ops, heads, kv_heads, num_cached, num_new, is_tree):
-    d, slots, start = 64, 1100, 40
+def _check_attention_block(ops, heads, kv_heads, num_cached, num_new, is_tree, d):
+    slots, start = 1100, 40
     gen = torch.Generator().manual_seed(heads + num_cached + num_new)
     pool = torch.randn(2, kv_heads, slots, d, generator=gen)  # like one layer of the KV pool: strided views
     qkv = torch.randn(num_new, (heads + 2 * kv_heads) * d, generator=gen)

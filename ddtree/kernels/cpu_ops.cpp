@@ -55,13 +55,13 @@ inline v16 load16(const float* p) {
   return v;
 }
 
-// out[m, 0:32] = x[m, 0:k] @ panel[0:k, 0:32] for m < MB (x rows `ldx` apart)
+// out[m, 0:32] = x[m, 0:k] @ w[0:k, 0:32] for m < MB: x rows `ldx` apart, w rows `ldw` apart (a panel's are 32),
+// out rows `ldo` apart. Inlined into its callers, so that a panel's constant strides are the compiler's.
 template <int MB>
-void panel_tile(const float* x, int64_t ldx, int64_t k, const float* panel, float* out) {
+__attribute__((always_inline)) inline void panel_tile(const float* x, int64_t ldx, int64_t k, const float* w, int64_t ldw, float* out, int64_t ldo) {
   v16 lo[MB], hi[MB];
   for (int m = 0; m < MB; ++m) lo[m] = hi[m] = v16{};
-  const float* w = panel;
-  for (int64_t i = 0; i < k; ++i, w += kPanelWidth) {
+  for (int64_t i = 0; i < k; ++i, w += ldw) {
     const v16 w_lo = load16(w), w_hi = load16(w + 16);
     for (int m = 0; m < MB; ++m) {
       const float xm = x[m * ldx + i];
@@ -70,21 +70,22 @@ void panel_tile(const float* x, int64_t ldx, int64_t k, const float* panel, floa
     }
   }
   for (int m = 0; m < MB; ++m) {
-    std::memcpy(out + m * kPanelWidth, &lo[m], sizeof(v16));
-    std::memcpy(out + m * kPanelWidth + 16, &hi[m], sizeof(v16));
+    std::memcpy(out + m * ldo, &lo[m], sizeof(v16));
+    std::memcpy(out + m * ldo + 16, &hi[m], sizeof(v16));
   }
 }
 
-void panel_rows(const float* x, int64_t ldx, int rows, int64_t k, const float* panel, float* out) {
+__attribute__((always_inline)) inline void panel_rows(const float* x, int64_t ldx, int rows, int64_t k,
+                                                     const float* w, int64_t ldw, float* out, int64_t ldo) {
   switch (rows) {
-    case 8: return panel_tile<8>(x, ldx, k, panel, out);
-    case 7: return panel_tile<7>(x, ldx, k, panel, out);
-    case 6: return panel_tile<6>(x, ldx, k, panel, out);
-    case 5: return panel_tile<5>(x, ldx, k, panel, out);
-    case 4: return panel_tile<4>(x, ldx, k, panel, out);
-    case 3: return panel_tile<3>(x, ldx, k, panel, out);
-    case 2: return panel_tile<2>(x, ldx, k, panel, out);
-    default: return panel_tile<1>(x, ldx, k, panel, out);
+    case 8: return panel_tile<8>(x, ldx, k, w, ldw, out, ldo);
+    case 7: return panel_tile<7>(x, ldx, k, w, ldw, out, ldo);
+    case 6: return panel_tile<6>(x, ldx, k, w, ldw, out, ldo);
+    case 5: return panel_tile<5>(x, ldx, k, w, ldw, out, ldo);
+    case 4: return panel_tile<4>(x, ldx, k, w, ldw, out, ldo);
+    case 3: return panel_tile<3>(x, ldx, k, w, ldw, out, ldo);
+    case 2: return panel_tile<2>(x, ldx, k, w, ldw, out, ldo);
+    default: return panel_tile<1>(x, ldx, k, w, ldw, out, ldo);
   }
 }
 
@@ -122,7 +123,7 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, 
       const int64_t width = std::min(kPanelWidth, n - j0);
       for (int64_t m0 = 0; m0 < m_rows; m0 += kMaxRowsPerTile) {
         const int rows = static_cast<int>(std::min<int64_t>(kMaxRowsPerTile, m_rows - m0));
-        panel_rows(xp + m0 * k, k, rows, k, panel, tile);
+        panel_rows(xp + m0 * k, k, rows, k, panel, kPanelWidth, tile, kPanelWidth);
         for (int r = 0; r < rows; ++r) {
           float* yr = yp + (m0 + r) * n + j0;
           const float* tr = tile + r * kPanelWidth;
@@ -254,12 +255,20 @@ torch::Tensor attention_block(const torch::Tensor& qkv, const torch::Tensor& cos
     for (int64_t i = 0; i < half; ++i) out[i] = x[i] * c[i] - x[i + half] * sn[i];
     for (int64_t i = half; i < d; ++i) out[i] = x[i] * c[i] + x[i - half] * sn[i];
   };
-  std::vector<float> q_roped(n * heads * d);
+  // Queries roped, scaled and grouped by kv head: the query of token r and head h is row r * group + h % group of
+  // kv head h / group's block, so that a kv head's keys and values are read once for all the queries that share
+  // them (its heads and tokens) in GEMM tiles of up to 8 rows.
+  const int64_t rows_per_kv_head = n * group;
+  std::vector<float> queries(kv_heads * rows_per_kv_head * d);
   for (int64_t r = 0; r < n; ++r) {
     const float* row = in + r * width;
     const float* c = cos.data_ptr<float>() + r * d;
     const float* sn = sin.data_ptr<float>() + r * d;
-    for (int64_t h = 0; h < heads; ++h) rope(row + h * d, c, sn, q_roped.data() + (r * heads + h) * d);
+    for (int64_t h = 0; h < heads; ++h) {
+      float* qr = queries.data() + ((h / group) * rows_per_kv_head + r * group + h % group) * d;
+      rope(row + h * d, c, sn, qr);
+      for (int64_t i = 0; i < d; ++i) qr[i] *= scale;
+    }
     for (int64_t g = 0; g < kv_heads; ++g) {
       rope(row + (heads + g) * d, c, sn, kp + g * ks0 + (first_new + r) * ks1);
       const float* vin = row + (heads + kv_heads + g) * d;
@@ -268,59 +277,76 @@ torch::Tensor attention_block(const torch::Tensor& qkv, const torch::Tensor& cos
   }
   auto out = torch::empty({n, heads * d}, qkv.options());
   float* op = out.data_ptr<float>();
-  // Keys transposed per kv head ([D, T]): a query's T scores are then D vector multiply-adds over T (no horizontal
-  // sums), as the output's D values are T multiply-adds over D.
-  // Rows padded off multiples of 1024 floats: with T a multiple of 1024 every row of the copy would map to the same
-  // cache set (measured 4-6x slower at T = 1024-3072).
-  const int64_t ld = (t_len + 15) / 16 * 16 + 16;
-  std::unique_ptr<float[]> keys_t(new float[kv_heads * d * ld]);
+  // Keys as panels of 32 entries per kv head ([D, 32] each, contiguous, zero past T): a tile of queries' scores is
+  // then the panel GEMM's tile, each key vector loaded once for up to 8 queries.
+  const int64_t key_panels = (t_len + kPanelWidth - 1) / kPanelWidth, t_pad = key_panels * kPanelWidth;
+  std::unique_ptr<float[]> keys(new float[kv_heads * key_panels * d * kPanelWidth]());
   for (int64_t g = 0; g < kv_heads; ++g) {
     for (int64_t t = 0; t < t_len; ++t) {
       const float* kt = kp + g * ks0 + t * ks1;
-      for (int64_t i = 0; i < d; ++i) keys_t[(g * d + i) * ld + t] = kt[i];
+      float* panel = keys.get() + ((g * key_panels + t / kPanelWidth) * d) * kPanelWidth + t % kPanelWidth;
+      for (int64_t i = 0; i < d; ++i) panel[i * kPanelWidth] = kt[i];
     }
   }
-  // A (token, head) job costs ~T * D multiply-adds: below ~256k per thread an OpenMP fork costs more than it saves
-  // (a decode step runs one call per request and layer).
-  const int64_t grain = std::max<int64_t>(1, (1 << 18) / std::max<int64_t>(1, t_len * d));
-  at::parallel_for(0, n * heads, grain, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(t_len);
+  // Jobs: (kv head, block of up to 8 query rows). Scores Q K^T (tiles), a softmax per row over the entries it may
+  // see (its mask row, or causally the cache and the new tokens up to its own), then P V (tiles over D in 32s).
+  const int64_t blocks = (rows_per_kv_head + kMaxRowsPerTile - 1) / kMaxRowsPerTile;
+  const int64_t d_tiled = d / kPanelWidth * kPanelWidth;
+  // A job costs ~2 * 8 * T * D multiply-adds: below ~256k per thread an OpenMP fork costs more than it saves (a
+  // decode step runs one call per request and layer).
+  const int64_t rows_in_job = std::min<int64_t>(kMaxRowsPerTile, rows_per_kv_head);
+  const int64_t grain = std::max<int64_t>(1, (1 << 18) / std::max<int64_t>(1, 2 * rows_in_job * t_len * d));
+  at::parallel_for(0, kv_heads * blocks, grain, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores(kMaxRowsPerTile * t_pad);
+    std::vector<float> tile(kMaxRowsPerTile * d);
     for (int64_t job = begin; job < end; ++job) {
-      const int64_t r = job / heads, h = job % heads;
-      const float* qh = q_roped.data() + job * d;
-      const float* kt = keys_t.get() + (h / group) * d * ld;
-      const float* vh = vp + (h / group) * vs0;
-      const bool* visible = has_mask ? mp + r * t_len : nullptr;
-      const int64_t last = has_mask ? t_len : first_new + r + 1;  // causal: entries 0 .. first_new + r
-      float* sc = scores.data();
-      std::fill(sc, sc + last, 0.0f);
-      for (int64_t i = 0; i < d; ++i) {
-        const float qi = qh[i] * scale;
-        const float* row = kt + i * ld;
-#pragma omp simd
-        for (int64_t t = 0; t < last; ++t) sc[t] += qi * row[t];
+      const int64_t g = job / blocks, row0 = job % blocks * kMaxRowsPerTile;
+      const int rows = static_cast<int>(std::min<int64_t>(kMaxRowsPerTile, rows_per_kv_head - row0));
+      // causal: token r sees entries 0 .. first_new + r; the block's last row sees the most
+      const int64_t seen = has_mask ? t_len : first_new + (row0 + rows - 1) / group + 1;
+      const float* q = queries.data() + (g * rows_per_kv_head + row0) * d;
+      for (int64_t c = 0; c * kPanelWidth < seen; ++c) {
+        panel_rows(q, d, rows, d, keys.get() + (g * key_panels + c) * d * kPanelWidth, kPanelWidth,
+                   scores.data() + c * kPanelWidth, t_pad);
       }
-      float max_score = -INFINITY;
-      for (int64_t t = 0; t < last; ++t) {
-        if (visible != nullptr && !visible[t]) sc[t] = -INFINITY;
-        max_score = std::max(max_score, sc[t]);
-      }
-      float* oh = op + r * heads * d + h * d;
-      std::fill(oh, oh + d, 0.0f);
-      if (max_score == -INFINITY) continue;  // nothing visible (never for a valid tree): zeros, as SDPA's 0/0 is not
-      float total = 0.0f;
+      for (int j = 0; j < rows; ++j) {
+        const int64_t r = (row0 + j) / group;
+        float* sc = scores.data() + j * t_pad;
+        const bool* visible = has_mask ? mp + r * t_len : nullptr;
+        const int64_t last = has_mask ? t_len : first_new + r + 1;
+        float max_score = -INFINITY;
+        for (int64_t t = 0; t < last; ++t) {
+          if (visible != nullptr && !visible[t]) sc[t] = -INFINITY;
+          max_score = std::max(max_score, sc[t]);
+        }
+        // nothing visible (never for a valid tree): zeros, as SDPA's 0/0 is not
+        float total = 0.0f;
+        if (max_score != -INFINITY) {
 #pragma omp simd reduction(+ : total)
-      for (int64_t t = 0; t < last; ++t) {
-        sc[t] = exp_approx(sc[t] - max_score);  // 0 for the invisible entries (-inf)
-        total += sc[t];
-      }
-      const float inv_total = 1.0f / total;
-      for (int64_t t = 0; t < last; ++t) {
-        if (sc[t] == 0.0f) continue;
-        const float* vt = vh + t * vs1;
-        const float pt = sc[t] * inv_total;
+          for (int64_t t = 0; t < last; ++t) {
+            sc[t] = exp_approx(sc[t] - max_score);  // 0 for the invisible entries (-inf)
+            total += sc[t];
+          }
+        }
+        const float inv_total = total > 0.0f ? 1.0f / total : 0.0f;
 #pragma omp simd
-        for (int64_t i = 0; i < d; ++i) oh[i] += pt * vt[i];
+        for (int64_t t = 0; t < last; ++t) sc[t] *= inv_total;
+        std::fill(sc + last, sc + seen, 0.0f);  // causal: the entries after this row's token
+      }
+      const float* vh = vp + g * vs0;
+      for (int64_t c = 0; c < d_tiled; c += kPanelWidth) {
+        panel_rows(scores.data(), t_pad, rows, seen, vh + c, vs1, tile.data() + c, d);
+      }
+      for (int64_t c = d_tiled; c < d; ++c) {  // a head_dim that is not a multiple of 32
+        for (int j = 0; j < rows; ++j) {
+          float s = 0.0f;
+          for (int64_t t = 0; t < seen; ++t) s += scores[j * t_pad + t] * vh[t * vs1 + c];
+          tile[j * d + c] = s;
+        }
+      }
+      for (int j = 0; j < rows; ++j) {
+        const int64_t r = (row0 + j) / group, h = g * group + (row0 + j) % group;
+        std::copy(tile.data() + j * d, tile.data() + (j + 1) * d, op + (r * heads + h) * d);
       }
     }
   });

@@ -42,14 +42,6 @@ from ddtree.kernels import NO_TENSOR
 from ddtree.packing import PackedBatch
 
 ATTENTION_BACKENDS = ("sdpa", "flex")
-# The native attention block scans a kv head's keys and values once per query and head, where SDPA's blocked
-# kernel shares them across queries: the native one is the faster for a few tokens over a short cache (decode up to
-# ~1k cached tokens, trees of ~9 tokens over ~128), SDPA beyond (ms per verify, `measure_verify_cost_curve`, SmolLM2,
-# 1 thread; n new tokens over T cached: n=1: 26.3 vs 28.8 at T=128, 33.4 vs 33.2 at 1024, 41.3 vs 38.7 at 2048;
-# n=9: 39.8 vs 39.9 at 128, 52.6 vs 47.7 at 512; n=16: 57.6 vs 56.9 at 128). Per request and forward: native when
-# n <= 16 and n * (T + n) < 2048.
-NATIVE_ATTENTION_MAX_TOKENS = 16
-NATIVE_ATTENTION_MAX_WORK = 2048
 DEFAULT_MAX_PREFILL_TOKENS = 512
 
 
@@ -532,11 +524,10 @@ class TargetModel:
             # two rows, or with more threads: the GEMV does not parallelise here); benchmarks/bench_gemm.py.
             use_packed = self.packed_layers is not None and (num_tokens > 1 or torch.get_num_threads() > 1)
             linear, norm = (self._packed_linear if use_packed else self._plain_linear), self._norm
-        # Decode and small trees over short caches: each request's attention block (rotary, KV write, attention) in
-        # one native call; Qwen3's q/k norms, larger sizes (where SDPA's blocked kernel wins) and Flex: torch ops.
-        native_attention = (ops is not None and batch.packed is None and not cfg.has_qk_norm
-                            and all(_is_native_attention_size(b - a, cached) for a, b, cached
-                                    in zip(batch.query_starts, batch.query_starts[1:], batch.num_cached)))
+        # Each request's attention block (rotary, KV write, attention) in one native call, faster than SDPA and the
+        # torch ops around it at every size measured (1-256 new tokens over 0-2048 cached: docs/runtime_benchmark.md,
+        # tenth session); Qwen3's q/k norms and Flex: torch ops.
+        native_attention = ops is not None and batch.packed is None and not cfg.has_qk_norm
         if not native_attention:
             cos = cos.unsqueeze(1)  # [N, 1, head_dim], broadcast over heads
             sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).unsqueeze(1)  # rotate-half's sign folded
@@ -691,10 +682,6 @@ class TargetModel:
             return o[0].transpose(0, 1).reshape(num_tokens, nh * hd)
 
         return attend
-
-
-def _is_native_attention_size(num_new: int, num_cached: int) -> bool:
-    return num_new <= NATIVE_ATTENTION_MAX_TOKENS and num_new * (num_cached + num_new) < NATIVE_ATTENTION_MAX_WORK
 
 
 def _is_stored_out_in(out_features: int, in_features: int, dtype: torch.dtype) -> bool:
