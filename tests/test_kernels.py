@@ -112,20 +112,21 @@ def test_rms_norm_and_silu_and_mul_match_torch(ops):
     (9, 3, 128, 33, True, 64), (9, 3, 300, 129, True, 64), (9, 3, 0, 130, False, 64), (9, 3, 31, 70, False, 64),
     (4, 2, 20, 9, True, 128), (4, 2, 20, 9, False, 48), (4, 2, 5, 3, True, 16),  # head_dim past / short of 32s
 ])
+@pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_attention_block_ropes_writes_the_cache_and_attends(ops, heads, kv_heads, num_cached, num_new, is_tree, d,
-                                                            threads):
-    """Rotary, the KV write into the cache views and attention (causal, or a tree's ancestor mask) against
-    torch's rotary and SDPA."""
+                                                            qk_norm, threads):
+    """(Qwen3's per-head q/k RMSNorm,) rotary, the KV write into the cache views and attention (causal, or a tree's
+    ancestor mask) against torch's norm, rotary and SDPA."""
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        _check_attention_block(ops, heads, kv_heads, num_cached, num_new, is_tree, d)
+        _check_attention_block(ops, heads, kv_heads, num_cached, num_new, is_tree, d, qk_norm)
     finally:
         torch.set_num_threads(previous)
 
 
-def _check_attention_block(ops, heads, kv_heads, num_cached, num_new, is_tree, d):
+def _check_attention_block(ops, heads, kv_heads, num_cached, num_new, is_tree, d, qk_norm):
     slots, start = 1100, 40
     gen = torch.Generator().manual_seed(heads + num_cached + num_new)
     pool = torch.randn(2, kv_heads, slots, d, generator=gen)  # like one layer of the KV pool: strided views
@@ -145,6 +146,11 @@ def _check_attention_block(ops, heads, kv_heads, num_cached, num_new, is_tree, d
     else:
         mask = torch.ones(num_new, t, dtype=torch.bool).tril(num_cached)  # causal
     q, k_new, v_new = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    eps = 1e-6
+    norm_weights = (torch.rand(heads + kv_heads, d, generator=gen) + 0.5) if qk_norm else EMPTY
+    if qk_norm:  # q_norm rows per q head, then k_norm rows per kv head
+        q = (F.rms_norm(q.view(num_new, heads, d), (d,), eps=eps) * norm_weights[:heads]).reshape(num_new, -1)
+        k_new = (F.rms_norm(k_new.view(num_new, kv_heads, d), (d,), eps=eps) * norm_weights[heads:]).reshape(num_new, -1)
     q = rope_reference(q.view(num_new, heads, d), cos.unsqueeze(1), sin.unsqueeze(1))
     k_new = rope_reference(k_new.view(num_new, kv_heads, d), cos.unsqueeze(1), sin.unsqueeze(1))
     k_ref = torch.cat([pool[0, :, start : start + num_cached], k_new.transpose(0, 1)], dim=1)
@@ -154,7 +160,7 @@ def _check_attention_block(ops, heads, kv_heads, num_cached, num_new, is_tree, d
     expected = expected[0].transpose(0, 1).reshape(num_new, heads * d)
     untouched = pool.clone()
     k, v = pool[0, :, start : start + t], pool[1, :, start : start + t]
-    out = ops.attention_block(qkv, cos, sin, k, v, mask if is_tree else EMPTY, heads)
+    out = ops.attention_block(qkv, cos, sin, k, v, mask if is_tree else EMPTY, heads, norm_weights, eps)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     new = slice(start + num_cached, start + t)
     torch.testing.assert_close(pool[0, :, new], k_new.transpose(0, 1))  # the new entries, roped
@@ -162,9 +168,11 @@ def _check_attention_block(ops, heads, kv_heads, num_cached, num_new, is_tree, d
     untouched[:, :, new] = pool[:, :, new]
     assert torch.equal(pool, untouched)  # nothing else written
     with pytest.raises(RuntimeError, match="multiple of kv_heads"):
-        ops.attention_block(qkv, cos, sin, k, v, EMPTY, heads + 1)
+        ops.attention_block(qkv, cos, sin, k, v, EMPTY, heads + 1, EMPTY, eps)
     with pytest.raises(RuntimeError, match="mask must be"):
-        ops.attention_block(qkv, cos, sin, k, v, torch.ones(num_new, t + 1, dtype=torch.bool), heads)
+        ops.attention_block(qkv, cos, sin, k, v, torch.ones(num_new, t + 1, dtype=torch.bool), heads, EMPTY, eps)
+    with pytest.raises(RuntimeError, match="qk_norm must be"):
+        ops.attention_block(qkv, cos, sin, k, v, EMPTY, heads, torch.ones(heads, d), eps)
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])

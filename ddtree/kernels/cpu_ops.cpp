@@ -22,8 +22,9 @@
 //   rms_norm costs ~30 us per call here (several small kernels), 61 calls per step; this loop costs ~1 us.
 //
 //   attention_block(qkv [n, (heads + 2 kv_heads) D], cos [n, D], sin [n, D], k [kv_heads, T, D], v [kv_heads, T, D],
-//                   mask [n, T] bool or empty, heads) -> [n, heads * D]: one request's attention block for its n new
-//   tokens after their q/k/v projection: rotary embedding of q and k (rotate-half convention), their k and v written
+//                   mask [n, T] bool or empty, heads, qk_norm [heads + kv_heads, D] or empty, eps) -> [n, heads * D]:
+//   one request's attention block for its n new tokens after their q/k/v projection: Qwen3's per-head RMSNorm of q
+//   and k where qk_norm is given, rotary embedding of q and k (rotate-half convention), their k and v written
 //   into cache entries T - n .. T - 1 (k and v are views of the request's region of the KV pool, unit stride along
 //   D), then for every query softmax(q k^T / sqrt(D)) v over the entries it may see: `mask` row i (a draft tree's
 //   ancestor mask: committed entries and the node's ancestors), or causally every cached entry and the new tokens
@@ -223,7 +224,8 @@ inline float exp_approx(float x) {
 }
 
 torch::Tensor attention_block(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
-                              const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& mask, int64_t heads) {
+                              const torch::Tensor& k, const torch::Tensor& v, const torch::Tensor& mask, int64_t heads,
+                              const torch::Tensor& qk_norm, double eps) {
   for (const auto* t : {&qkv, &cos, &sin, &k, &v}) {
     TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == torch::kFloat, "attention_block: float32 CPU tensors");
   }
@@ -245,6 +247,11 @@ torch::Tensor attention_block(const torch::Tensor& qkv, const torch::Tensor& cos
   TORCH_CHECK(!has_mask || (mask.scalar_type() == torch::kBool && mask.is_contiguous() && mask.dim() == 2 &&
                             mask.size(0) == n && mask.size(1) == t_len),
               "attention_block: mask must be a contiguous bool [n, T]");
+  const bool has_qk_norm = qk_norm.defined() && qk_norm.numel() > 0;
+  TORCH_CHECK(!has_qk_norm || (qk_norm.device().is_cpu() && qk_norm.scalar_type() == torch::kFloat &&
+                               qk_norm.is_contiguous() && qk_norm.dim() == 2 &&
+                               qk_norm.size(0) == heads + kv_heads && qk_norm.size(1) == d),
+              "attention_block: qk_norm must be a contiguous float32 [heads + kv_heads, D]");
   const int64_t group = heads / kv_heads, half = d / 2, width = (heads + 2 * kv_heads) * d, first_new = t_len - n;
   const float scale = 1.0f / std::sqrt(static_cast<float>(d));
   const float* in = qkv.data_ptr<float>();
@@ -253,7 +260,18 @@ torch::Tensor attention_block(const torch::Tensor& qkv, const torch::Tensor& cos
   const bool* mp = has_mask ? mask.data_ptr<bool>() : nullptr;
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
   // rotary: out[i] = x[i] cos[i] + rotate_half(x)[i] sin[i], rotate_half(x) = (-x[half:], x[:half])
-  auto rope = [&](const float* x, const float* c, const float* sn, float* out) {
+  // Qwen3's q/k norm first, where given: head j (q heads, then kv heads) RMS-normed with weight row j.
+  const float* norm_weights = has_qk_norm ? qk_norm.data_ptr<float>() : nullptr;
+  std::vector<float> normed(d);
+  auto rope = [&](const float* x, int64_t head, const float* c, const float* sn, float* out) {
+    if (norm_weights != nullptr) {
+      float sum_sq = 0.0f;
+      for (int64_t i = 0; i < d; ++i) sum_sq += x[i] * x[i];
+      const float inv = 1.0f / std::sqrt(sum_sq / static_cast<float>(d) + static_cast<float>(eps));
+      const float* w = norm_weights + head * d;
+      for (int64_t i = 0; i < d; ++i) normed[i] = x[i] * inv * w[i];
+      x = normed.data();
+    }
     for (int64_t i = 0; i < half; ++i) out[i] = x[i] * c[i] - x[i + half] * sn[i];
     for (int64_t i = half; i < d; ++i) out[i] = x[i] * c[i] + x[i - half] * sn[i];
   };
@@ -268,11 +286,11 @@ torch::Tensor attention_block(const torch::Tensor& qkv, const torch::Tensor& cos
     const float* sn = sin.data_ptr<float>() + r * d;
     for (int64_t h = 0; h < heads; ++h) {
       float* qr = queries.data() + ((h / group) * rows_per_kv_head + r * group + h % group) * d;
-      rope(row + h * d, c, sn, qr);
+      rope(row + h * d, h, c, sn, qr);
       for (int64_t i = 0; i < d; ++i) qr[i] *= scale;
     }
     for (int64_t g = 0; g < kv_heads; ++g) {
-      rope(row + (heads + g) * d, c, sn, kp + g * ks0 + (first_new + r) * ks1);
+      rope(row + (heads + g) * d, heads + g, c, sn, kp + g * ks0 + (first_new + r) * ks1);
       const float* vin = row + (heads + kv_heads + g) * d;
       std::copy(vin, vin + d, vp + g * vs0 + (first_new + r) * vs1);
     }

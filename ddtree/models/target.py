@@ -526,8 +526,8 @@ class TargetModel:
             linear, norm = (self._packed_linear if use_packed else self._plain_linear), self._norm
         # Each request's attention block (rotary, KV write, attention) in one native call, faster than SDPA and the
         # torch ops around it at every size measured (1-256 new tokens over 0-2048 cached: docs/runtime_benchmark.md,
-        # tenth session); Qwen3's q/k norms and Flex: torch ops.
-        native_attention = ops is not None and batch.packed is None and not cfg.has_qk_norm
+        # tenth session), Qwen3's q/k norms included; Flex: torch ops.
+        native_attention = ops is not None and batch.packed is None
         if not native_attention:
             cos = cos.unsqueeze(1)  # [N, 1, head_dim], broadcast over heads
             sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).unsqueeze(1)  # rotate-half's sign folded
@@ -602,7 +602,9 @@ class TargetModel:
 
     def _native_attention(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                           batch: _Batch) -> torch.Tensor:
-        """Per request: rotary, KV write and attention of its new tokens (its mask, or causal) in one native call."""
+        """Per request: (q/k norm,) rotary, KV write and attention of its new tokens (its mask, or causal) in one
+        native call."""
+        qk_norm = self.layers[layer].qk_norm
         outs = []
         for r, seq_id in enumerate(batch.seq_ids):
             q0, q1 = batch.query_starts[r], batch.query_starts[r + 1]
@@ -610,7 +612,7 @@ class TargetModel:
             mask = batch.masks[r]
             outs.append(self._cpu_ops.attention_block(
                 qkv[q0:q1], cos[q0:q1], sin[q0:q1], k, v, NO_TENSOR if mask is None else mask.contiguous(),
-                self.config.num_attention_heads))
+                self.config.num_attention_heads, NO_TENSOR if qk_norm is None else qk_norm, self.config.rms_norm_eps))
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _native_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
