@@ -95,9 +95,18 @@ def test_cli_pipeline_end_to_end_on_a_tiny_target(tiny_target, tmp_path):
         "--max-steps", "4", "--train-batch-size", "2", "--max-anchors", "3", "--num-negatives", "8"]) == 0
     log = [json.loads(line) for line in (tmp_path / "out" / "log.jsonl").read_text().splitlines()]
     assert log[-1]["step"] == 4
-    # ship: the draft vocabulary travels with the drafter, and only with a tau measured over that vocabulary
+    # ship: only with a tau measured on these weights (training went on since the eval) and over this vocabulary
     ship = common[:1] + ["ship"] + common[1:] + ["--ship-dir", str(tmp_path / "ship")]
+    with pytest.raises(ValueError, match="other weights"):
+        main(ship)
+    assert not (tmp_path / "ship").exists()  # checked before anything is copied
+    with pytest.raises(ValueError, match="--ship-dir is needed"):  # not into the embedded drafter's folder
+        main(common[:1] + ["ship"] + common[1:])
+    assert main(common[:1] + ["eval"] + common[1:] + ["--budgets", "2", "4"]) == 0
     assert main(ship) == 0
+    shipped = json.loads((tmp_path / "ship" / "MANIFEST.json").read_text())
+    assert shipped["training_steps"] == 4 and shipped["tau"]["weights_sha256"]
+    assert [r["engine"] for r in shipped["data"]["generate_runs"]] == ["runner"]
     assert json.loads((tmp_path / "ship" / "draft_vocab.json").read_text()) == vocab
     assert main(common[:1] + ["vocab"] + common[1:] + ["--draft-vocab-size", "3"]) == 0  # tau.json is now stale
     with pytest.raises(ValueError, match="draft vocabulary"):
@@ -179,3 +188,70 @@ def test_bad_training_values_are_usage_errors_before_any_step(bad, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["train-drafter", "train", "--data-dir", "/nonexistent", *bad])
     assert exit_info.value.code == 2 and bad[0] in capsys.readouterr().err
+
+
+def test_pipeline_refuses_what_would_mix_or_lose_data_and_names_the_fix(tiny_target, tmp_path, monkeypatch):
+    """Steps run out of order, another target's data directory, a remake over finished responses, changed evaluation
+    sizes, changed training settings: each a ValueError naming the fix, before anything is written. Ctrl-C in
+    training keeps a checkpoint, and a resume may move the folder or change how often it saves."""
+    import ddtree.training.train as train_module
+
+    data, out = tmp_path / "data", tmp_path / "out"
+    common = ["--target", str(tiny_target), "--data-dir", str(data), "--eval-dir", str(tmp_path / "eval"),
+              "--out-dir", str(out), "--num-threads", "1"]
+    shape = ["--num-draft-layers", "1", "--block-size", "4", "--target-layer-ids", "0", "2", "--mask-token-id", "1",
+             "--train-batch-size", "2", "--max-anchors", "3", "--num-negatives", "8"]
+    with pytest.raises(ValueError, match="run the prompts step first"):
+        main(["train-drafter", "generate", *common])
+    assert not (data / "manifest.json").exists()
+    assert main(["train-drafter", "prompts", *common, "--num-prompts-per-category", "2"]) == 0
+    with pytest.raises(ValueError, match="run the prompts and generate steps first"):
+        main(["train-drafter", "train", *common, *shape])
+    assert not out.exists()
+    with pytest.raises(ValueError, match="run the train step first"):
+        main(["train-drafter", "vocab", *common])
+    assert main(["train-drafter", "generate", *common, "--max-new-tokens", "6", "--stored-layer-ids", "0", "1", "2"]) == 0
+    # another target's directory: refused before the target loads
+    other = tmp_path / "other_target"
+    other.mkdir()
+    with pytest.raises(ValueError, match="holds data of the target"):
+        main(["train-drafter", "generate", *common[2:], "--target", str(other)])
+    with pytest.raises(ValueError, match="holds data of the target"):
+        main(["train-drafter", "train", *common[2:], "--target", str(other), *shape])
+    # a remake of the prompts over finished responses would give old ids new texts
+    (data / "prompts.jsonl").unlink()
+    with pytest.raises(ValueError, match="use a new --data-dir"):
+        main(["train-drafter", "prompts", *common, "--num-prompts-per-category", "2", "--seed", "7"])
+    assert not (data / "prompts.jsonl").exists()
+    layers = ["--stored-layer-ids", "0", "1", "2"]
+    assert main(["train-drafter", "eval-data", *common, *layers, "--num-eval-prompts", "1", "--max-new-tokens", "4"]) == 0
+    with pytest.raises(ValueError, match="holds 1 evaluation prompts"):
+        main(["train-drafter", "eval-data", *common, *layers, "--num-eval-prompts", "2"])
+    assert main(["train-drafter", "eval-data", *common, *layers, "--max-new-tokens", "4"]) == 0  # keeps its count
+
+    # Ctrl-C at the third step: the two steps trained are kept
+    real_block_loss, calls = train_module.block_loss, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_block_loss(*args, **kwargs)
+
+    monkeypatch.setattr(train_module, "block_loss", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        main(["train-drafter", "train", *common, *shape, "--max-steps", "5"])
+    monkeypatch.setattr(train_module, "block_loss", real_block_loss)
+    state = torch.load(out / "checkpoint.pt", weights_only=False)
+    assert state["step"] == 2 and json.loads((out / "drafter" / "training_state.json").read_text())["step"] == 2
+    assert [json.loads(line)["step"] for line in (out / "log.jsonl").read_text().splitlines()] == [1, 2]
+    # changed settings are named; a moved folder (relative path) and another checkpoint interval resume
+    with pytest.raises(ValueError, match="lr 0.0006 there vs 0.001 now"):
+        main(["train-drafter", "train", *common, *shape, "--max-steps", "5", "--lr", "1e-3"])
+    monkeypatch.chdir(tmp_path)
+    relative = [a if a != str(out) else "out" for a in common]
+    assert main(["train-drafter", "train", *relative, *shape, "--max-steps", "4", "--checkpoint-every", "3"]) == 0
+    assert [json.loads(line)["step"] for line in (out / "log.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    with pytest.raises(ValueError, match="dflash_config .* there vs .* now"):  # --init-from names what differs
+        main(["train-drafter", "train", *common, *shape, "--out-dir", str(tmp_path / "out2"), "--max-steps", "1",
+              "--init-from", str(out / "drafter"), "--mask-token-id", "2"])

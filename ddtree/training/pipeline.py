@@ -27,6 +27,7 @@ from ddtree.training.prompts import CATEGORIES
 
 STEPS = ("prompts", "generate", "eval-data", "train", "vocab", "eval", "ship")
 DEFAULT_SHIP_DIR = Path(__file__).resolve().parent.parent / "assets" / "drafter" / "smollm2-135m-dflash"
+DEFAULT_NUM_EVAL_PROMPTS = 40
 
 
 def _at_least(minimum: int):
@@ -88,7 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=positive_int, default=256)
     parser.add_argument("--max-prompts", type=positive_int, default=None, help="stop after this many new responses")
     parser.add_argument("--max-seconds", type=_positive_float, default=None, help="stop generating/training after this long")
-    parser.add_argument("--num-eval-prompts", type=positive_int, default=40, help="per category")
+    parser.add_argument("--num-eval-prompts", type=positive_int, default=None,
+                        help=f"per category (default {DEFAULT_NUM_EVAL_PROMPTS}; an existing --eval-dir keeps its own)")
     parser.add_argument("--stored-layer-ids", type=non_negative_int, nargs="+", default=None,
                         help="target layers whose hidden states are cached (default: 1 4 8 14 20 24 27 28, for "
                              "SmolLM2's 30 layers); --target-layer-ids must be among them")
@@ -121,7 +123,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budgets", type=positive_int, nargs="+", default=[8, 16, 32, 64, 128])
     parser.add_argument("--max-eval-sequences", type=positive_int, default=None, help="per category (a quick check)")
     # ship
-    parser.add_argument("--ship-dir", type=Path, default=DEFAULT_SHIP_DIR)
+    parser.add_argument("--ship-dir", type=Path, default=None,
+                        help="where ship copies the drafter (default: the package's embedded drafter folder, for the "
+                             "embedded target only)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -155,6 +159,9 @@ def _generate(args: argparse.Namespace, data_dir: Path) -> None:
         generate_responses_continuous,
     )
 
+    if not (data_dir / "prompts.jsonl").is_file():
+        raise ValueError(f"{data_dir} has no prompts.jsonl: run the prompts step first")
+    _check_target(data_dir, args.target)
     stored = tuple(args.stored_layer_ids or DEFAULT_STORED_LAYER_IDS)
     # Every shard is read with the manifest's layer ids: once features exist, they are fixed.
     existing = _read_manifest(data_dir).get("stored_layer_ids")
@@ -163,15 +170,19 @@ def _generate(args: argparse.Namespace, data_dir: Path) -> None:
             raise ValueError(f"{data_dir} holds features of the layers {existing}; --stored-layer-ids "
                              f"{' '.join(map(str, stored))} would store others (use a new --data-dir)")
         stored = tuple(existing)
-    _update_manifest(data_dir, {"stored_layer_ids": list(stored),
-                                "generation": {"batch_size": args.batch_size, "greedy": True,
-                                               "max_new_tokens": args.max_new_tokens, "device": str(args.device),
-                                               "dtype": _dtype_name(args.dtype)}})
+    settings = {"batch_size": args.batch_size, "greedy": True, "max_new_tokens": args.max_new_tokens,
+                "engine": args.engine, "device": str(args.device), "dtype": _dtype_name(args.dtype)}
+    _update_manifest(data_dir, {"stored_layer_ids": list(stored), "generation": settings,
+                                "target": _read_manifest(data_dir).get("target", _target_key(args.target))})
     generate = generate_responses_continuous if args.engine == "runner" else generate_responses
-    generate(data_dir, args.target, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-             max_prompts=args.max_prompts, stored_layer_ids=stored, num_threads=args.num_threads,
-             max_seconds=args.max_seconds, device=args.device, dtype=args.dtype)
-    _update_manifest(data_dir, {"generate_command": " ".join(sys.argv)})
+    started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    num_new = generate(data_dir, args.target, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                       max_prompts=args.max_prompts, stored_layer_ids=stored, num_threads=args.num_threads,
+                       max_seconds=args.max_seconds, device=args.device, dtype=args.dtype)
+    # every run's settings: a data directory may mix them (`generation` holds the last run's)
+    runs = _read_manifest(data_dir).get("generate_runs", [])
+    runs.append({"command": " ".join(sys.argv), **settings, "started": started, "num_responses": num_new})
+    _update_manifest(data_dir, {"generate_command": " ".join(sys.argv), "generate_runs": runs})
 
 
 def _count_by_category_and_source(prompts: list) -> dict[str, dict[str, int]]:
@@ -188,8 +199,11 @@ def _prompts(args: argparse.Namespace, data_dir: Path) -> None:
 
     exists = (data_dir / "prompts.jsonl").exists()
     if exists and not args.add:
-        raise ValueError(f"{data_dir}/prompts.jsonl exists; generation resumes from it (--add adds prompts to it; "
-                         f"delete it to remake)")
+        raise ValueError(f"{data_dir}/prompts.jsonl exists; generation resumes from it (--add adds prompts to it; a "
+                         f"new --data-dir starts over)")
+    if not args.add and (data_dir / "responses.jsonl").exists():
+        raise ValueError(f"{data_dir} holds responses to earlier prompts (responses.jsonl): new prompts would reuse "
+                         f"their ids; use a new --data-dir")
     if args.add and not exists:
         raise ValueError(f"--add: {data_dir}/prompts.jsonl does not exist (run the prompts step without --add)")
     from ddtree.training.self_prompts import make_self_prompts
@@ -220,7 +234,7 @@ def _prompts(args: argparse.Namespace, data_dir: Path) -> None:
             "code": "signatures/docstrings of installed stdlib + site-packages functions, prompts.py:_code_prompts",
             **{c: "written by the target itself, ddtree/training/self_prompts.py" for c in args.self_written},
         },
-        "target": args.target, "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "target": _target_key(args.target), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     })
     print(f"[prompts] {len(kept)} prompts ({len(dropped)} dropped for eval overlap) -> {data_dir}/prompts.jsonl")
 
@@ -229,6 +243,7 @@ def _add_prompts(args: argparse.Namespace, data_dir: Path, made: list, dropped: 
     from ddtree.training.generate import interleave_pending, read_jsonl, write_prompts
     from ddtree.training.prompts import Prompt
 
+    _check_target(data_dir, args.target)
     existing = [Prompt(**r) for r in read_jsonl(data_dir / "prompts.jsonl")]
     texts = {p.text for p in existing}
     batch = f"s{args.seed}"
@@ -274,10 +289,18 @@ def _eval_data(args: argparse.Namespace) -> None:
     from ddtree.training.generate import write_prompts
     from ddtree.training.prompts import CATEGORIES, load_eval_prompt_records
 
+    from ddtree.training.generate import read_jsonl
+
     for category in CATEGORIES:
         category_dir = args.eval_dir / category
-        if not (category_dir / "prompts.jsonl").exists():
-            write_prompts(category_dir, eval_subset(load_eval_prompt_records(category), args.num_eval_prompts))
+        wanted = eval_subset(load_eval_prompt_records(category), args.num_eval_prompts or DEFAULT_NUM_EVAL_PROMPTS)
+        if (category_dir / "prompts.jsonl").exists():
+            have = len(read_jsonl(category_dir / "prompts.jsonl"))
+            if args.num_eval_prompts is not None and have != len(wanted):
+                raise ValueError(f"{category_dir} holds {have} evaluation prompts; --num-eval-prompts "
+                                 f"{args.num_eval_prompts} would choose others (use a new --eval-dir)")
+        else:
+            write_prompts(category_dir, wanted)
         _generate(args, category_dir)
 
 
@@ -295,6 +318,7 @@ def _train_config(args: argparse.Namespace):
 def _train(args: argparse.Namespace) -> None:
     from ddtree.training.train import train
 
+    _check_target(args.data_dir, args.target)
     config = _train_config(args)
     path = train(args.data_dir, args.target, config, num_threads=args.num_threads, max_seconds=args.max_seconds,
                  device=args.device, dtype=args.dtype)
@@ -313,6 +337,10 @@ def _vocab(args: argparse.Namespace) -> None:
 
     if args.draft_vocab_size < 1:
         raise ValueError(f"--draft-vocab-size must be >= 1, got {args.draft_vocab_size}")
+    drafter_dir = args.drafter or args.out_dir / "drafter"
+    if not (drafter_dir / "config.json").is_file():
+        raise ValueError(f"{drafter_dir} holds no drafter: run the train step first (or name one with --drafter)")
+    _check_target(args.data_dir, args.target)
     sequences = read_sequences(args.data_dir)
     if not sequences:
         raise ValueError(f"no responses in {args.data_dir}: run the generate step first")
@@ -322,7 +350,6 @@ def _vocab(args: argparse.Namespace) -> None:
     token_ids = draft_vocab_from_counts(counts, args.draft_vocab_size, required=eos)
     num_labels = sum(counts.values())
     coverage = sum(counts[t] for t in token_ids) / num_labels
-    drafter_dir = args.drafter or args.out_dir / "drafter"
     path = save_draft_vocab(drafter_dir, token_ids, command=" ".join(sys.argv), data_dir=str(args.data_dir),
                             num_responses=len(sequences), num_label_tokens=num_labels,
                             num_distinct_label_tokens=len(counts), label_coverage=round(coverage, 5))
@@ -338,7 +365,11 @@ def _eval(args: argparse.Namespace) -> None:
     from ddtree.training.prompts import CATEGORIES
 
     torch.set_num_threads(args.num_threads)
+    from ddtree.training.train import weights_sha256
+
     drafter_dir = args.drafter or args.out_dir / "drafter"
+    if not (drafter_dir / "config.json").is_file():
+        raise ValueError(f"{drafter_dir} holds no drafter: run the train step first (or name one with --drafter)")
     # the drafter in the dtype it is served in (bfloat16 on a GPU), over the draft vocabulary serving drafts over
     drafter, embed, lm_head, draft_token_ids = load_for_evaluation(drafter_dir, args.target, args.device, args.dtype)
     budgets = tuple(args.budgets)
@@ -355,60 +386,102 @@ def _eval(args: argparse.Namespace) -> None:
     write_results(drafter_dir / "tau.json", results,
                   {"command": command, "eval_dir": str(args.eval_dir), "seconds": round(time.time() - start),
                    "draft_vocab_size": None if draft_token_ids is None else len(draft_token_ids),
-                   "device": str(args.device), "dtype": _dtype_name(args.dtype)})
+                   "device": str(args.device), "dtype": _dtype_name(args.dtype),
+                   "weights_sha256": weights_sha256(drafter_dir)})
     (drafter_dir / "tau.md").write_text(f"`{command}`\n\n{table}\n")
 
 
 def _ship(args: argparse.Namespace) -> None:
+    """Everything is checked, and the manifest made, before the first file is copied: a failed ship leaves the
+    destination as it was."""
     import shutil
 
     from ddtree.models.dflash import DRAFT_VOCAB_NAME
     from ddtree.training.data import read_sequences
     from ddtree.training.generate import read_jsonl
+    from ddtree.training.target import DEFAULT_TARGET
+    from ddtree.training.train import TRAINING_STATE_NAME, weights_sha256
 
+    ship_dir = args.ship_dir
+    if ship_dir is None:
+        if args.target != DEFAULT_TARGET:
+            raise ValueError(f"--ship-dir is needed for --target {args.target} (the default folder is the embedded "
+                             f"{DEFAULT_TARGET} drafter's)")
+        ship_dir = DEFAULT_SHIP_DIR
     drafter_dir = args.drafter or args.out_dir / "drafter"
+    for name in ("config.json", "model.safetensors"):
+        if not (drafter_dir / name).is_file():
+            raise ValueError(f"{drafter_dir} has no {name}: run the train step first (or name a drafter with "
+                             f"--drafter)")
     tau_path = drafter_dir / "tau.json"
     if not tau_path.exists():
         raise ValueError(f"{drafter_dir} has no tau.json: run the eval step before shipping")
+    tau = json.loads(tau_path.read_text())
     vocab_path = drafter_dir / DRAFT_VOCAB_NAME
-    # The shipped tau must describe what serving drafts over: a vocabulary made (or removed) after the eval step
-    # would ship with a tau measured over another one.
+    # The shipped tau must describe what serving drafts over: the weights evaluated, and a vocabulary made (or
+    # removed) after the eval step would ship with a tau measured over another one.
+    if tau.get("weights_sha256") != weights_sha256(drafter_dir):
+        raise ValueError(f"{tau_path} was measured on other weights than {drafter_dir}/model.safetensors (trained "
+                         f"on since, or an older eval): run the eval step again")
     num_vocab = len(json.loads(vocab_path.read_text())["token_ids"]) if vocab_path.exists() else None
-    num_vocab_evaluated = json.loads(tau_path.read_text()).get("draft_vocab_size")
+    num_vocab_evaluated = tau.get("draft_vocab_size")
     if num_vocab != num_vocab_evaluated:
         raise ValueError(f"{tau_path} was measured over a draft vocabulary of {num_vocab_evaluated} tokens (None: the "
                          f"full vocabulary) but {drafter_dir} has {num_vocab}: run the eval step again")
-    args.ship_dir.mkdir(parents=True, exist_ok=True)
-    for name in ("config.json", "model.safetensors", "tau.md"):
-        shutil.copy(drafter_dir / name, args.ship_dir / name)
-    if vocab_path.exists():
-        shutil.copy(vocab_path, args.ship_dir / DRAFT_VOCAB_NAME)
-    else:  # a stale vocabulary must not outlive the drafter it was made for
-        (args.ship_dir / DRAFT_VOCAB_NAME).unlink(missing_ok=True)
-    log = read_jsonl(args.out_dir / "log.jsonl")
-    last = log[-1]
+    for path, step in ((args.out_dir / "manifest.json", "train"), (args.out_dir / "log.jsonl", "train"),
+                       (drafter_dir / TRAINING_STATE_NAME, "train"), (args.data_dir / "manifest.json", "prompts")):
+        if not path.is_file():
+            raise ValueError(f"{path} does not exist: ship reads the {step} step's records from --out-dir and "
+                             f"--data-dir (the ones the drafter was trained with)")
+    state = json.loads((drafter_dir / TRAINING_STATE_NAME).read_text())
+    if state.get("weights_sha256") != tau["weights_sha256"]:
+        raise ValueError(f"{drafter_dir}/{TRAINING_STATE_NAME} describes other weights than the drafter's: train "
+                         f"saved a newer drafter while this one was evaluated; run the eval step again")
+    log = [r for r in read_jsonl(args.out_dir / "log.jsonl") if r["step"] <= state["step"]]
     tail = log[-100:]
     data_manifest = json.loads((args.data_dir / "manifest.json").read_text())
     sequences = read_sequences(args.data_dir)
     data_manifest["num_responses"] = len(sequences)
     data_manifest["num_response_tokens"] = sum(len(s.token_ids) - s.prompt_length for s in sequences)
-    data_manifest.pop("dropped_for_eval_overlap", None) if not data_manifest.get("dropped_for_eval_overlap", {}).get(
-        "prompt_ids") else None
+    if not data_manifest.get("dropped_for_eval_overlap", {}).get("prompt_ids"):
+        data_manifest.pop("dropped_for_eval_overlap", None)
     manifest = {
         "target": args.target,
         "train": json.loads((args.out_dir / "manifest.json").read_text()),
-        "training_steps": last["step"], "training_hours": round(last["hours"], 3),
-        "final_100_steps_mean": {k: round(sum(r[k] for r in tail) / len(tail), 4) for k in ("loss", "acc", "acc_k1")},
+        "training_steps": state["step"], "training_hours": state["hours"],
+        "final_100_steps_mean": {k: round(sum(r[k] for r in tail) / len(tail), 4) for k in ("loss", "acc", "acc_k1")}
+        if tail else None,
         "data": data_manifest,
-        "tau": json.loads(tau_path.read_text()),
+        "tau": tau,
         "ship_command": " ".join(sys.argv),
     }
-    (args.ship_dir / "MANIFEST.json").write_text(json.dumps(manifest, indent=1) + "\n")
-    print(f"[ship] {drafter_dir} -> {args.ship_dir}")
+    ship_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "model.safetensors", "tau.md"):
+        shutil.copy(drafter_dir / name, ship_dir / name)
+    if vocab_path.exists():
+        shutil.copy(vocab_path, ship_dir / DRAFT_VOCAB_NAME)
+    else:  # a stale vocabulary must not outlive the drafter it was made for
+        (ship_dir / DRAFT_VOCAB_NAME).unlink(missing_ok=True)
+    (ship_dir / "MANIFEST.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    print(f"[ship] {drafter_dir} -> {ship_dir}")
 
 
 def _dtype_name(dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _target_key(target: str) -> str:
+    """How a data manifest names its target: the embedded target's name, or the absolute path of a file/folder."""
+    path = Path(target).expanduser()
+    return str(path.resolve()) if path.exists() else target
+
+
+def _check_target(data_dir: Path, target: str) -> None:
+    """A data (or evaluation) directory holds one target's tokens and hidden states: refuse another target's."""
+    recorded = _read_manifest(data_dir).get("target")
+    if recorded is not None and _target_key(recorded) != _target_key(target):
+        raise ValueError(f"{data_dir} holds data of the target {recorded} (its manifest.json), not of --target "
+                         f"{target}: pass that --target, or use another --data-dir / --eval-dir for this one")
 
 
 def _read_manifest(data_dir: Path) -> dict:

@@ -221,13 +221,35 @@ def training_progress(step: int, hours: float, train_config: "TrainConfig") -> f
 _DEPTH_KEYS = {"num_hidden_layers": 0, "layer_types": 0, "max_window_layers": 0, "block_size": 0}
 
 
+def _differences(theirs: dict, ours: dict) -> str:
+    """'key: theirs (there) vs ours (now)' for every key whose value differs, for an error message."""
+    keys = sorted(k for k in theirs.keys() | ours.keys() if theirs.get(k) != ours.get(k))
+    return "; ".join(f"{k} {theirs.get(k)!r} there vs {ours.get(k)!r} now" for k in keys)
+
+
+# What may change between a training run and its resumption: where it is (a moved folder), how often it saves, and
+# its budget (a longer run continues the same schedule's arithmetic).
+RESUMABLE_KEYS = ("out_dir", "checkpoint_every", "max_steps", "max_hours")
+
+# Written next to the exported drafter at every save: which step its weights are from, and their hash, so that
+# the eval step's tau and the ship step's manifest can name the weights they describe.
+TRAINING_STATE_NAME = "training_state.json"
+
+
+def weights_sha256(drafter_dir: Path) -> str:
+    import hashlib
+
+    return hashlib.sha256((Path(drafter_dir) / "model.safetensors").read_bytes()).hexdigest()
+
+
 def grow_drafter(drafter: DFlashDraftModel, init: DFlashDraftModel, name: str) -> None:
     """`drafter` starts as `init`: the same weights, and, when `drafter` has more layers, the extra layers (after
     init's) with zero output projections (o_proj, down_proj), so that they add nothing to the residual stream: the
     grown drafter computes exactly what `init` does, and training starts from there ("--num-draft-layers 3
     --init-from <a 2-layer drafter>"). The block size may differ (the weights do not depend on it)."""
-    if init.config.to_dict() | _DEPTH_KEYS != drafter.config.to_dict() | _DEPTH_KEYS:
-        raise ValueError(f"{name} has another shape than the drafter being trained")
+    init_keys, own_keys = init.config.to_dict() | _DEPTH_KEYS, drafter.config.to_dict() | _DEPTH_KEYS
+    if init_keys != own_keys:
+        raise ValueError(f"{name} does not match the drafter being trained: {_differences(init_keys, own_keys)}")
     num_init, num_layers = init.config.num_hidden_layers, drafter.config.num_hidden_layers
     if num_init > num_layers:
         raise ValueError(f"{name} has {num_init} layers, more than the {num_layers} of the drafter being trained")
@@ -259,6 +281,11 @@ def train(
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
     torch.set_num_threads(num_threads)
+    data_dir = Path(data_dir)
+    if not (data_dir / "manifest.json").is_file() or "stored_layer_ids" not in _read_json(data_dir / "manifest.json"):
+        raise ValueError(f"{data_dir} holds no generated data: run the prompts and generate steps first")
+    if not read_sequences(data_dir):
+        raise ValueError(f"no responses in {data_dir}: run the generate step first")
     out_dir = Path(train_config.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     target_model, _ = load_target(target, dtype=dtype)
@@ -287,9 +314,11 @@ def train(
     checkpoint_path = out_dir / "checkpoint.pt"
     if checkpoint_path.exists():
         state = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
-        budget = {k: state["train_config"][k] for k in ("max_steps", "max_hours")}
-        if state["train_config"] != asdict(train_config) | budget:
-            raise ValueError(f"{checkpoint_path} was trained with another configuration: {state['train_config']}")
+        theirs = {k: v for k, v in state["train_config"].items() if k not in RESUMABLE_KEYS}
+        ours = {k: v for k, v in asdict(train_config).items() if k not in RESUMABLE_KEYS}
+        if theirs != ours:
+            raise ValueError(f"{checkpoint_path} was trained with other settings ({_differences(theirs, ours)}): "
+                             f"resume with the same ones, or train into a new --out-dir")
         drafter.load_state_dict(state["model"])  # copied onto the device
         optimizer.load_state_dict(state["optimizer"])  # moves the moments to the parameters' device
         # a resumed run starts a fresh epoch: the data set may have grown, so the old order cannot be continued
@@ -299,6 +328,8 @@ def train(
         if log_path.exists():  # steps logged after the last checkpoint are trained again: drop their lines
             kept = [r for r in read_jsonl(log_path) if r["step"] <= step]  # (and a line cut by a crash)
             log_path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    else:
+        (out_dir / "log.jsonl").unlink(missing_ok=True)  # a run stopped before its first checkpoint starts over
 
     # off the CPU, features travel as the stored bf16 (half the bytes) and become float32 on the device
     reader = FeatureReader(data_dir, stored_layer_ids(data_dir), config.target_layer_ids,
@@ -339,49 +370,66 @@ def train(
                     "train_config": asdict(train_config), "drafter_config": config.to_dict()}, tmp)
         tmp.replace(checkpoint_path)
         save_dflash(drafter, config, out_dir / "drafter")
+        hours_now = (seconds_trained + time.time() - start) / 3600
+        (out_dir / "drafter" / TRAINING_STATE_NAME).write_text(json.dumps(
+            {"step": step, "hours": round(hours_now, 4), "weights_sha256": weights_sha256(out_dir / "drafter")}) + "\n")
 
-    while training_progress(step, (seconds_trained + time.time() - start) / 3600, train_config) < 1.0:
-        # The data set is read again every epoch: generation may still be appending to it.
-        sequences = [s for s in read_sequences(data_dir) if not is_validation(s.prompt_id,
-                                                                              train_config.validation_fraction)]
-        if len(sequences) < train_config.batch_size:
-            raise ValueError(f"{len(sequences)} training sequences in {data_dir}, fewer than one batch "
-                             f"(--train-batch-size {train_config.batch_size}): generate more first")
-        if train_config.is_softmax_restricted:
-            # every label is a response token; at inference the drafter drafts over them (the draft vocabulary)
-            head.restrict_softmax(torch.tensor(sorted({t for s in sequences for t in s.token_ids[s.prompt_length:]})),
-                                  train_config.num_negatives)
-        rng = random.Random(train_config.seed * 1_000_003 + epoch)
-        rng.shuffle(sequences)
-        for first in range(0, len(sequences) - train_config.batch_size + 1, train_config.batch_size):
-            hours = (seconds_trained + time.time() - start) / 3600
-            progress_done = training_progress(step, hours, train_config)
-            if progress_done >= 1.0 or (max_seconds is not None and time.time() - start > max_seconds):
-                break
-            for group in optimizer.param_groups:
-                group["lr"] = train_config.lr * lr_factor(progress_done, train_config.warmup_fraction)
-            features, batch = make_batch(sequences[first : first + train_config.batch_size], reader, config,
-                                         train_config.max_anchors, rng, gamma)
-            features, batch = features.to(device, non_blocking=True).float(), batch.to(device)
-            with compute_precision(device, dtype):
-                loss, stats = block_loss(drafter, head, features, batch)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), train_config.grad_clip)
-            optimizer.step()
-            step += 1
-            write_pending_log()  # the previous step's, finished while this step's batch was built
-            pending = ({"step": step, "epoch": epoch, "num_sequences": len(sequences),
-                        "lr": optimizer.param_groups[0]["lr"], "hours": (seconds_trained + time.time() - start) / 3600,
-                        "num_labels": int(batch.labelled_rows.numel())},
-                       [stats["loss"], stats["acc"], stats["acc_k1"], grad_norm.float()])
-            if step % train_config.checkpoint_every == 0:
-                save_checkpoint()
-        else:
-            epoch += 1
-            continue
-        break
-    save_checkpoint()
-    progress.close()
-    log_file.close()
+    try:
+        while training_progress(step, (seconds_trained + time.time() - start) / 3600, train_config) < 1.0:
+            # The data set is read again every epoch: generation may still be appending to it.
+            sequences = [s for s in read_sequences(data_dir) if not is_validation(s.prompt_id,
+                                                                                  train_config.validation_fraction)]
+            if len(sequences) < train_config.batch_size:
+                raise ValueError(f"{len(sequences)} training sequences in {data_dir}, fewer than one batch "
+                                 f"(--train-batch-size {train_config.batch_size}): generate more first")
+            if train_config.is_softmax_restricted:
+                # every label is a response token; at inference the drafter drafts over them (the draft vocabulary)
+                labels = sorted({t for s in sequences for t in s.token_ids[s.prompt_length:]})
+                head.restrict_softmax(torch.tensor(labels), train_config.num_negatives)
+            rng = random.Random(train_config.seed * 1_000_003 + epoch)
+            rng.shuffle(sequences)
+            for first in range(0, len(sequences) - train_config.batch_size + 1, train_config.batch_size):
+                hours = (seconds_trained + time.time() - start) / 3600
+                progress_done = training_progress(step, hours, train_config)
+                if progress_done >= 1.0 or (max_seconds is not None and time.time() - start > max_seconds):
+                    break
+                for group in optimizer.param_groups:
+                    group["lr"] = train_config.lr * lr_factor(progress_done, train_config.warmup_fraction)
+                features, batch = make_batch(sequences[first : first + train_config.batch_size], reader, config,
+                                             train_config.max_anchors, rng, gamma)
+                features, batch = features.to(device, non_blocking=True).float(), batch.to(device)
+                with compute_precision(device, dtype):
+                    loss, stats = block_loss(drafter, head, features, batch)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), train_config.grad_clip)
+                optimizer.step()
+                step += 1
+                write_pending_log()  # the previous step's, finished while this step's batch was built
+                pending = ({"step": step, "epoch": epoch, "num_sequences": len(sequences),
+                            "lr": optimizer.param_groups[0]["lr"],
+                            "hours": (seconds_trained + time.time() - start) / 3600,
+                            "num_labels": int(batch.labelled_rows.numel())},
+                           [stats["loss"], stats["acc"], stats["acc_k1"], grad_norm.float()])
+                if step % train_config.checkpoint_every == 0:
+                    save_checkpoint()
+            else:
+                epoch += 1
+                continue
+            break
+        save_checkpoint()
+    except KeyboardInterrupt:  # Ctrl-C: keep what was trained; the next run resumes from it
+        save_checkpoint()
+        print(f"\n[train] interrupted: checkpoint and drafter saved at step {step}", flush=True)
+        raise
+    finally:
+        progress.close()
+        log_file.close()
     return out_dir / "drafter"
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
