@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def console_main() -> int:
     """The `ddtree` command: bad input (a ValueError or a missing file, which name the fix) is one line and exit
-    status 2, as argparse answers a bad flag, instead of a traceback."""
+    status 2, as argparse answers a bad flag, instead of a traceback; Ctrl-C is one line and status 130."""
     import sys
 
     try:
@@ -44,6 +44,9 @@ def console_main() -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"ddtree: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: what the command keeps on it (a checkpoint, finished responses) is kept
+        print("\nddtree: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -90,3 +90,14 @@ def test_ddtree_chat_keeps_the_conversation_and_quits(tmp_path, capsys, monkeypa
     stats = [line for line in err.splitlines() if line.startswith("[")]
     assert len(stats) == 3  # three answers: "never sent" was not
     assert err.count("(conversation reset)") == 1
+
+
+def test_ctrl_c_in_any_command_is_one_line_and_status_130(monkeypatch, capsys):
+    import ddtree.cli as cli
+
+    def interrupted(argv=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "main", interrupted)
+    assert cli.console_main() == 130
+    assert capsys.readouterr().err.strip() == "ddtree: interrupted"

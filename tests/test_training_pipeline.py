@@ -255,3 +255,27 @@ def test_pipeline_refuses_what_would_mix_or_lose_data_and_names_the_fix(tiny_tar
     with pytest.raises(ValueError, match="dflash_config .* there vs .* now"):  # --init-from names what differs
         main(["train-drafter", "train", *common, *shape, "--out-dir", str(tmp_path / "out2"), "--max-steps", "1",
               "--init-from", str(out / "drafter"), "--mask-token-id", "2"])
+
+
+def test_ctrl_c_in_generation_keeps_the_finished_responses(tiny_target, tmp_path, monkeypatch):
+    from ddtree.models.target import TargetModel
+
+    write_prompts(tmp_path, [Prompt(f"p{i}", "math", f"what is {i} and {i}?", "test") for i in range(6)])
+    real_decode, calls = TargetModel.decode, []
+
+    def decode(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:  # the first two prompts (3 tokens: 2 decode steps, or EOS sooner) are finished by now
+            raise KeyboardInterrupt
+        return real_decode(self, *args, **kwargs)
+
+    monkeypatch.setattr(TargetModel, "decode", decode)
+    with pytest.raises(KeyboardInterrupt):
+        generate_responses_continuous(tmp_path, str(tiny_target), batch_size=2, max_new_tokens=3,
+                                      stored_layer_ids=(1,))
+    kept = read_jsonl(tmp_path / "responses.jsonl")
+    assert 2 <= len(kept) < 6 and all(len(r["response_ids"]) <= 3 for r in kept)
+    monkeypatch.setattr(TargetModel, "decode", real_decode)
+    assert generate_responses_continuous(tmp_path, str(tiny_target), batch_size=2, max_new_tokens=3,
+                                         stored_layer_ids=(1,)) == 6 - len(kept)
+    assert sorted(r["prompt_id"] for r in read_jsonl(tmp_path / "responses.jsonl")) == [f"p{i}" for i in range(6)]

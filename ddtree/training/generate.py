@@ -279,52 +279,56 @@ def generate_responses_continuous(
         shard_index += 1
         finished = []
 
-    while queue or active:
-        is_out_of_time = max_seconds is not None and time.time() - start > max_seconds
-        new_ids, new_prompts = [], []
-        while queue and len(active) + len(new_ids) < batch_size and not is_out_of_time:
-            p = queue.pop()
-            ids = chat_prompt_ids(tokenizer, p.text)
-            if model.kv.allocate(next_seq_id, len(ids) + max_new_tokens) is None:  # the pool is full: later
-                if not active and not new_ids:
-                    raise ValueError(f"prompt {p.prompt_id} has {len(ids)} tokens: with --max-new-tokens "
-                                     f"{max_new_tokens} it does not fit the KV pool of --batch-size {batch_size} "
-                                     f"sequences of {typical_prompt_tokens} + {max_new_tokens} tokens")
-                queue.append(p)
-                break
-            new_ids.append(next_seq_id)
-            new_prompts.append((p, ids))
-            next_seq_id += 1
-        if new_ids:
-            logits, prompt_features = model.prefill(new_ids, [ids for _, ids in new_prompts])
-            for seq_id, (p, ids), row, feats in zip(new_ids, new_prompts, logits.argmax(-1).tolist(),
-                                                    prompt_features):
-                active[seq_id] = {"prompt": p, "prompt_ids": ids, "response_ids": [row],
-                                  "features": [feats.to(torch.bfloat16).cpu()]}
-        # requests whose last token ends them leave before the decode step
-        for seq_id in list(active):
-            a = active[seq_id]
-            last = a["response_ids"][-1]
-            if last in eos_ids or len(a["response_ids"]) >= max_new_tokens:
-                del active[seq_id]
-                model.free(seq_id)
-                feats = torch.cat(a["features"]).view(-1, num_layers, hidden)  # [N - 1, Ls, H]
-                finished.append({"prompt_id": a["prompt"].prompt_id, "category": a["prompt"].category,
-                                 "prompt_ids": a["prompt_ids"], "response_ids": a["response_ids"],
-                                 "is_finished": last in eos_ids, "features": feats.contiguous()})
-                if len(finished) >= shard_size:
-                    flush()
-        if not active:
-            if is_out_of_time:
-                break
-            continue
-        seq_ids = list(active)
-        logits, feats = model.decode(seq_ids, [active[s]["response_ids"][-1] for s in seq_ids])
-        # the argmax already waits for the step: one small copy of all rows' features to the host joins it
-        for seq_id, token, f in zip(seq_ids, logits.argmax(-1).tolist(), feats.to(torch.bfloat16).cpu()):
-            active[seq_id]["response_ids"].append(token)
-            # a copy of the row: a view would keep the whole batch's step tensor alive as long as this request
-            active[seq_id]["features"].append(f.clone().unsqueeze(0))
+    try:
+        while queue or active:
+            is_out_of_time = max_seconds is not None and time.time() - start > max_seconds
+            new_ids, new_prompts = [], []
+            while queue and len(active) + len(new_ids) < batch_size and not is_out_of_time:
+                p = queue.pop()
+                ids = chat_prompt_ids(tokenizer, p.text)
+                if model.kv.allocate(next_seq_id, len(ids) + max_new_tokens) is None:  # the pool is full: later
+                    if not active and not new_ids:
+                        raise ValueError(f"prompt {p.prompt_id} has {len(ids)} tokens: with --max-new-tokens "
+                                         f"{max_new_tokens} it does not fit the KV pool of --batch-size {batch_size} "
+                                         f"sequences of {typical_prompt_tokens} + {max_new_tokens} tokens")
+                    queue.append(p)
+                    break
+                new_ids.append(next_seq_id)
+                new_prompts.append((p, ids))
+                next_seq_id += 1
+            if new_ids:
+                logits, prompt_features = model.prefill(new_ids, [ids for _, ids in new_prompts])
+                for seq_id, (p, ids), row, feats in zip(new_ids, new_prompts, logits.argmax(-1).tolist(),
+                                                        prompt_features):
+                    active[seq_id] = {"prompt": p, "prompt_ids": ids, "response_ids": [row],
+                                      "features": [feats.to(torch.bfloat16).cpu()]}
+            # requests whose last token ends them leave before the decode step
+            for seq_id in list(active):
+                a = active[seq_id]
+                last = a["response_ids"][-1]
+                if last in eos_ids or len(a["response_ids"]) >= max_new_tokens:
+                    del active[seq_id]
+                    model.free(seq_id)
+                    feats = torch.cat(a["features"]).view(-1, num_layers, hidden)  # [N - 1, Ls, H]
+                    finished.append({"prompt_id": a["prompt"].prompt_id, "category": a["prompt"].category,
+                                     "prompt_ids": a["prompt_ids"], "response_ids": a["response_ids"],
+                                     "is_finished": last in eos_ids, "features": feats.contiguous()})
+                    if len(finished) >= shard_size:
+                        flush()
+            if not active:
+                if is_out_of_time:
+                    break
+                continue
+            seq_ids = list(active)
+            logits, feats = model.decode(seq_ids, [active[s]["response_ids"][-1] for s in seq_ids])
+            # the argmax already waits for the step: one small copy of all rows' features to the host joins it
+            for seq_id, token, f in zip(seq_ids, logits.argmax(-1).tolist(), feats.to(torch.bfloat16).cpu()):
+                active[seq_id]["response_ids"].append(token)
+                # a copy of the row: a view would keep the whole batch's step tensor alive as long as this request
+                active[seq_id]["features"].append(f.clone().unsqueeze(0))
+    except KeyboardInterrupt:  # Ctrl-C: the finished responses are kept (the unfinished are pending again)
+        flush()
+        raise
     flush()
     return num_written
 
