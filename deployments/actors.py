@@ -112,6 +112,10 @@ class TargetActor:
             attention=spec.attention)
         self.tokenizer = self.worker.model.tokenizer
 
+    def ping(self) -> bool:
+        """Answers when the actor is alive (the engine replica's health check)."""
+        return True
+
     def describe(self) -> dict:
         """What the engine reads from the worker once, and the tokenizer it detokenizes with."""
         w = self.worker
@@ -176,6 +180,9 @@ class DrafterActor:
         _set_torch_threads(spec)
         path = resolve_drafter_path(spec.model, spec.drafter)
         self.worker = load_drafter_worker(path, head, device=spec.device, dtype=spec.dtype)
+
+    def ping(self) -> bool:
+        return True
 
     def block_len(self) -> int:
         return self.worker.block_len
@@ -398,6 +405,23 @@ class WorkerActors:
         for actor in (self.target, self.drafter):
             if actor is not None:
                 ray.kill(actor)
+
+    async def find_dead(self, wait_s: float = 1.0) -> str | None:
+        """Which worker actor has died ("target actor died: ..."), or None. A ping waits in the actor's queue behind
+        the work it is doing, so an answer that does not come within `wait_s` is not a failure (a hung actor is the
+        round-time check's to find); a dead actor's ping fails at once."""
+        import asyncio
+
+        named = [("target", self.target), ("drafter", self.drafter)]
+        pings = [(name, actor.ping.remote()) for name, actor in named if actor is not None]
+        for name, ref in pings:
+            try:
+                await asyncio.wait_for(asyncio.wrap_future(ref.future()), wait_s)
+            except asyncio.TimeoutError:
+                continue
+            except ray.exceptions.RayActorError as exc:
+                return f"the {name} actor died: {exc}"
+        return None
 
 
 def start_worker_actors(spec: WorkerSpec, target_place: ActorPlace, drafter_place: ActorPlace | None,

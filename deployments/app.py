@@ -47,10 +47,14 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
         "graceful_shutdown_timeout_s": GRACEFUL_SHUTDOWN_TIMEOUT_S,
     }
     if parsed.autoscaling_config is not None:
-        engine_options["autoscaling_config"] = parsed.autoscaling_config
+        # Serve's default target (2 ongoing requests) would add a replica, a whole model load, for a third request:
+        # a replica is full when its batch is (max_num_seqs), unless the config says otherwise
+        engine_options["autoscaling_config"] = {"target_ongoing_requests": parsed.max_num_seqs,
+                                                **parsed.autoscaling_config}
     else:
         engine_options["num_replicas"] = parsed.num_replicas or 1
-    engine = serve.deployment(DDTreeEngine).options(**engine_options).bind(parsed)
+    # bound with the engine's own fields only: an update of the others leaves the engine replicas running
+    engine = serve.deployment(DDTreeEngine).options(**engine_options).bind(parsed.engine_args())
     ingress = serve.deployment(OpenAIIngress).options(
         name=INGRESS_DEPLOYMENT,
         num_replicas=parsed.num_ingress_replicas,

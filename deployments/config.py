@@ -18,6 +18,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, SecretStr, field_validator, model_validator
 
 PLACEMENTS = ("cpu", "gpu-per-worker", "shared-gpu")
+# Read by the ingress or by build_app's deployment options, never by the engine replica (see AppArgs.engine_args).
+NOT_ENGINE_FIELDS = ("served_model_name", "default_max_tokens", "api_key", "num_ingress_replicas", "num_replicas",
+                     "autoscaling_config")
 DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
@@ -55,7 +58,8 @@ class AppArgs(BaseModel):
     kv_cache_bytes: PositiveInt | None = Field(
         None, description="KV cache memory of the target worker, counting with each token's KV entries the target "
         "features it keeps until the drafter takes them. None: the worker's default.")
-    attention: str = Field("auto", description="Attention backend of the workers ('auto', 'sdpa', 'flex').")
+    attention: Literal["auto", "sdpa", "flex"] = Field(
+        "auto", description="Attention backend of the workers ('auto', 'sdpa', 'flex').")
     allow_fallback: bool = Field(
         True, description="In 'auto' budget mode, requests whose drafts do not pay decode autoregressively.")
     max_probe_overhead: float = Field(
@@ -76,8 +80,10 @@ class AppArgs(BaseModel):
     engine_num_cpus: float = Field(0.5, gt=0, description="CPUs reserved for the engine replica (scheduler loop).")
     worker_num_cpus: float = Field(0.5, gt=0, description="CPUs reserved for each worker actor.")
     worker_torch_threads: PositiveInt | None = Field(
-        None, description="torch threads in each worker actor. None: every core of its node (target and drafter "
-        "run one after the other, so they do not compete).")
+        None, description="torch threads in each worker actor. None: every core of its node. Target and drafter "
+        "then share the cores: on CPUs they mostly run one after the other, except in pipelined phases (two request "
+        "groups in flight), where they compete; several engine replicas on one node compete too: give each actor "
+        "its share of the node's cores then.")
     num_replicas: PositiveInt | None = Field(
         None, description="Fixed number of engine replicas. Give this or `autoscaling_config`, not both.")
     autoscaling_config: dict[str, Any] | None = Field(
@@ -90,8 +96,9 @@ class AppArgs(BaseModel):
     @field_validator("device")
     @classmethod
     def _check_device(cls, device: str | None) -> str | None:
-        if device is not None and device.split(":")[0] not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        if device is not None and device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r} (each worker actor sees only the GPU "
+                             f"Ray gave it, as cuda:0: there is no other index to choose)")
         return device
 
     @field_validator("dtype")
@@ -107,6 +114,11 @@ class AppArgs(BaseModel):
         if config is not None:
             from ray.serve.config import AutoscalingConfig
 
+            # Serve's own model accepts unknown keys (a misspelled max_replicas would leave max_replicas at 1)
+            unknown = sorted(set(config) - set(AutoscalingConfig.model_fields))
+            if unknown:
+                raise ValueError(f"autoscaling_config: unknown key(s) {unknown}; Ray Serve's are "
+                                 f"{sorted(AutoscalingConfig.model_fields)}")
             AutoscalingConfig(**config)  # Serve's own validation, now rather than at deploy time
         return config
 
@@ -128,6 +140,12 @@ class AppArgs(BaseModel):
 
     # ------------------------------------------------------------------------------------------------------------
     # Derived settings
+
+    def engine_args(self) -> "AppArgs":
+        """These args with the fields only the ingress or Serve's deployment options read set to their defaults: the
+        engine deployment is bound with them, so that changing an API key, the served name, default_max_tokens or
+        the replica counts in `serve deploy` does not restart (and reload) every engine replica."""
+        return self.model_copy(update={name: type(self).model_fields[name].default for name in NOT_ENGINE_FIELDS})
 
     @property
     def worker_device(self) -> str:

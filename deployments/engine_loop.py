@@ -77,6 +77,8 @@ class _Stream:
 class EngineLoop:
     engine: object  # ddtree.engine.Engine
     on_round: Callable[[RoundReport], None] | None = None
+    on_idle: Callable[[], None] | None = None  # called every `idle_every_s` while there is nothing to step
+    idle_every_s: float = 1.0
     _inbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     _streams: dict[str, _Stream] = field(default_factory=dict)
     _thread: threading.Thread | None = None
@@ -87,7 +89,7 @@ class EngineLoop:
     # no request can be put there to wait forever.
     _inbox_lock: threading.Lock = field(default_factory=threading.Lock)
     _is_closed: bool = False
-    num_callback_errors: int = 0  # on_round failures (logged; they never stop the engine)
+    num_callback_errors: int = 0  # on_round / on_idle failures (logged; they never stop the engine)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="ddtree-engine-loop", daemon=True)
@@ -96,7 +98,16 @@ class EngineLoop:
     def stop(self, timeout: float = 10.0) -> None:
         if self._thread is not None and self._thread.is_alive():
             self._inbox.put(_Stop())
-            self._thread.join(timeout)
+            if not self._is_closed:  # abandoned: the thread may be stuck in a worker call; nothing waits for it
+                self._thread.join(timeout)
+
+    def abandon(self, error: BaseException) -> None:
+        """From another thread: give up on the engine (a worker hung inside a round, or one died): every request
+        in flight or waiting fails with `error` now, new ones are refused, and the loop thread exits when (if ever)
+        its round returns. The replica then holds no request that a graceful stop would wait for."""
+        if self.error is None:
+            self.error = error
+        self._fail_all(error)
 
     @property
     def is_alive(self) -> bool:
@@ -162,9 +173,14 @@ class EngineLoop:
     def _run(self) -> None:
         engine = self.engine
         while True:
-            # Block on the inbox only when there is nothing to step.
+            # Block on the inbox only when there is nothing to step (waking every idle_every_s for on_idle).
             if not engine.has_unfinished_requests():
-                if not self._handle(self._inbox.get()):
+                try:
+                    item = self._inbox.get(timeout=self.idle_every_s if self.on_idle is not None else None)
+                except queue.Empty:
+                    self._call_back(self.on_idle)
+                    continue
+                if not self._handle(item):
                     return
             while True:
                 try:
@@ -190,24 +206,35 @@ class EngineLoop:
             finally:
                 self._step_started = None
             wall = time.perf_counter() - t0
-            for out in outputs:
-                stream = self._streams.get(out.request_id)
-                if stream is None:
-                    continue
-                if out.finished:
-                    del self._streams[out.request_id]
-                if not _notify(stream.loop, stream.outputs.put_nowait, out) and not out.finished:
-                    self._streams.pop(out.request_id, None)  # its caller's event loop is gone: no one reads it
-                    engine.abort_request(out.request_id)
+            with self._inbox_lock:
+                if self._is_closed:  # abandoned while the round ran: its requests have failed already
+                    return
+                for out in outputs:
+                    stream = self._streams.get(out.request_id)
+                    if stream is None:
+                        continue
+                    if out.finished:
+                        del self._streams[out.request_id]
+                    if not _notify(stream.loop, stream.outputs.put_nowait, out) and not out.finished:
+                        self._streams.pop(out.request_id, None)  # its caller's event loop is gone: no one reads it
+                        engine.abort_request(out.request_id)
             if self.on_round is not None:
-                try:
-                    self.on_round(RoundReport(wall, outputs, engine.num_running, engine.num_waiting))
-                except Exception:  # metrics must never stop the engine
-                    self.num_callback_errors += 1
-                    logger.exception("on_round failed")
+                self._call_back(self.on_round, RoundReport(wall, outputs, engine.num_running, engine.num_waiting))
+
+    def _call_back(self, fn: Callable | None, *args) -> None:
+        if fn is None:
+            return
+        try:
+            fn(*args)
+        except Exception:  # metrics must never stop the engine
+            self.num_callback_errors += 1
+            logger.exception("%s failed", getattr(fn, "__name__", "a callback"))
 
     def _handle(self, item) -> bool:
         """Apply one inbox item; False means stop."""
+        if self._is_closed:  # abandoned: an item taken before the abandoning thread drained the inbox
+            self._fail_item(item, self.error or RuntimeError("the engine loop stopped"))
+            return False
         if isinstance(item, _Stop):
             self._fail_all(RuntimeError("the engine loop stopped"))
             return False
@@ -217,10 +244,15 @@ class EngineLoop:
             except BaseException as exc:  # noqa: BLE001 - handed to the caller, nothing was recorded
                 _notify(item.loop, _settle, item.admitted, None, exc)
                 return True
-            if _notify(item.loop, _settle, item.admitted, item.request_id, None):
-                self._streams[item.request_id] = _Stream(item.loop, item.outputs)
-            else:
+            with self._inbox_lock:
+                is_served = not self._is_closed and _notify(item.loop, _settle, item.admitted, item.request_id, None)
+                if is_served:
+                    self._streams[item.request_id] = _Stream(item.loop, item.outputs)
+            if not is_served:
                 self.engine.abort_request(item.request_id)
+                if self._is_closed:
+                    self._fail_item(item, self.error or RuntimeError("the engine loop stopped"))
+                    return False
         elif isinstance(item, _Abort):
             self._streams.pop(item.request_id, None)
             if item.request_id in self.engine.requests:
@@ -234,21 +266,27 @@ class EngineLoop:
         return True
 
     def _fail_all(self, exc: BaseException) -> None:
-        """Close the inbox, then fail every stream and every caller waiting in it."""
+        """Close the inbox, then fail every stream and every caller waiting in it (from the loop thread, or from
+        another one through `abandon`: the lock orders it with the loop thread's deliveries and admissions)."""
         with self._inbox_lock:
             self._is_closed = True
-        for stream in self._streams.values():
+            streams = list(self._streams.values())
+            self._streams.clear()
+        for stream in streams:
             _notify(stream.loop, stream.outputs.put_nowait, exc)
-        self._streams.clear()
         while True:  # callers still waiting to be admitted
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
-            if isinstance(item, _Add):
-                _notify(item.loop, _settle, item.admitted, None, exc)
-            elif isinstance(item, _Call):
-                _notify(item.loop, _settle, item.done, None, exc)
+            self._fail_item(item, exc)
+
+    @staticmethod
+    def _fail_item(item, exc: BaseException) -> None:
+        if isinstance(item, _Add):
+            _notify(item.loop, _settle, item.admitted, None, exc)
+        elif isinstance(item, _Call):
+            _notify(item.loop, _settle, item.done, None, exc)
 
 
 def _notify(loop: asyncio.AbstractEventLoop, fn: Callable, *args) -> bool:

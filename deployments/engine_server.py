@@ -52,7 +52,7 @@ class DDTreeEngine:
         self._prompt_pool = ThreadPoolExecutor(1, thread_name_prefix="ddtree-prompts")
         # A prompt of more characters than the window holds tokens of the longest token is refused untokenized.
         self._max_prompt_chars = self.engine.max_model_len * longest_token_chars(self._prompt_tokenizer)
-        self.loop = EngineLoop(self.engine, on_round=self.metrics.on_round)
+        self.loop = EngineLoop(self.engine, on_round=self.metrics.on_round, on_idle=self.metrics.on_idle)
         self.loop.start()
 
     async def _prompt_token_ids(self, request: EngineRequest) -> list[int]:
@@ -138,16 +138,28 @@ class DDTreeEngine:
         return await self.loop.call(read)
 
     async def ready(self) -> bool:
-        """True once this replica serves (its constructor has loaded the workers); raises if its loop stopped."""
-        self.check_health()
+        """True once this replica serves (its constructor has loaded the workers); raises if it is unhealthy."""
+        await self.check_health()
         return True
 
-    def check_health(self) -> None:
+    async def check_health(self) -> None:
+        """Fails (and Serve replaces the replica) when the engine loop stopped, a round has run past
+        `max_round_seconds` (a hung worker) or a worker actor died. The last two give up on the engine first: its
+        requests fail now, so that stopping the replica does not wait for them (graceful_shutdown_timeout_s)."""
+        from deployments.engine_loop import EngineDeadError
+
         if not self.loop.is_alive:
             raise RuntimeError(f"the engine loop stopped: {self.loop.error!r}")
+        problem = None
         if self.loop.seconds_in_round > self.args.max_round_seconds:
-            raise RuntimeError(f"an engine round has run for {self.loop.seconds_in_round:.0f} s (max_round_seconds "
-                               f"{self.args.max_round_seconds:g}): a worker is hung")
+            problem = (f"an engine round has run for {self.loop.seconds_in_round:.0f} s (max_round_seconds "
+                       f"{self.args.max_round_seconds:g}): a worker is hung")
+        else:
+            problem = await self.actors.find_dead()
+        if problem is not None:
+            logger.error("engine replica unhealthy: %s; failing its requests", problem)
+            self.loop.abandon(EngineDeadError(problem))
+            raise RuntimeError(problem)
 
     def __del__(self) -> None:
         loop = getattr(self, "loop", None)

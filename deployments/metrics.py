@@ -1,5 +1,7 @@
 """Engine replica metrics through `ray.serve.metrics` (exported by Ray's Prometheus endpoint, tagged with the
-deployment, replica and application). Recorded once per round from the engine loop thread.
+deployment, replica and application). Recorded once per round from the engine loop thread, and every second while
+the engine is idle (`on_idle`: the gauges say 0 running, 0 queued, the token rate decays to 0, rather than keeping
+the last round's values; Ray also stops exporting a gauge nobody sets).
 
     ddtree_generated_tokens_total            Counter    tokens emitted (rate() = output tokens/s)
     ddtree_output_tokens_per_second          Gauge      tokens emitted over the last `window_s` seconds / window
@@ -69,15 +71,31 @@ class EngineMetrics:
         self._window: collections.deque[tuple[float, int]] = collections.deque()
         self._last_kv_time = 0.0
 
+    def on_idle(self) -> None:
+        """Nothing running or queued (the engine loop calls this while it waits for requests)."""
+        now = time.monotonic()
+        self.tokens_per_second.set(self._tokens_per_second(now, 0))
+        for gauge in (self.speculative, self.fallback, self.running, self.queue_depth, self.pipelined):
+            gauge.set(0)
+        self._refresh_kv_bytes(now)
+
+    def _tokens_per_second(self, now: float, num_tokens: int) -> float:
+        self._window.append((now, num_tokens))
+        while self._window and self._window[0][0] < now - self.window_s:
+            self._window.popleft()
+        return sum(n for _, n in self._window) / self.window_s
+
+    def _refresh_kv_bytes(self, now: float) -> None:
+        if self.kv_cache_stats is not None and now - self._last_kv_time >= self.kv_every_s:
+            self._last_kv_time = now
+            self.kv_bytes.set(self.kv_cache_stats()["bytes_used"])
+
     def on_round(self, report: RoundReport) -> None:
         now = time.monotonic()
         num_tokens = sum(len(o.new_token_ids) for o in report.outputs)
         if num_tokens:
             self.tokens.inc(num_tokens)
-        self._window.append((now, num_tokens))
-        while self._window and self._window[0][0] < now - self.window_s:
-            self._window.popleft()
-        self.tokens_per_second.set(sum(n for _, n in self._window) / self.window_s)
+        self.tokens_per_second.set(self._tokens_per_second(now, num_tokens))
 
         for out in report.outputs:
             stats = out.stats
@@ -117,6 +135,4 @@ class EngineMetrics:
         if other > 0 and not delta["num_pipelined_phases"]:
             self.stage_seconds.inc(other, tags={"stage": "other"})
 
-        if self.kv_cache_stats is not None and now - self._last_kv_time >= self.kv_every_s:
-            self._last_kv_time = now
-            self.kv_bytes.set(self.kv_cache_stats()["bytes_used"])
+        self._refresh_kv_bytes(now)

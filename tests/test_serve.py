@@ -638,3 +638,21 @@ def test_chat_without_max_tokens_gets_the_servers_default(client):
     out = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
                                          temperature=0, extra_body={"ignore_eos": True})
     assert out.usage.completion_tokens == DEFAULT_MAX_TOKENS and out.choices[0].finish_reason == "length"
+
+
+def test_a_dead_worker_actor_is_found_by_the_health_check(served, app_args):
+    """Both actors answer the health check's ping; once one dies (killed, or its process crashed) the ping fails
+    at once and names it, even while no request is running."""
+    import asyncio
+
+    from deployments.actors import start_worker_actors
+    from deployments.config import ActorPlace, WorkerSpec, parse_args
+
+    place = ActorPlace(0, 0.0, 0.0)  # the app holds the CPUs
+    actors = start_worker_actors(WorkerSpec.from_args(parse_args(app_args)), place, place)
+    try:
+        assert asyncio.run(actors.find_dead()) is None
+        ray.kill(actors.drafter)
+        assert asyncio.run(actors.find_dead()).startswith("the drafter actor died")
+    finally:
+        actors.kill()

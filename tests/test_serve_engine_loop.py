@@ -212,3 +212,70 @@ def test_a_caller_whose_event_loop_closed_does_not_stop_the_engine(workers):
     final, alive = run_loop(engine, body)
     assert alive and final.finished and len(final.token_ids) == 8
     assert "orphan" not in engine.requests and not engine.has_unfinished_requests()
+
+
+def test_abandoning_a_hung_round_fails_its_requests_at_once(workers):
+    """The health check gives up on an engine whose worker hangs: the requests in flight and waiting fail now (a
+    graceful stop of the replica would otherwise wait for them), new ones are refused, and when the round returns
+    after all nothing is delivered and the thread ends."""
+    import threading
+    import time
+
+    engine = make_engine(workers)
+    real_step, in_step, release = engine.step, threading.Event(), threading.Event()
+
+    def hanging_step():
+        if engine.num_running:  # admitted and its first token sent: now the worker hangs
+            in_step.set()
+            release.wait(20)
+        return real_step()
+
+    engine.step = hanging_step
+    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+
+    async def body(loop):
+        stream = loop.stream("the cat", params)
+        await stream.__anext__()
+        waiting = asyncio.ensure_future(loop.generate("hello", params))  # in the inbox behind the hung round
+        await asyncio.get_running_loop().run_in_executor(None, in_step.wait, 10)
+        started = time.monotonic()
+        loop.abandon(EngineDeadError("a worker is hung"))
+        with pytest.raises(EngineDeadError, match="hung"):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDeadError, match="hung"):
+            await waiting
+        failed_within = time.monotonic() - started
+        assert not loop.is_alive
+        with pytest.raises(RuntimeError, match="not running"):
+            await loop.generate("again", params)
+        release.set()
+        await asyncio.get_running_loop().run_in_executor(None, loop._thread.join, 10)
+        return failed_within, loop._thread.is_alive()
+
+    failed_within, thread_alive = run_loop(engine, body)
+    assert failed_within < 2.0 and not thread_alive
+
+
+def test_an_idle_loop_calls_on_idle_and_the_metrics_go_to_zero(workers):
+    import time
+
+    from deployments.actors import HopTimes
+    from deployments.metrics import EngineMetrics
+
+    engine = make_engine(workers)
+    metrics = EngineMetrics(engine, HopTimes(), window_s=0.2)
+    idle_calls = []
+
+    def on_idle():
+        idle_calls.append(1)
+        metrics.on_idle()
+
+    async def body(loop):
+        await loop.generate("hello", SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        assert metrics._tokens_per_second(time.monotonic(), 0) > 0  # the tokens just emitted
+        await asyncio.sleep(0.5)
+
+    run_loop(engine, body, on_round=metrics.on_round, on_idle=on_idle, idle_every_s=0.05)
+    assert len(idle_calls) >= 3
+    assert metrics._tokens_per_second(time.monotonic(), 0) == 0.0  # the window has passed

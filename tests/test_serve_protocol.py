@@ -376,3 +376,71 @@ def test_msgpack_answers_follow_the_accept_header_q_values(accept, wants):
 
     request = Request({"type": "http", "headers": [(b"accept", a.encode()) for a in accept]})
     assert _wants_msgpack(request) is wants
+
+
+def test_only_the_engines_own_args_reach_the_engine_deployment():
+    """An update of the API key, the served name, default_max_tokens or the replica counts must not change the
+    engine's bound args: Serve would restart (and reload) every engine replica for it."""
+    from deployments.app import build_app
+
+    base = {"speculation": "off", "num_replicas": 1}
+    engines = [_engine_deployment(build_app({**base, **change}))[1] for change in (
+        {}, {"api_key": "k2"}, {"served_model_name": "other"}, {"default_max_tokens": 7}, {"num_replicas": 3},
+        {"num_ingress_replicas": 2})]
+    assert all(e.init_args == engines[0].init_args for e in engines)
+    assert _engine_deployment(build_app({**base, "max_num_seqs": 8}))[1].init_args != engines[0].init_args
+    ingress, _ = _engine_deployment(build_app({**base, "default_max_tokens": 7}))
+    assert ingress.init_args[1].default_max_tokens == 7  # the ingress keeps them
+
+
+def test_autoscaling_and_worker_settings_are_checked_and_defaulted():
+    from deployments.app import build_app
+
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['max_replica'\]"):
+        build_app({"autoscaling_config": {"min_replicas": 1, "max_replica": 4}})
+    _, engine = _engine_deployment(build_app({"max_num_seqs": 24, "autoscaling_config": {"max_replicas": 2}}))
+    assert engine._deployment_config.autoscaling_config.target_ongoing_requests == 24  # not Serve's 2
+    _, engine = _engine_deployment(build_app({"autoscaling_config": {"max_replicas": 2,
+                                                                     "target_ongoing_requests": 5}}))
+    assert engine._deployment_config.autoscaling_config.target_ongoing_requests == 5
+    with pytest.raises(ValueError, match="attention"):
+        build_app({"attention": "flexx"})
+    with pytest.raises(ValueError, match="only the GPU"):
+        build_app({"placement": "gpu-per-worker", "device": "cuda:1"})
+
+
+def test_health_check_gives_up_on_a_hung_or_dead_worker_first():
+    """check_health fails when a round runs past max_round_seconds or a worker actor died, and abandons the engine
+    loop first (its requests fail at once, so that the replica's graceful stop has nothing to wait for)."""
+    import asyncio
+
+    from deployments.config import parse_args
+    from deployments.engine_loop import EngineDeadError
+    from deployments.engine_server import DDTreeEngine
+
+    class Loop:
+        is_alive, error, seconds_in_round = True, None, 0.0
+
+        def __init__(self):
+            self.abandoned = []
+
+        def abandon(self, exc):
+            self.abandoned.append(exc)
+
+    class Actors:
+        dead = None
+
+        async def find_dead(self):
+            return self.dead
+
+    server = object.__new__(DDTreeEngine)
+    server.args, server.loop, server.actors = parse_args({"max_round_seconds": 5}), Loop(), Actors()
+    asyncio.run(server.check_health())  # healthy: nothing abandoned
+    assert server.loop.abandoned == []
+    server.loop.seconds_in_round = 6.0
+    with pytest.raises(RuntimeError, match="a worker is hung"):
+        asyncio.run(server.check_health())
+    server.loop.seconds_in_round, server.actors.dead = 0.0, "the drafter actor died: gone"
+    with pytest.raises(RuntimeError, match="drafter actor died"):
+        asyncio.run(server.check_health())
+    assert [type(e) for e in server.loop.abandoned] == [EngineDeadError, EngineDeadError]
