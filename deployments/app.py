@@ -53,8 +53,7 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
                                                 **parsed.autoscaling_config}
     else:
         engine_options["num_replicas"] = parsed.num_replicas or 1
-    # bound with the engine's own fields only: an update of the others leaves the engine replicas running
-    engine = serve.deployment(DDTreeEngine).options(**engine_options).bind(parsed.engine_args())
+    engine = serve.deployment(DDTreeEngine).options(**engine_options).bind(parsed)
     ingress = serve.deployment(OpenAIIngress).options(
         name=INGRESS_DEPLOYMENT,
         num_replicas=parsed.num_ingress_replicas,

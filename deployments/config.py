@@ -18,9 +18,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, SecretStr, field_validator, model_validator
 
 PLACEMENTS = ("cpu", "gpu-per-worker", "shared-gpu")
-# Read by the ingress or by build_app's deployment options, never by the engine replica (see AppArgs.engine_args).
-NOT_ENGINE_FIELDS = ("served_model_name", "default_max_tokens", "api_key", "num_ingress_replicas", "num_replicas",
-                     "autoscaling_config")
 DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 
@@ -140,12 +137,6 @@ class AppArgs(BaseModel):
 
     # ------------------------------------------------------------------------------------------------------------
     # Derived settings
-
-    def engine_args(self) -> "AppArgs":
-        """These args with the fields only the ingress or Serve's deployment options read set to their defaults: the
-        engine deployment is bound with them, so that changing an API key, the served name, default_max_tokens or
-        the replica counts in `serve deploy` does not restart (and reload) every engine replica."""
-        return self.model_copy(update={name: type(self).model_fields[name].default for name in NOT_ENGINE_FIELDS})
 
     @property
     def worker_device(self) -> str:

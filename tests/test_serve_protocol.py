@@ -378,21 +378,6 @@ def test_msgpack_answers_follow_the_accept_header_q_values(accept, wants):
     assert _wants_msgpack(request) is wants
 
 
-def test_only_the_engines_own_args_reach_the_engine_deployment():
-    """An update of the API key, the served name, default_max_tokens or the replica counts must not change the
-    engine's bound args: Serve would restart (and reload) every engine replica for it."""
-    from deployments.app import build_app
-
-    base = {"speculation": "off", "num_replicas": 1}
-    engines = [_engine_deployment(build_app({**base, **change}))[1] for change in (
-        {}, {"api_key": "k2"}, {"served_model_name": "other"}, {"default_max_tokens": 7}, {"num_replicas": 3},
-        {"num_ingress_replicas": 2})]
-    assert all(e.init_args == engines[0].init_args for e in engines)
-    assert _engine_deployment(build_app({**base, "max_num_seqs": 8}))[1].init_args != engines[0].init_args
-    ingress, _ = _engine_deployment(build_app({**base, "default_max_tokens": 7}))
-    assert ingress.init_args[1].default_max_tokens == 7  # the ingress keeps them
-
-
 def test_autoscaling_and_worker_settings_are_checked_and_defaulted():
     from deployments.app import build_app
 
