@@ -419,7 +419,7 @@ class WorkerActors:
                 await asyncio.wait_for(asyncio.wrap_future(ref.future()), wait_s)
             except asyncio.TimeoutError:
                 continue
-            except ray.exceptions.RayActorError as exc:
+            except ray.exceptions.ActorDiedError as exc:  # (not ActorUnavailableError: that one may come back)
                 return f"the {name} actor died: {exc}"
         return None
 

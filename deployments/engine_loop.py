@@ -206,6 +206,7 @@ class EngineLoop:
             finally:
                 self._step_started = None
             wall = time.perf_counter() - t0
+            orphans = []
             with self._inbox_lock:
                 if self._is_closed:  # abandoned while the round ran: its requests have failed already
                     return
@@ -217,7 +218,9 @@ class EngineLoop:
                         del self._streams[out.request_id]
                     if not _notify(stream.loop, stream.outputs.put_nowait, out) and not out.finished:
                         self._streams.pop(out.request_id, None)  # its caller's event loop is gone: no one reads it
-                        engine.abort_request(out.request_id)
+                        orphans.append(out.request_id)
+            for request_id in orphans:  # (a worker call: not under the lock that abandon() takes)
+                engine.abort_request(request_id)
             if self.on_round is not None:
                 self._call_back(self.on_round, RoundReport(wall, outputs, engine.num_running, engine.num_waiting))
 

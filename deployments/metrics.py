@@ -72,12 +72,13 @@ class EngineMetrics:
         self._last_kv_time = 0.0
 
     def on_idle(self) -> None:
-        """Nothing running or queued (the engine loop calls this while it waits for requests)."""
+        """Nothing running or queued (the engine loop calls this while it waits for requests). No worker call here:
+        a hung worker must not block the idle loop, where no round would time it; with no request in the engine,
+        no KV cache entry is in use."""
         now = time.monotonic()
         self.tokens_per_second.set(self._tokens_per_second(now, 0))
-        for gauge in (self.speculative, self.fallback, self.running, self.queue_depth, self.pipelined):
+        for gauge in (self.speculative, self.fallback, self.running, self.queue_depth, self.pipelined, self.kv_bytes):
             gauge.set(0)
-        self._refresh_kv_bytes(now)
 
     def _tokens_per_second(self, now: float, num_tokens: int) -> float:
         self._window.append((now, num_tokens))

@@ -173,6 +173,11 @@ def _check_attention_block(ops, heads, kv_heads, num_cached, num_new, is_tree, d
         ops.attention_block(qkv, cos, sin, k, v, torch.ones(num_new, t + 1, dtype=torch.bool), heads, EMPTY, eps)
     with pytest.raises(RuntimeError, match="qk_norm must be"):
         ops.attention_block(qkv, cos, sin, k, v, EMPTY, heads, torch.ones(heads, d), eps)
+    if is_tree:  # a row that may see nothing (never in a valid tree) is zeros, as SDPA gives, not NaN
+        blind = mask.clone()
+        blind[0] = False
+        out = ops.attention_block(qkv, cos, sin, k, v, blind, heads, norm_weights, eps)
+        assert torch.equal(out[0], torch.zeros_like(out[0])) and not out.isnan().any()
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])

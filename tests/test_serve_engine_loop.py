@@ -277,5 +277,10 @@ def test_an_idle_loop_calls_on_idle_and_the_metrics_go_to_zero(workers):
         await asyncio.sleep(0.5)
 
     run_loop(engine, body, on_round=metrics.on_round, on_idle=on_idle, idle_every_s=0.05)
+
+    def hung_worker():
+        raise AssertionError("on_idle must not call the worker (a hung one would block the idle loop)")
+
+    EngineMetrics(engine, HopTimes(), kv_cache_stats=hung_worker).on_idle()
     assert len(idle_calls) >= 3
     assert metrics._tokens_per_second(time.monotonic(), 0) == 0.0  # the window has passed

@@ -412,11 +412,17 @@ def test_health_check_gives_up_on_a_hung_or_dead_worker_first():
         def abandon(self, exc):
             self.abandoned.append(exc)
 
+        def stop(self):  # (the replica's __del__)
+            pass
+
     class Actors:
         dead = None
 
         async def find_dead(self):
             return self.dead
+
+        def kill(self):
+            pass
 
     server = object.__new__(DDTreeEngine)
     server.args, server.loop, server.actors = parse_args({"max_round_seconds": 5}), Loop(), Actors()

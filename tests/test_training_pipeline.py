@@ -238,6 +238,13 @@ def test_pipeline_refuses_what_would_mix_or_lose_data_and_names_the_fix(tiny_tar
             raise KeyboardInterrupt
         return real_block_loss(*args, **kwargs)
 
+    def interrupted_at_once(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_module, "block_loss", interrupted_at_once)  # nothing trained: nothing saved
+    with pytest.raises(KeyboardInterrupt):
+        main(["train-drafter", "train", *common, *shape, "--max-steps", "5", "--lr", "1e-2"])
+    assert not (out / "checkpoint.pt").exists()
     monkeypatch.setattr(train_module, "block_loss", interrupted)
     with pytest.raises(KeyboardInterrupt):
         main(["train-drafter", "train", *common, *shape, "--max-steps", "5"])
@@ -252,6 +259,8 @@ def test_pipeline_refuses_what_would_mix_or_lose_data_and_names_the_fix(tiny_tar
     relative = [a if a != str(out) else "out" for a in common]
     assert main(["train-drafter", "train", *relative, *shape, "--max-steps", "4", "--checkpoint-every", "3"]) == 0
     assert [json.loads(line)["step"] for line in (out / "log.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    with pytest.raises(ValueError, match="holds data of the target"):  # the eval directories' target too
+        main(["train-drafter", "eval", *common[2:], "--target", str(other)])
     with pytest.raises(ValueError, match="dflash_config .* there vs .* now"):  # --init-from names what differs
         main(["train-drafter", "train", *common, *shape, "--out-dir", str(tmp_path / "out2"), "--max-steps", "1",
               "--init-from", str(out / "drafter"), "--mask-token-id", "2"])

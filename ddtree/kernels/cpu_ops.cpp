@@ -348,9 +348,13 @@ torch::Tensor attention_block(const torch::Tensor& qkv, const torch::Tensor& cos
             total += sc[t];
           }
         }
-        const float inv_total = total > 0.0f ? 1.0f / total : 0.0f;
+        if (max_score == -INFINITY) {
+          std::fill(sc, sc + last, 0.0f);  // (the -inf scores times 0 would be NaN)
+        } else {
+          const float inv_total = 1.0f / total;
 #pragma omp simd
-        for (int64_t t = 0; t < last; ++t) sc[t] *= inv_total;
+          for (int64_t t = 0; t < last; ++t) sc[t] *= inv_total;
+        }
         std::fill(sc + last, sc + seen, 0.0f);  // causal: the entries after this row's token
       }
       const float* vh = vp + g * vs0;

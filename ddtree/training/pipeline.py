@@ -208,6 +208,8 @@ def _prompts(args: argparse.Namespace, data_dir: Path) -> None:
         raise ValueError(f"--add: {data_dir}/prompts.jsonl does not exist (run the prompts step without --add)")
     from ddtree.training.self_prompts import make_self_prompts
 
+    if args.add:
+        _check_target(data_dir, args.target)  # before the target writes any prompt
     outside = [c for c in args.self_written if c not in args.categories]
     if outside:
         raise ValueError(f"--self-written {' '.join(outside)}: not among --categories {' '.join(args.categories)}")
@@ -243,7 +245,6 @@ def _add_prompts(args: argparse.Namespace, data_dir: Path, made: list, dropped: 
     from ddtree.training.generate import interleave_pending, read_jsonl, write_prompts
     from ddtree.training.prompts import Prompt
 
-    _check_target(data_dir, args.target)
     existing = [Prompt(**r) for r in read_jsonl(data_dir / "prompts.jsonl")]
     texts = {p.text for p in existing}
     batch = f"s{args.seed}"
@@ -370,6 +371,9 @@ def _eval(args: argparse.Namespace) -> None:
     drafter_dir = args.drafter or args.out_dir / "drafter"
     if not (drafter_dir / "config.json").is_file():
         raise ValueError(f"{drafter_dir} holds no drafter: run the train step first (or name one with --drafter)")
+    for category in CATEGORIES:
+        _check_target(args.eval_dir / category, args.target)
+    evaluated_weights = weights_sha256(drafter_dir)  # before loading: a train step may save newer ones meanwhile
     # the drafter in the dtype it is served in (bfloat16 on a GPU), over the draft vocabulary serving drafts over
     drafter, embed, lm_head, draft_token_ids = load_for_evaluation(drafter_dir, args.target, args.device, args.dtype)
     budgets = tuple(args.budgets)
@@ -387,7 +391,7 @@ def _eval(args: argparse.Namespace) -> None:
                   {"command": command, "eval_dir": str(args.eval_dir), "seconds": round(time.time() - start),
                    "draft_vocab_size": None if draft_token_ids is None else len(draft_token_ids),
                    "device": str(args.device), "dtype": _dtype_name(args.dtype),
-                   "weights_sha256": weights_sha256(drafter_dir)})
+                   "weights_sha256": evaluated_weights})
     (drafter_dir / "tau.md").write_text(f"`{command}`\n\n{table}\n")
 
 
@@ -428,8 +432,12 @@ def _ship(args: argparse.Namespace) -> None:
     if num_vocab != num_vocab_evaluated:
         raise ValueError(f"{tau_path} was measured over a draft vocabulary of {num_vocab_evaluated} tokens (None: the "
                          f"full vocabulary) but {drafter_dir} has {num_vocab}: run the eval step again")
+    if not (drafter_dir / TRAINING_STATE_NAME).is_file():
+        raise ValueError(f"{drafter_dir} has no {TRAINING_STATE_NAME} (which step its weights are from): ship ships "
+                         f"the drafter of a train step's --out-dir; for one trained before this file existed, run "
+                         f"the train step again on its --out-dir (a finished run saves at once), then eval")
     for path, step in ((args.out_dir / "manifest.json", "train"), (args.out_dir / "log.jsonl", "train"),
-                       (drafter_dir / TRAINING_STATE_NAME, "train"), (args.data_dir / "manifest.json", "prompts")):
+                       (args.data_dir / "manifest.json", "prompts")):
         if not path.is_file():
             raise ValueError(f"{path} does not exist: ship reads the {step} step's records from --out-dir and "
                              f"--data-dir (the ones the drafter was trained with)")
@@ -479,7 +487,12 @@ def _target_key(target: str) -> str:
 def _check_target(data_dir: Path, target: str) -> None:
     """A data (or evaluation) directory holds one target's tokens and hidden states: refuse another target's."""
     recorded = _read_manifest(data_dir).get("target")
-    if recorded is not None and _target_key(recorded) != _target_key(target):
+    if recorded is not None and not Path(recorded).is_absolute() and Path(recorded).name != recorded \
+            and not Path(recorded).exists():  # an older manifest's relative path, made from another directory
+        recorded_key, target_key = Path(recorded).name, Path(target).name
+    else:
+        recorded_key, target_key = (None, None) if recorded is None else (_target_key(recorded), _target_key(target))
+    if recorded is not None and recorded_key != target_key:
         raise ValueError(f"{data_dir} holds data of the target {recorded} (its manifest.json), not of --target "
                          f"{target}: pass that --target, or use another --data-dir / --eval-dir for this one")
 

@@ -374,6 +374,7 @@ def train(
         (out_dir / "drafter" / TRAINING_STATE_NAME).write_text(json.dumps(
             {"step": step, "hours": round(hours_now, 4), "weights_sha256": weights_sha256(out_dir / "drafter")}) + "\n")
 
+    first_step = step
     try:
         while training_progress(step, (seconds_trained + time.time() - start) / 3600, train_config) < 1.0:
             # The data set is read again every epoch: generation may still be appending to it.
@@ -418,9 +419,12 @@ def train(
                 continue
             break
         save_checkpoint()
-    except KeyboardInterrupt:  # Ctrl-C: keep what was trained; the next run resumes from it
-        save_checkpoint()
-        print(f"\n[train] interrupted: checkpoint and drafter saved at step {step}", flush=True)
+    except KeyboardInterrupt:  # Ctrl-C: keep what this run trained; the next run resumes from it
+        if step > first_step:
+            save_checkpoint()
+            print(f"\n[train] interrupted: checkpoint and drafter saved at step {step}", flush=True)
+        else:  # nothing trained: no checkpoint that a corrected rerun would have to match
+            print(f"\n[train] interrupted before a step was trained: nothing saved", flush=True)
         raise
     finally:
         progress.close()
