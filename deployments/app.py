@@ -15,7 +15,7 @@ from ray import serve
 from ray.serve import Application
 
 from deployments.actors import OPENMP_ENV
-from deployments.config import AppArgs, parse_args
+from deployments.config import AppArgs, IngressSettings, parse_args
 from deployments.engine_server import DDTreeEngine
 from deployments.ingress import OpenAIIngress
 
@@ -59,6 +59,8 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
         num_replicas=parsed.num_ingress_replicas,
         ray_actor_options={"num_cpus": 0},
         graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_TIMEOUT_S,  # its streams end with the engine's answers
+        # the served name, API key and default_max_tokens change in place (OpenAIIngress.reconfigure)
+        user_config=IngressSettings.of(parsed).user_config(),
         max_ongoing_requests=parsed.engine_max_ongoing_requests * max(1, _max_engine_replicas(parsed)),
     ).bind(engine, parsed)
     return ingress

@@ -219,6 +219,32 @@ class WorkerSpec:
                    args.kv_cache_bytes, args.attention, args.worker_torch_threads)
 
 
+class IngressSettings(BaseModel):
+    """The ingress's settings that change in place: its deployment's `user_config` (Serve calls the ingress's
+    `reconfigure`; nothing restarts, no model reloads). build_app sets it from the args; a `user_config` under
+    `deployments: - name: OpenAIIngress` in ray_config.yaml overrides the keys it names."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    served_model_name: str | None = None
+    api_key: SecretStr | None = None
+    default_max_tokens: PositiveInt | None = None
+
+    @classmethod
+    def of(cls, args: AppArgs, user_config: dict | None = None) -> "IngressSettings":
+        """The args' values, overridden by the keys `user_config` names (an unknown key or a bad value: an error)."""
+        if user_config is not None and not isinstance(user_config, dict):
+            raise ValueError(f"the OpenAIIngress user_config must be a mapping, got {type(user_config).__name__}")
+        base = {"served_model_name": args.served_model_name, "api_key": args.api_key,
+                "default_max_tokens": args.default_max_tokens}
+        return cls.model_validate({**base, **(user_config or {})})
+
+    def user_config(self) -> dict:
+        """As Serve stores it (plain JSON values)."""
+        return {"served_model_name": self.served_model_name, "default_max_tokens": self.default_max_tokens,
+                "api_key": self.api_key.get_secret_value() if self.api_key is not None else None}
+
+
 def parse_args(args: dict | AppArgs | None) -> AppArgs:
     """`AppArgs` from a dict; pydantic's ValidationError (a ValueError) names every bad field."""
     if isinstance(args, AppArgs):

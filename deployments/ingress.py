@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ddtree.sampling_params import SamplingParams
 from deployments import protocol
-from deployments.config import AppArgs, parse_args
+from deployments.config import AppArgs, IngressSettings, parse_args
 from deployments.engine_request import EngineRequest
 from deployments.errors import (APIError, bad_request, internal_error, model_not_found, not_found, unauthorized,
                                 unwrap)
@@ -150,9 +150,18 @@ class OpenAIIngress:
     def __init__(self, engine, args: AppArgs | dict) -> None:
         self.engine = engine  # DeploymentHandle of DDTreeEngine
         self.args = parse_args(args)
-        self.model_name = self.args.model_name
         self.created = int(time.time())
-        self._api_key = self.args.api_key.get_secret_value().encode() if self.args.api_key else None
+        self._apply(IngressSettings.of(self.args))
+
+    def reconfigure(self, user_config: dict) -> None:
+        """Serve's in-place update of the deployment's `user_config` (IngressSettings): served name, API key,
+        default_max_tokens, over the args' values."""
+        self._apply(IngressSettings.of(self.args, user_config))
+
+    def _apply(self, settings: IngressSettings) -> None:
+        self.model_name = settings.served_model_name or self.args.model_name
+        self._api_key = settings.api_key.get_secret_value().encode() if settings.api_key is not None else None
+        self.default_max_tokens = settings.default_max_tokens
 
     # ------------------------------------------------------------------------------------------------------------
     # HTTP
@@ -200,7 +209,7 @@ class OpenAIIngress:
         self._check_model(body.model)
         response_id = protocol.new_id("chatcmpl")
         engine_request = EngineRequest(messages=body.template_messages(),
-                                       params=body.sampling_params(self.args.default_max_tokens
+                                       params=body.sampling_params(self.default_max_tokens
                                                                    or UNLIMITED_MAX_TOKENS),
                                        request_id=response_id, strict_max_tokens=body.gives_max_tokens)
         return await self._respond(request, body, response_id, [engine_request], chat=True)

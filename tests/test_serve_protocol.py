@@ -435,3 +435,22 @@ def test_health_check_gives_up_on_a_hung_or_dead_worker_first():
     with pytest.raises(RuntimeError, match="drafter actor died"):
         asyncio.run(server.check_health())
     assert [type(e) for e in server.loop.abandoned] == [EngineDeadError, EngineDeadError]
+
+
+def test_the_ingress_settings_change_in_place_over_the_args():
+    """The served name, API key and default_max_tokens ride the ingress's user_config (an in-place update: Serve
+    calls reconfigure, no replica restarts); a user_config in ray_config.yaml overrides only the keys it names."""
+    from deployments.app import build_app
+    from deployments.config import IngressSettings, parse_args
+
+    args = parse_args({"api_key": "k1", "default_max_tokens": 64, "speculation": "off"})
+    ingress, _ = _engine_deployment(build_app(args))
+    assert ingress._deployment_config.user_config == {"served_model_name": None, "default_max_tokens": 64,
+                                                      "api_key": "k1"}
+    settings = IngressSettings.of(args, {"default_max_tokens": 128})  # the key is kept
+    assert settings.default_max_tokens == 128 and settings.api_key.get_secret_value() == "k1"
+    assert IngressSettings.of(args, {"api_key": "k2"}).api_key.get_secret_value() == "k2"
+    with pytest.raises(ValueError, match="api_kee"):
+        IngressSettings.of(args, {"api_kee": "k2"})
+    with pytest.raises(ValueError, match="default_max_tokens"):
+        IngressSettings.of(args, {"default_max_tokens": 0})
