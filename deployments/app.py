@@ -25,12 +25,6 @@ INGRESS_DEPLOYMENT = "OpenAIIngress"
 # running and queued, up to max_num_seqs + max_waiting) for up to this long before it is stopped; Serve's default
 # (20 s) would cut long answers and whole queues. Override per deployment in ray_config.yaml.
 GRACEFUL_SHUTDOWN_TIMEOUT_S = 600.0
-# When every engine replica holds its max_ongoing_requests, an ingress replica queues at most this many more engine
-# calls; beyond it Serve refuses the call (BackPressureError) and the client gets the engine's own 429. So the
-# ingress needs no cap tied to the engine replica count (which scaling under `deployments:` would leave stale): each
-# ingress replica accepts up to INGRESS_MAX_ONGOING_REQUESTS (awaiting an engine is cheap).
-ENGINE_MAX_QUEUED_REQUESTS = 128
-INGRESS_MAX_ONGOING_REQUESTS = 100_000
 
 
 def build_app(args: dict | AppArgs | None = None) -> Application:
@@ -44,7 +38,6 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
         "placement_group_bundles": layout.bundles,
         "placement_group_strategy": layout.strategy,
         "max_ongoing_requests": parsed.engine_max_ongoing_requests,
-        "max_queued_requests": ENGINE_MAX_QUEUED_REQUESTS,
         # Loading the models and profiling the verify pass take a while on a CPU.
         "health_check_timeout_s": 120.0,
         # A replica whose engine loop died fails every request sent to it, and Serve's router prefers it (it holds
@@ -68,6 +61,12 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
         graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_TIMEOUT_S,  # its streams end with the engine's answers
         # the served name, API key and default_max_tokens change in place (OpenAIIngress.reconfigure)
         user_config=IngressSettings.of(parsed).user_config(),
-        max_ongoing_requests=INGRESS_MAX_ONGOING_REQUESTS,
+        max_ongoing_requests=parsed.engine_max_ongoing_requests * max(1, _max_engine_replicas(parsed)),
     ).bind(engine, parsed)
     return ingress
+
+
+def _max_engine_replicas(args: AppArgs) -> int:
+    if args.autoscaling_config is not None:
+        return int(args.autoscaling_config.get("max_replicas", 1))
+    return args.num_replicas or 1

@@ -19,7 +19,6 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
-from ray.serve.exceptions import BackPressureError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -27,8 +26,8 @@ from ddtree.sampling_params import SamplingParams
 from deployments import protocol
 from deployments.config import AppArgs, IngressSettings, parse_args
 from deployments.engine_request import EngineRequest
-from deployments.errors import (APIError, bad_request, internal_error, model_not_found, not_found, queue_full,
-                                unauthorized, unwrap)
+from deployments.errors import (APIError, bad_request, internal_error, model_not_found, not_found, unauthorized,
+                                unwrap)
 
 logger = logging.getLogger(__name__)
 
@@ -115,8 +114,6 @@ async def _engine_call(awaitable):
         cause = unwrap(exc)
         if isinstance(cause, APIError):
             raise APIError(cause.status, cause.message, cause.type, cause.param, cause.code) from None
-        if isinstance(cause, BackPressureError) or isinstance(exc, BackPressureError):  # every engine replica full
-            raise queue_full("Every engine replica is at capacity; retry later.") from None
         logger.exception("engine call failed")
         raise internal_error(f"engine call failed: {type(cause).__name__}: {cause}") from None
     if isinstance(result, APIError):

@@ -454,26 +454,3 @@ def test_the_ingress_settings_change_in_place_over_the_args():
         IngressSettings.of(args, {"api_kee": "k2"})
     with pytest.raises(ValueError, match="default_max_tokens"):
         IngressSettings.of(args, {"default_max_tokens": 0})
-
-
-def test_full_engines_answer_429_through_serve_backpressure():
-    """Every engine replica at its max_ongoing_requests: an ingress queues at most ENGINE_MAX_QUEUED_REQUESTS more
-    engine calls, then Serve refuses them (BackPressureError) and the client gets a 429, whatever the number of engine
-    replicas (the ingress has no cap tied to it)."""
-    import asyncio
-
-    from ray.serve.exceptions import BackPressureError
-
-    from deployments.app import ENGINE_MAX_QUEUED_REQUESTS, INGRESS_MAX_ONGOING_REQUESTS, build_app
-    from deployments.ingress import _engine_call
-
-    ingress, engine = _engine_deployment(build_app({"num_replicas": 3, "speculation": "off"}))
-    assert engine._deployment_config.max_queued_requests == ENGINE_MAX_QUEUED_REQUESTS
-    assert ingress._deployment_config.max_ongoing_requests == INGRESS_MAX_ONGOING_REQUESTS
-
-    async def refused():
-        raise BackPressureError(num_queued_requests=128, max_queued_requests=128)
-
-    with pytest.raises(APIError) as info:
-        asyncio.run(_engine_call(refused()))
-    assert info.value.status == 429 and info.value.code == "engine_queue_full"
