@@ -240,9 +240,9 @@ class IngressSettings(BaseModel):
         return cls.model_validate({**base, **(user_config or {})})
 
     def user_config(self) -> dict:
-        """As Serve stores it (plain JSON values)."""
-        return {"served_model_name": self.served_model_name, "default_max_tokens": self.default_max_tokens,
-                "api_key": self.api_key.get_secret_value() if self.api_key is not None else None}
+        """As Serve stores it (plain JSON values), without the API key: Serve shows a deployment's user_config in its
+        details and dashboard (a key there is the user's own choice, when rotating it in ray_config.yaml)."""
+        return {"served_model_name": self.served_model_name, "default_max_tokens": self.default_max_tokens}
 
 
 def parse_args(args: dict | AppArgs | None) -> AppArgs:

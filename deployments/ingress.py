@@ -155,8 +155,14 @@ class OpenAIIngress:
 
     def reconfigure(self, user_config: dict) -> None:
         """Serve's in-place update of the deployment's `user_config` (IngressSettings): served name, API key,
-        default_max_tokens, over the args' values."""
-        self._apply(IngressSettings.of(self.args, user_config))
+        default_max_tokens, over the args' values. An invalid one is logged and changes nothing: raising here would
+        make Serve stop this replica and fail its replacements, taking the whole API down for a typo."""
+        try:
+            settings = IngressSettings.of(self.args, user_config)
+        except ValueError as exc:
+            logger.error("OpenAIIngress user_config refused, settings unchanged: %s", exc)
+            return
+        self._apply(settings)
 
     def _apply(self, settings: IngressSettings) -> None:
         self.model_name = settings.served_model_name or self.args.model_name

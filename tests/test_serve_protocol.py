@@ -445,8 +445,8 @@ def test_the_ingress_settings_change_in_place_over_the_args():
 
     args = parse_args({"api_key": "k1", "default_max_tokens": 64, "speculation": "off"})
     ingress, _ = _engine_deployment(build_app(args))
-    assert ingress._deployment_config.user_config == {"served_model_name": None, "default_max_tokens": 64,
-                                                      "api_key": "k1"}
+    # (the key stays out of it: Serve shows user_config in its details)
+    assert ingress._deployment_config.user_config == {"served_model_name": None, "default_max_tokens": 64}
     settings = IngressSettings.of(args, {"default_max_tokens": 128})  # the key is kept
     assert settings.default_max_tokens == 128 and settings.api_key.get_secret_value() == "k1"
     assert IngressSettings.of(args, {"api_key": "k2"}).api_key.get_secret_value() == "k2"
@@ -454,3 +454,20 @@ def test_the_ingress_settings_change_in_place_over_the_args():
         IngressSettings.of(args, {"api_kee": "k2"})
     with pytest.raises(ValueError, match="default_max_tokens"):
         IngressSettings.of(args, {"default_max_tokens": 0})
+
+
+def test_a_bad_ingress_user_config_is_logged_and_changes_nothing(caplog):
+    """Raising in reconfigure would make Serve stop the ingress replica and fail its replacements (the whole API
+    down for a typo in ray_config.yaml): the settings stay as they were and the error is logged."""
+    from deployments.config import IngressSettings
+    from deployments.ingress import OpenAIIngress
+
+    ingress = object.__new__(OpenAIIngress)  # (its FastAPI wrapper's __init__ needs Serve running)
+    ingress.args = parse_args({"api_key": "k1", "default_max_tokens": 64})
+    ingress._apply(IngressSettings.of(ingress.args))
+    ingress.reconfigure({"default_max_tokens": 8})
+    assert ingress.default_max_tokens == 8 and ingress._api_key == b"k1"
+    ingress.reconfigure({"api_kee": "k2"})
+    ingress.reconfigure({"api_key": 12345})  # an unquoted number in YAML
+    assert ingress.default_max_tokens == 8 and ingress._api_key == b"k1"
+    assert "user_config refused" in caplog.text
