@@ -32,6 +32,8 @@ tensor through torch's own reducer, ~0.3 ms apiece on this project's CPU, where 
 
 from __future__ import annotations
 
+import itertools
+
 import os
 import time
 from dataclasses import dataclass
@@ -192,10 +194,11 @@ class DrafterActor:
         from them holds no GPU (unpickling a CUDA tensor there would open a context on a GPU Ray never gave it).
         Request i's new features are its rows in the prefill / verify results `feature_objects` that `picks[i]`
         names (`FeatureRefs`), in order."""
+        starts = [[0, *itertools.accumulate(lengths)] for lengths, _ in feature_objects]  # row offsets per object
+
         def rows(o: int, r: int) -> torch.Tensor:  # copies request r's rows of object o only (the object is
-            lengths, (array, dtype) = feature_objects[o]  # a whole batch's, a read-only view of the object store)
-            start = sum(lengths[:r])
-            return tensor_from_wire((array[start : start + lengths[r]], dtype))
+            array, dtype = feature_objects[o][1]  # a whole batch's, a read-only view of the object store)
+            return tensor_from_wire((array[starts[o][r] : starts[o][r + 1]], dtype))
 
         def draft_to_host():
             features = [_joined([rows(o, r) for o, r in pick]) for pick in picks]

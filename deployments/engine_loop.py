@@ -236,7 +236,7 @@ class EngineLoop:
     def _handle(self, item) -> bool:
         """Apply one inbox item; False means stop."""
         if self._is_closed:  # abandoned: an item taken before the abandoning thread drained the inbox
-            self._fail_item(item, self.error or RuntimeError("the engine loop stopped"))
+            self._fail_item(item, self._closed_error())
             return False
         if isinstance(item, _Stop):
             self._fail_all(RuntimeError("the engine loop stopped"))
@@ -254,10 +254,11 @@ class EngineLoop:
             if not is_served:
                 self.engine.abort_request(item.request_id)
                 if self._is_closed:
-                    self._fail_item(item, self.error or RuntimeError("the engine loop stopped"))
+                    self._fail_item(item, self._closed_error())
                     return False
         elif isinstance(item, _Abort):
-            self._streams.pop(item.request_id, None)
+            with self._inbox_lock:  # (abandon() may be reading the streams from another thread)
+                self._streams.pop(item.request_id, None)
             if item.request_id in self.engine.requests:
                 self.engine.abort_request(item.request_id)
         elif isinstance(item, _Call):
@@ -267,6 +268,9 @@ class EngineLoop:
                 result, exc = None, e
             _notify(item.loop, _settle, item.done, result, exc)
         return True
+
+    def _closed_error(self) -> BaseException:
+        return self.error or RuntimeError("the engine loop stopped")
 
     def _fail_all(self, exc: BaseException) -> None:
         """Close the inbox, then fail every stream and every caller waiting in it (from the loop thread, or from

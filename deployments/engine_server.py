@@ -150,7 +150,6 @@ class DDTreeEngine:
 
         if not self.loop.is_alive:
             raise RuntimeError(f"the engine loop stopped: {self.loop.error!r}")
-        problem = None
         if self.loop.seconds_in_round > self.args.max_round_seconds:
             problem = (f"an engine round has run for {self.loop.seconds_in_round:.0f} s (max_round_seconds "
                        f"{self.args.max_round_seconds:g}): a worker is hung")

@@ -86,11 +86,6 @@ class EngineMetrics:
             self._window.popleft()
         return sum(n for _, n in self._window) / self.window_s
 
-    def _refresh_kv_bytes(self, now: float) -> None:
-        if self.kv_cache_stats is not None and now - self._last_kv_time >= self.kv_every_s:
-            self._last_kv_time = now
-            self.kv_bytes.set(self.kv_cache_stats()["bytes_used"])
-
     def on_round(self, report: RoundReport) -> None:
         now = time.monotonic()
         num_tokens = sum(len(o.new_token_ids) for o in report.outputs)
@@ -136,4 +131,6 @@ class EngineMetrics:
         if other > 0 and not delta["num_pipelined_phases"]:
             self.stage_seconds.inc(other, tags={"stage": "other"})
 
-        self._refresh_kv_bytes(now)
+        if self.kv_cache_stats is not None and now - self._last_kv_time >= self.kv_every_s:
+            self._last_kv_time = now
+            self.kv_bytes.set(self.kv_cache_stats()["bytes_used"])

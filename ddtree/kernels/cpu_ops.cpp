@@ -339,18 +339,15 @@ torch::Tensor attention_block(const torch::Tensor& qkv, const torch::Tensor& cos
           if (visible != nullptr && !visible[t]) sc[t] = -INFINITY;
           max_score = std::max(max_score, sc[t]);
         }
-        // nothing visible (never for a valid tree): zeros, as SDPA's 0/0 is not
-        float total = 0.0f;
-        if (max_score != -INFINITY) {
+        if (max_score == -INFINITY) {  // nothing visible (never for a valid tree): zeros, as SDPA gives
+          std::fill(sc, sc + last, 0.0f);
+        } else {
+          float total = 0.0f;
 #pragma omp simd reduction(+ : total)
           for (int64_t t = 0; t < last; ++t) {
             sc[t] = exp_approx(sc[t] - max_score);  // 0 for the invisible entries (-inf)
             total += sc[t];
           }
-        }
-        if (max_score == -INFINITY) {
-          std::fill(sc, sc + last, 0.0f);  // (the -inf scores times 0 would be NaN)
-        } else {
           const float inv_total = 1.0f / total;
 #pragma omp simd
           for (int64_t t = 0; t < last; ++t) sc[t] *= inv_total;

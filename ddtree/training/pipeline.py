@@ -339,8 +339,7 @@ def _vocab(args: argparse.Namespace) -> None:
     if args.draft_vocab_size < 1:
         raise ValueError(f"--draft-vocab-size must be >= 1, got {args.draft_vocab_size}")
     drafter_dir = args.drafter or args.out_dir / "drafter"
-    if not (drafter_dir / "config.json").is_file():
-        raise ValueError(f"{drafter_dir} holds no drafter: run the train step first (or name one with --drafter)")
+    _require_drafter(drafter_dir)
     _check_target(args.data_dir, args.target)
     sequences = read_sequences(args.data_dir)
     if not sequences:
@@ -369,8 +368,7 @@ def _eval(args: argparse.Namespace) -> None:
     from ddtree.training.train import weights_sha256
 
     drafter_dir = args.drafter or args.out_dir / "drafter"
-    if not (drafter_dir / "config.json").is_file():
-        raise ValueError(f"{drafter_dir} holds no drafter: run the train step first (or name one with --drafter)")
+    _require_drafter(drafter_dir)
     for category in CATEGORIES:
         _check_target(args.eval_dir / category, args.target)
     evaluated_weights = weights_sha256(drafter_dir)  # before loading: a train step may save newer ones meanwhile
@@ -413,10 +411,7 @@ def _ship(args: argparse.Namespace) -> None:
                              f"{DEFAULT_TARGET} drafter's)")
         ship_dir = DEFAULT_SHIP_DIR
     drafter_dir = args.drafter or args.out_dir / "drafter"
-    for name in ("config.json", "model.safetensors"):
-        if not (drafter_dir / name).is_file():
-            raise ValueError(f"{drafter_dir} has no {name}: run the train step first (or name a drafter with "
-                             f"--drafter)")
+    _require_drafter(drafter_dir)
     tau_path = drafter_dir / "tau.json"
     if not tau_path.exists():
         raise ValueError(f"{drafter_dir} has no tau.json: run the eval step before shipping")
@@ -484,15 +479,25 @@ def _target_key(target: str) -> str:
     return str(path.resolve()) if path.exists() else target
 
 
+def _require_drafter(drafter_dir: Path) -> None:
+    for name in ("config.json", "model.safetensors"):
+        if not (drafter_dir / name).is_file():
+            raise ValueError(f"{drafter_dir} has no {name}: run the train step first (or name a drafter with "
+                             f"--drafter)")
+
+
 def _check_target(data_dir: Path, target: str) -> None:
     """A data (or evaluation) directory holds one target's tokens and hidden states: refuse another target's."""
     recorded = _read_manifest(data_dir).get("target")
-    if recorded is not None and not Path(recorded).is_absolute() and Path(recorded).name != recorded \
-            and not Path(recorded).exists():  # an older manifest's relative path, made from another directory
-        recorded_key, target_key = Path(recorded).name, Path(target).name
+    if recorded is None:
+        return
+    path = Path(recorded)
+    if not path.is_absolute() and path.name != recorded and not path.exists():
+        # an older manifest's relative path, written from another directory: only its name can be compared
+        same = path.name == Path(target).name
     else:
-        recorded_key, target_key = (None, None) if recorded is None else (_target_key(recorded), _target_key(target))
-    if recorded is not None and recorded_key != target_key:
+        same = _target_key(recorded) == _target_key(target)
+    if not same:
         raise ValueError(f"{data_dir} holds data of the target {recorded} (its manifest.json), not of --target "
                          f"{target}: pass that --target, or use another --data-dir / --eval-dir for this one")
 
