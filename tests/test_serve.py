@@ -5,6 +5,7 @@ equal the offline `LLM`'s."""
 from __future__ import annotations
 
 import importlib
+import random
 import re
 import socket
 import threading
@@ -32,10 +33,33 @@ MAX_NUM_SEQS = 2
 MAX_WAITING = 2
 
 
+def _ephemeral_port_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port free now, and outside the ranges other processes get ports from unasked.
+
+    A port the kernel hands out (bind to 0) is in its ephemeral range, which every outgoing connection and every
+    bind to 0 draws from as well: Ray's own processes took such a port between our pick and the Serve proxy's
+    bind (CI: "Failed to bind to address"). Ray's workers take 10002-19999 (its min/max_worker_port), so the pick
+    is from 20000 up to the ephemeral range, checked free by binding it.
+    """
+    ephemeral_low, _ = _ephemeral_port_range()
+    candidates = list(range(20000, max(ephemeral_low, 20001)))
+    random.shuffle(candidates)
+    for port in candidates[:200]:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port between 20000 and the ephemeral range")
 
 
 def _config_app(yaml_path: Path) -> dict:
@@ -88,10 +112,10 @@ def served(app_args):
     app_config = _config_app(REPO / "ray_config.yaml")
     module_name, attr = app_config["import_path"].split(":")
     build = getattr(importlib.import_module(module_name), attr)
-    port = _free_port()
     started_ray = not ray.is_initialized()
     if started_ray:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    port = _free_port()  # after Ray's start, whose processes take ports of their own
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         serve.run(build(app_args), name=APP_NAME, route_prefix=app_config["route_prefix"])
