@@ -94,7 +94,7 @@ def run(runner: TargetModel, torch_kernels_runner: TargetModel | None, args, num
     # draft distributions (block size 8), against the engine's decode step (the same call without a tree).
     worker = TargetWorker(runner, keep_features=False)
     worker.allocate("engine", args.context + 64, SamplingParams(temperature=0.0))
-    engine_seq = worker._seq_ids["engine"]
+    engine_seq = worker.seq_id("engine")
     worker.prefill(["engine"], [context])
     draft_logprobs = torch.log_softmax(3 * torch.randn(7, vocab, generator=gen), dim=-1)
     ddtree32 = build_tree(draft_logprobs, 31)

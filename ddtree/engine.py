@@ -127,6 +127,7 @@ class _Request:
     num_text_tokens_emitted: int = 0
     ngrams: NgramIndex | None = None  # prompt + committed tokens (auto mode with ngram_tokens > 0)
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # per committed token (SamplingParams.logprobs)
+    text_started: bool = False  # a committed token decoded to something (special tokens do not): logprobs' bytes
 
 
 @dataclass
@@ -573,10 +574,9 @@ class Engine:
         req.root_token_id = kept[-1] if kept else req.root_token_id
         new_logprobs = None
         if req.output.params.logprobs is not None:
-            # (the output's text starts at the first token that decodes to something: special tokens do not)
-            at_text_start = not any(lp.token_bytes for lp in req.logprobs)
-            new_logprobs = self._token_logprobs(kept, logprobs, at_text_start)
+            new_logprobs = self._token_logprobs(kept, logprobs, at_text_start=not req.text_started)
             req.logprobs.extend(new_logprobs)
+            req.text_started = req.text_started or any(lp.token_bytes for lp in new_logprobs)
         new_text = self.detokenizer.take_new_text(req.output)
         if req.output.finish_reason is not None:
             return self._finish(req, new_text, kept, new_logprobs)

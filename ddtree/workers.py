@@ -165,6 +165,10 @@ class TargetWorker:
         self._pending_features[request_id] = []
         return True
 
+    def seq_id(self, request_id: str) -> int:
+        """The request's sequence id in the model's KV cache (`model.kv.handle(seq_id)`)."""
+        return self._seq_ids[request_id]
+
     def prefill(self, request_ids: list[str], prompts: list[list[int]]) -> PrefillResult:
         """Prompts into the KV cache; returns each request's first generated token (and its log-probabilities,
         where asked)."""

@@ -182,7 +182,7 @@ def _generate(args: argparse.Namespace, data_dir: Path) -> None:
     # every run's settings: a data directory may mix them (`generation` holds the last run's)
     runs = _read_manifest(data_dir).get("generate_runs", [])
     runs.append({"command": " ".join(sys.argv), **settings, "started": started, "num_responses": num_new})
-    _update_manifest(data_dir, {"generate_command": " ".join(sys.argv), "generate_runs": runs})
+    _update_manifest(data_dir, {"generate_runs": runs})
 
 
 def _count_by_category_and_source(prompts: list) -> dict[str, dict[str, int]]:
