@@ -99,10 +99,12 @@ def target_tokens_sampled(
         return logits.argmax(dim=-1)
     if all(is_sampled_request):
         return _sample(logits, seq_index, positions, temps, top_ps, top_ks, seeds)
-    # Mixed batch: sample only the rows of sampling requests, argmax elsewhere.
+    # Mixed batch: sample only the rows of sampling requests, argmax elsewhere. The rows given may all be greedy
+    # requests' (the on-demand walk asks for the rows it reaches, pass by pass).
     tokens = logits.argmax(dim=-1)  # [N]
     rows = torch.tensor(is_sampled_request, device=device)[seq_index].nonzero().squeeze(1)
-    tokens[rows] = _sample(logits[rows], seq_index[rows], positions[rows], temps, top_ps, top_ks, seeds)
+    if rows.numel():
+        tokens[rows] = _sample(logits[rows], seq_index[rows], positions[rows], temps, top_ps, top_ks, seeds)
     return tokens
 
 

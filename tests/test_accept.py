@@ -281,6 +281,11 @@ def test_seeded_requests_do_not_depend_on_the_rest_of_the_batch() -> None:
     )
     assert torch.equal(mixed[seq_index == 0], alone)
     assert torch.equal(mixed[seq_index == 3], mixed_logits[seq_index == 3].argmax(-1))
+    # rows of the batch's greedy request only (a pass of the on-demand walk can ask for just those): its argmax
+    greedy_rows = seq_index == 3
+    only_greedy = target_tokens_sampled(mixed_logits[greedy_rows], seq_index[greedy_rows], positions[greedy_rows],
+                                        [0.9, 1.0, 0.7, 0.0], [1.0, 0.9, 1.0, 1.0], [0, 0, 5, 0], [7, 11, 3, 5])
+    assert torch.equal(only_greedy, mixed_logits[greedy_rows].argmax(-1))
 
 
 def test_tiny_temperatures_sample_the_argmax() -> None:

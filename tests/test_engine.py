@@ -278,12 +278,14 @@ def test_trees_hold_no_node_deeper_than_the_tokens_left(workers, config, monkeyp
     assert depth_excess and max(depth_excess) == 0  # capped, and some at their cap
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_the_lm_head_on_the_walked_rows_only_changes_nothing(workers, monkeypatch, temperature):
+@pytest.mark.parametrize("temperatures", [[0.0], [1.0], [0.0, 1.0]], ids=["greedy", "sampled", "mixed"])
+def test_the_lm_head_on_the_walked_rows_only_changes_nothing(workers, monkeypatch, temperatures):
     """A verify that runs the LM head only on the rows its walk reaches (from LM_HEAD_ON_DEMAND_MIN_TOKENS packed
-    tokens) gives the tokens and log-probabilities of one over every row, greedy and sampled (seeded)."""
+    tokens) gives the tokens and log-probabilities of one over every row, greedy and sampled (seeded), and in a batch
+    mixing both (a pass of the walk may then ask for greedy requests' rows only: it crashed the engine once)."""
     target = workers[0]
-    params = [SamplingParams(temperature=temperature, max_tokens=20, ignore_eos=True, seed=s, logprobs=2)
+    params = [SamplingParams(temperature=temperatures[s % len(temperatures)], max_tokens=20, ignore_eos=True, seed=s,
+                             logprobs=2)
               for s in range(len(PROMPTS))]
     runs = {}
     for name, min_tokens in (("all rows", 10**9), ("walked rows", 1)):
