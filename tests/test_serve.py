@@ -581,6 +581,37 @@ def test_locustfile_load_test_runs_and_counts_each_request_once(served, tmp_path
     # (acceptance_length too, where a request drafted: the tiny random drafter mostly sits in fallback)
     assert {"ttft_ms", "inter_token_latency_ms", "e2e_latency_ms", "output_tokens_per_s", "output_tokens"} <= set(llm)
     assert 1 <= float(llm["output_tokens"]["max"]) <= 8
+    spec = summary["speculation"]  # the server reports usage.ddtree: how the tokens were made
+    assert spec["num_requests"] == summary["num_completed_requests"]
+    assert spec["speculative_rounds"] + spec["autoregressive_rounds"] > 0
+    assert spec["output_tokens_per_round"] >= 1.0
+
+
+def test_locustfile_distributed_run_summarises_every_worker(served, tmp_path):
+    """With `--processes 2` the workers' metrics reach the master, which alone writes the summary: it counts the
+    requests Locust counted (the master's own Summary runs no users)."""
+    import csv
+    import json
+    import subprocess
+    import sys
+
+    prefix, summary_path = tmp_path / "sub" / "run", tmp_path / "sub" / "summary.json"  # folders made as needed
+    result = subprocess.run(
+        [sys.executable, "-m", "locust", "-f", str(REPO / "loadtest" / "locustfile.py"), "--host", served["base_url"],
+         "--headless", "-u", "2", "-r", "2", "-t", "6s", "--processes", "2", "--csv", str(prefix),
+         "--summary-json", str(summary_path), "--model", MODEL_NAME, "--api-key", API_KEY, "--max-tokens", "8",
+         "--stop-timeout", "10"],
+        capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    summary = json.loads(summary_path.read_text())
+    with open(f"{prefix}_stats.csv") as f:
+        rows = {row["Name"]: row for row in csv.DictReader(f)}
+    locust_count = int(rows["Aggregated"]["Request Count"])
+    assert summary["num_failed_requests"] == 0
+    assert 0 < locust_count <= summary["num_completed_requests"] <= locust_count + 4  # the last report's few
+    with open(f"{prefix}_llm.csv") as f:
+        llm = {row["metric"]: row for row in csv.DictReader(f)}
+    assert int(float(llm["output_tokens"]["count"])) == summary["num_completed_requests"]
 
 
 def test_engine_reports_timings_and_metrics_without_errors(served):
