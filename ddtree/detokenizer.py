@@ -93,16 +93,18 @@ class Detokenizer:
             # Only text that can hold a new stop is searched: from just before the end of the previous text (which
             # holds complete characters only, `_new_text`, so it is a prefix of this one).
             start = max(0, len(state.text) - max(map(len, params.stop)) + 1)
-            cut = self._first_stop(searched, start=start, params=params)
-            if cut is not None:
-                text = searched[:cut]
+            if self._first_stop(searched, start, params.stop) is not None:
                 state.finish_reason = "stop"
                 # Keep only the tokens needed to produce the text up to (and including) the stop string.
-                while len(kept) > 1 and self._first_stop(
-                    self.decode(state.token_ids[:-1]), 0, params
-                ) is not None:
+                while len(kept) > 1 and self._first_stop(self.decode(state.token_ids[:-1]), 0, params.stop) is not None:
                     state.token_ids.pop()
                     kept.pop()
+                # The cut of a token-by-token decode: the earliest start among the stops the kept tokens complete (a
+                # stop that starts earlier but completes only in a dropped token never ended the output there).
+                kept_text = self.decode(state.token_ids)
+                completed = [stop for stop in params.stop if stop in kept_text]
+                cut = self._first_stop(searched, start, completed)
+                text = searched[: cut if cut is not None else self._first_stop(searched, start, params.stop)]
         state.text = text
         return kept
 
@@ -123,8 +125,8 @@ class Detokenizer:
         return window_text[len(prefix_text) :].rstrip(REPLACEMENT_CHAR)
 
     @staticmethod
-    def _first_stop(text: str, start: int, params: SamplingParams) -> int | None:
-        hits = [i for i in (text.find(s, start) for s in params.stop) if i >= 0]
+    def _first_stop(text: str, start: int, stops: list[str]) -> int | None:
+        hits = [i for i in (text.find(s, start) for s in stops) if i >= 0]
         return min(hits) if hits else None
 
     @staticmethod
@@ -133,11 +135,10 @@ class Detokenizer:
         unfinished character never reaches `state.text`: `_new_text`)."""
         end = len(state.text)
         if state.finish_reason is None:
-            for stop in state.params.stop:
-                for k in range(min(len(stop) - 1, end - state.num_text_emitted), 0, -1):
-                    if state.text[end - k : end] == stop[:k]:
-                        end -= k
-                        break
+            # the longest end of the text that some stop string starts with, whichever stop that is
+            unsettled = min(end - state.num_text_emitted, max((len(stop) - 1 for stop in state.params.stop), default=0))
+            end -= max((k for k in range(unsettled, 0, -1) for stop in state.params.stop
+                        if state.text.endswith(stop[:k])), default=0)
         new = state.text[state.num_text_emitted : end]
         state.num_text_emitted = max(state.num_text_emitted, end)
         return new

@@ -68,6 +68,40 @@ def test_stop_string_inside_one_round(tok):
     assert s.text == "hi" and kept == ids(tok, "hi??")
 
 
+@pytest.mark.parametrize("stops", [["a", "bac"], ["bac", "a"], ["!", "4!!"], ["c", "xbac"]])
+def test_several_stop_strings_cut_where_a_token_by_token_decode_cuts(tok, stops):
+    """A stop that starts first but completes after another must not decide the cut when one round brings every
+    token (an accepted tree): the text and tokens are those of one token per round (speculation "off")."""
+    text = "yd44xbac4!!"
+    results = []
+    for rounds in ([1] * len(text), [len(text)], [3, 4, 4], [2] * 6):
+        d, s, i = Detokenizer(tok), state(tok, stop=stops), 0
+        streamed = ""
+        for n in rounds:
+            if s.finish_reason is not None:
+                break
+            d.append(s, ids(tok, text[i : i + n]))
+            streamed += d.take_new_text(s)
+            i += n
+        assert s.finish_reason == "stop" and streamed == s.text
+        results.append((s.text, tok.decode(s.token_ids)))
+    assert len(set(results)) == 1, results
+    assert not any(stop in results[0][0] for stop in stops)
+
+
+def test_text_held_back_is_the_longest_start_of_any_stop(tok):
+    """While the text's end could still grow into a stop string, that end is held back: the longest such end over
+    all stops, whatever their order (and no more)."""
+    for stops in (["b?", "a!"], ["a!", "b?"]):
+        d, s = Detokenizer(tok), state(tok, stop=stops)
+        d.append(s, ids(tok, "xab"))
+        assert d.take_new_text(s) == "xa"
+    for stops in (["ab?", "b!"], ["b!", "ab?"]):
+        d, s = Detokenizer(tok), state(tok, stop=stops)
+        d.append(s, ids(tok, "xab"))
+        assert d.take_new_text(s) == "x"
+
+
 @pytest.mark.parametrize("split", [1, 2, 3])
 def test_stop_string_completed_by_the_bytes_of_a_later_round(split):
     # "🎉" is 4 bytes: the first round ends inside it (decoded as U+FFFD), the next completes it.
