@@ -155,6 +155,8 @@ def test_published_config_parses():
     v5["dflash_config"] = dict(published["dflash_config"], block_size=8)
     config5 = DFlashConfig.from_dict(v5)
     assert config5.rope_theta == 1e6 and config5.rope_scaling is None and config5.block_size == 8
+    # a null rope_theta beside rope_parameters (transformers 5 writes both keys)
+    assert DFlashConfig.from_dict({**v5, "rope_theta": None}).rope_theta == 1e6
 
 
 def test_build_target_layer_ids_matches_reference_rule():
@@ -289,6 +291,13 @@ def test_bad_inputs_raise():
     with pytest.raises(ValueError, match="mask_token_id"):
         DFlashConfig.from_dict({"hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,
                                 "num_attention_heads": 1, "vocab_size": 8, "dflash_config": {}})
+    with pytest.raises(ValueError, match="lacks intermediate_size"):
+        DFlashConfig.from_dict({"hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1, "vocab_size": 8,
+                                "dflash_config": {"mask_token_id": 0, "target_layer_ids": [0]}})
+    with pytest.raises(ValueError, match="hidden_act 'gelu'"):
+        DFlashConfig.from_dict({"hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1, "hidden_act": "gelu",
+                                "num_attention_heads": 1, "vocab_size": 8,
+                                "dflash_config": {"mask_token_id": 0, "target_layer_ids": [0]}})
 
 
 def test_a_drafter_grown_by_layers_computes_what_it_grew_from():

@@ -19,7 +19,7 @@ def llama_cpp_permute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, 2, w.shape[0] // num_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def write_gguf(path, hf_dir, arch, extra=None):
+def write_gguf(path, hf_dir, arch, extra=None, with_feed_forward_length=True):
     import gguf
     from safetensors.torch import load_file
 
@@ -28,7 +28,8 @@ def write_gguf(path, hf_dir, arch, extra=None):
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_embedding_length(cfg.hidden_size)
-    writer.add_feed_forward_length(cfg.intermediate_size)
+    if with_feed_forward_length:
+        writer.add_feed_forward_length(cfg.intermediate_size)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_key_length(cfg.head_dim)
@@ -116,6 +117,10 @@ def test_gguf_rope_scaling_and_end_tokens(tmp_path):
     with pytest.raises(ValueError, match="rope scaling type 'yarn'"):
         read_checkpoint(tmp_path / "yarn.gguf")
 
+    write_gguf(tmp_path / "incomplete.gguf", hf_dir, "llama", with_feed_forward_length=False)
+    with pytest.raises(ValueError, match="lacks llama.feed_forward_length"):
+        read_checkpoint(tmp_path / "incomplete.gguf")
+
 
 def _config(hf_dir):
     return json.loads((hf_dir / "config.json").read_text())
@@ -128,6 +133,12 @@ def test_unsupported_checkpoints_fail_before_loading(tmp_path):
         TargetConfig.from_hf_dict({**config, "quantization_config": {"quant_method": "fp8"}})
     with pytest.raises(ValueError, match="rope scaling type 'yarn'"):
         TargetConfig.from_hf_dict({**config, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="hidden_act 'gelu_pytorch_tanh' is not supported"):
+        TargetConfig.from_hf_dict({**config, "hidden_act": "gelu_pytorch_tanh"})  # (Gemma's: not a Llama MLP)
+    assert TargetConfig.from_hf_dict({**config, "hidden_act": "swish"}) == TargetConfig.from_hf_dict(config)
+    incomplete = {k: v for k, v in config.items() if k not in ("intermediate_size", "vocab_size")}
+    with pytest.raises(ValueError, match="lacks vocab_size, intermediate_size"):
+        TargetConfig.from_hf_dict(incomplete)
     from safetensors.torch import load_file, save_file
 
     tensors = load_file(str(hf_dir / "model.safetensors"))
@@ -160,3 +171,30 @@ def test_sharded_folder_reads_the_files_its_index_names(tmp_path):
     (hf_dir / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(ValueError, match="missing"):
         read_checkpoint(hf_dir)
+
+
+def test_mistral_without_a_sliding_window_key_has_transformers_default_window(tmp_path):
+    """transformers' MistralConfig gives a config.json without `sliding_window` a 4096-token window (null: none);
+    a Mistral config the project writes says null rather than leaving the key out."""
+    config = _config(write_random_target(tmp_path / "m", model_type="mistral"))
+    assert "sliding_window" in config and config["sliding_window"] is None
+    assert TargetConfig.from_hf_dict(config).sliding_window is None
+    no_key = {k: v for k, v in config.items() if k != "sliding_window"}
+    assert TargetConfig.from_hf_dict(no_key).sliding_window == 4096
+    assert TargetConfig.from_hf_dict({**no_key, "model_type": "llama"}).sliding_window is None
+
+
+def test_a_tied_config_with_a_different_stored_head_uses_that_head(tmp_path):
+    """As transformers does (it warns and does not tie): a fine-tune that trained the head but kept the config tied
+    must give the stored head's logits, not the embedding's."""
+    hf_dir = write_random_target(tmp_path / "hf", model_type="llama")  # untied, its own random lm_head
+    prompt = [3, 1, 4, 1, 5]
+
+    def logits():
+        model = TargetModel.load(hf_dir, dtype=torch.float64)
+        model.kv.allocate(0, 16)
+        return model.prefill([0], [prompt])[0]
+
+    untied = logits()
+    (hf_dir / "config.json").write_text(json.dumps({**_config(hf_dir), "tie_word_embeddings": True}))
+    assert torch.equal(logits(), untied)

@@ -63,6 +63,13 @@ class TargetConfig:
             )
         if d.get("mlp_bias"):
             raise ValueError("checkpoints with mlp_bias are not supported")
+        hidden_act = d.get("hidden_act", "silu")
+        if hidden_act not in ("silu", "swish"):  # the runner's MLP is SwiGLU (transformers: swish is SiLU too)
+            raise ValueError(f"hidden_act {hidden_act!r} is not supported: the runner's MLP uses SiLU")
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if d.get(k) is None]
+        if missing:
+            raise ValueError(f"config.json lacks {', '.join(missing)}, which a {model_type} model needs")
         quantization = d.get("quantization_config")
         if quantization:  # FP8 / GPTQ / AWQ weights need their scales: read as plain weights they would be garbage
             method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
@@ -73,7 +80,8 @@ class TargetConfig:
         rope_scaling = d.get("rope_scaling")
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
             rope_scaling = dict(rope_params)
-        sliding_window = d.get("sliding_window")
+        # (transformers' MistralConfig defaults to a 4096-token window when the key is absent; null means none)
+        sliding_window = d.get("sliding_window", 4096 if model_type == "mistral" else None)
         uses_window = model_type == "mistral" or bool(d.get("use_sliding_window"))
         eos = d.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
@@ -120,6 +128,6 @@ class TargetConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_ids[0] if len(self.eos_token_ids) == 1 else self.eos_token_ids,
         }
-        if self.sliding_window is not None:
-            d["sliding_window"] = self.sliding_window
+        if self.sliding_window is not None or self.model_type == "mistral":
+            d["sliding_window"] = self.sliding_window  # (Mistral: null, not absent, which reads as 4096)
         return d

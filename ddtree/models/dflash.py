@@ -97,6 +97,12 @@ class DFlashConfig:
             raise ValueError("DFlash drafters with attention_bias are not supported")
         if "sliding_attention" in (d.get("layer_types") or []) and d.get("use_sliding_window", False):
             raise ValueError("DFlash drafters with sliding-window layers are not supported")
+        if d.get("hidden_act", "silu") not in ("silu", "swish"):
+            raise ValueError(f"DFlash drafters with hidden_act {d['hidden_act']!r} are not supported (SiLU only)")
+        missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                               "vocab_size") if d.get(k) is None]
+        if missing:
+            raise ValueError(f"the drafter's config.json lacks {', '.join(missing)}")
         dflash = d.get("dflash_config") or {}
         if "mask_token_id" not in dflash:
             raise ValueError("config.json lacks dflash_config.mask_token_id")
@@ -108,7 +114,7 @@ class DFlashConfig:
                 raise ValueError("config.json needs dflash_config.target_layer_ids or num_target_layers")
             target_layer_ids = build_target_layer_ids(int(num_target_layers), num_layers)
         rope_params = d.get("rope_parameters") or {}
-        rope_theta = d.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        rope_theta = d.get("rope_theta") or rope_params.get("rope_theta", 10000.0)
         rope_scaling = d.get("rope_scaling")
         if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
             rope_scaling = dict(rope_params)

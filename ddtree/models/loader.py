@@ -138,9 +138,15 @@ def read_gguf_config(reader) -> TargetConfig:
     def a(key, default=None):
         return _gguf_field(reader, f"{arch}.{key}", default)
 
+    missing = [f"{arch}.{k}" for k in ("embedding_length", "attention.head_count", "feed_forward_length",
+                                       "block_count") if a(k) is None]
+    if missing:
+        raise ValueError(f"the GGUF file lacks {', '.join(missing)}: not a complete {arch} model")
     hidden = int(a("embedding_length"))
     num_heads = int(a("attention.head_count"))
     num_tokens = len(reader.fields["tokenizer.ggml.tokens"].data) if "tokenizer.ggml.tokens" in reader.fields else None
+    if a("vocab_size", num_tokens) is None:
+        raise ValueError(f"the GGUF file has neither {arch}.vocab_size nor a tokenizer.ggml.tokens list")
     # end of sequence, and of turn / message (Llama 3's <|eot_id|>, <|eom_id|>): generation stops at any of them
     eos_ids = _merged_ids([], [_gguf_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")])
     rope_scaling = _gguf_rope_scaling(a)

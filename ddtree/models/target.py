@@ -28,6 +28,7 @@ Public API (engine side):
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,8 @@ from ddtree.models.kv_cache import KVCache, kv_bytes_per_token
 from ddtree.models.layers import Rotary, rms_norm
 from ddtree.kernels import NO_TENSOR
 from ddtree.packing import PackedBatch
+
+logger = logging.getLogger(__name__)
 
 ATTENTION_BACKENDS = ("sdpa", "flex")
 DEFAULT_MAX_PREFILL_TOKENS = 512
@@ -313,7 +316,16 @@ class TargetModel:
                 )
             )
         self.final_norm = get("model.norm.weight")
-        if cfg.tie_word_embeddings or "lm_head.weight" not in t:
+        stored_head = t.get("lm_head.weight")
+        head_is_embedding = stored_head is None or (
+            cfg.tie_word_embeddings and torch.equal(stored_head, get("model.embed_tokens.weight").to(stored_head)))
+        if stored_head is None and not cfg.tie_word_embeddings:
+            logger.warning("config.json says tie_word_embeddings false but the checkpoint has no lm_head.weight: the "
+                           "embedding serves as the LM head")
+        elif not head_is_embedding and cfg.tie_word_embeddings:
+            logger.warning("config.json says tie_word_embeddings but the checkpoint's lm_head.weight differs from its "
+                           "embedding: the stored head is used, as transformers does")
+        if head_is_embedding:
             self.lm_head = in_out(get("model.embed_tokens.weight"))  # [H, V]
             self.embed_tokens = self.lm_head.t()  # [V, H] view: one copy of the shared matrix
             used.add("lm_head.weight")  # a tied checkpoint may store the copy too
