@@ -65,6 +65,12 @@ class DFlashDrafter:
                 f"the target produces features of layers {target.feature_layer_ids}, the drafter needs "
                 f"{config.target_layer_ids}: load the target with feature_layer_ids=drafter target_layer_ids"
             )
+        if config.vocab_size != tc.vocab_size:
+            raise ValueError(f"drafter vocabulary size {config.vocab_size} != target vocabulary size {tc.vocab_size}: "
+                             f"the drafter was made for another target")
+        if config.num_target_layers is not None and config.num_target_layers != tc.num_hidden_layers:
+            raise ValueError(f"the drafter was made for a target of {config.num_target_layers} layers (its "
+                             f"num_target_layers); this target has {tc.num_hidden_layers}")
         if not 0 <= config.mask_token_id < tc.vocab_size:
             raise ValueError(f"mask_token_id {config.mask_token_id} outside the target vocabulary ({tc.vocab_size})")
         self.config = config

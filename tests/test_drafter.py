@@ -107,6 +107,32 @@ def test_mismatched_target_layers_rejected(pair, tmp_path):
         drafter.add_context("x", torch.zeros(3, 5, dtype=torch.float64))
 
 
+def _edit_config(folder, edit) -> None:
+    import json
+
+    path = folder / "config.json"
+    path.write_text(json.dumps(edit(json.loads(path.read_text()))))
+
+
+def test_a_drafter_made_for_another_target_is_refused(pair, tmp_path):
+    """Another vocabulary, another target depth, or scalings of newer reference drafters that are not implemented:
+    refused when loading (a drafter for another target would draft nothing the target accepts, without a word)."""
+    target, _ = pair
+    cases = {
+        "vocabulary size 5000 != target vocabulary size": lambda c: {**c, "vocab_size": 5000},
+        "made for a target of 36 layers": lambda c: {**c, "num_target_layers": 36},
+        "'output_multiplier': 0.5": lambda c: {**c, "dflash_config": {**c["dflash_config"], "output_multiplier": 0.5}},
+    }
+    for i, (message, edit) in enumerate(cases.items()):
+        folder = write_random_dflash(tmp_path / str(i), target.config, target_layer_ids=[1, 2])
+        _edit_config(folder, edit)
+        with pytest.raises(ValueError, match=message):
+            DFlashDrafter.load(folder, target)
+    neutral = write_random_dflash(tmp_path / "neutral", target.config, target_layer_ids=[1, 2])
+    _edit_config(neutral, lambda c: {**c, "dflash_config": {**c["dflash_config"], "input_embedding_scale": 1.0}})
+    DFlashDrafter.load(neutral, target)
+
+
 def test_measure_draft_cost(pair):
     target, drafter_dir = pair
     drafter = DFlashDrafter.load(drafter_dir, target)

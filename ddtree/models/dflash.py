@@ -38,6 +38,8 @@ from ddtree.models.layers import RMSNorm, Rotary, apply_rope
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 ARCHITECTURE = "DFlashDraftModel"
+# dflash_config keys of newer reference drafters that change the draft, with the value that changes nothing
+DFLASH_NEUTRAL_SCALINGS = {"input_embedding_scale": 1.0, "output_multiplier": 1.0, "final_logit_softcapping": 0.0}
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -106,6 +108,12 @@ class DFlashConfig:
         dflash = d.get("dflash_config") or {}
         if "mask_token_id" not in dflash:
             raise ValueError("config.json lacks dflash_config.mask_token_id")
+        # Newer DFlash drafters may scale the block's input embeddings or the draft logits: not implemented here, so
+        # such a drafter is refused rather than drafted with the wrong scaling.
+        scalings = {key: dflash[key] for key, neutral in DFLASH_NEUTRAL_SCALINGS.items()
+                    if dflash.get(key) not in (None, neutral)}
+        if scalings:
+            raise ValueError(f"DFlash drafters with {scalings} in dflash_config are not supported")
         num_layers = int(d["num_hidden_layers"])
         num_target_layers = d.get("num_target_layers")
         target_layer_ids = dflash.get("target_layer_ids")

@@ -179,7 +179,9 @@ class TargetModel:
         self.feature_layer_ids = [int(i) for i in feature_layer_ids]
         for i in self.feature_layer_ids:
             if not 0 <= i < config.num_hidden_layers:
-                raise ValueError(f"feature layer id {i} out of range for {config.num_hidden_layers} layers")
+                raise ValueError(f"feature layer id {i} out of range for this target's {config.num_hidden_layers} "
+                                 f"layers (a drafter's target_layer_ids name layers of the target it was made for: "
+                                 f"is the drafter made for another target?)")
         self.feature_dim = len(self.feature_layer_ids) * config.hidden_size
         self._cpu_ops = None  # the native CPU ops (ddtree.kernels)
         if cpu_kernels and self.device.type == "cpu" and dtype == torch.float32:
