@@ -1,5 +1,6 @@
 """The native CPU ops (ddtree/kernels) against torch, and the runner's forwards on them against Hugging Face."""
 
+import importlib.util
 import logging
 import shutil
 import sysconfig
@@ -13,10 +14,11 @@ import ddtree.kernels as kernels
 from ddtree.models.target import TargetModel
 from ddtree.models.testing import write_random_target
 
+HAS_NINJA = shutil.which("ninja") is not None or importlib.util.find_spec("ninja") is not None
 HAS_TOOLCHAIN = (shutil.which("c++") is not None or shutil.which("g++") is not None) and (
-    Path(sysconfig.get_paths()["include"]) / "Python.h").is_file()
-pytestmark = pytest.mark.skipif(not HAS_TOOLCHAIN, reason="no C++ compiler or Python headers: the runner uses "
-                                                          "torch's kernels (tested elsewhere)")
+    Path(sysconfig.get_paths()["include"]) / "Python.h").is_file() and HAS_NINJA
+pytestmark = pytest.mark.skipif(not HAS_TOOLCHAIN, reason="no C++ compiler, Python headers or ninja: the runner "
+                                                          "uses torch's kernels (tested elsewhere)")
 
 EMPTY = torch.empty(0)
 
@@ -98,8 +100,10 @@ def test_rms_norm_and_silu_and_mul_match_torch(ops):
     x, weight = torch.randn(3, 576, generator=gen) * 7, torch.randn(576, generator=gen)
     torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5), F.rms_norm(x, (576,), weight, 1e-5))
     gate_up = torch.randn(3, 2 * 1536, generator=gen) * 4
-    gate_up[0, :6] = torch.tensor([-200.0, -90.0, -87.5, 87.5, 90.0, 200.0])  # past the exp's clamps
-    torch.testing.assert_close(ops.silu_and_mul(gate_up), F.silu(gate_up[:, :1536]) * gate_up[:, 1536:])
+    gate_up[0, :9] = torch.tensor([-200.0, -90.0, -87.5, 87.5, 90.0, 200.0, -float("inf"), float("inf"),
+                                   float("nan")])  # past the exp's clamps, and what torch makes of inf and NaN
+    torch.testing.assert_close(ops.silu_and_mul(gate_up), F.silu(gate_up[:, :1536]) * gate_up[:, 1536:],
+                               equal_nan=True)
     with pytest.raises(RuntimeError, match="rms_norm"):
         ops.rms_norm(x, torch.randn(5), 1e-5)
     with pytest.raises(RuntimeError, match="silu_and_mul"):
@@ -178,6 +182,11 @@ def _check_attention_block(ops, heads, kv_heads, num_cached, num_new, is_tree, d
         blind[0] = False
         out = ops.attention_block(qkv, cos, sin, k, v, blind, heads, norm_weights, eps)
         assert torch.equal(out[0], torch.zeros_like(out[0])) and not out.isnan().any()
+    # a NaN query (a diverged model) gives NaN, as SDPA does, not a finite row (nor zeros) that hides it
+    poisoned = qkv.clone()
+    poisoned[num_new - 1, 0] = float("nan")  # head 0 of the last token
+    out = ops.attention_block(poisoned, cos, sin, k, v, mask if is_tree else EMPTY, heads, EMPTY, eps)
+    assert out[num_new - 1, :d].isnan().all()
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
@@ -225,6 +234,10 @@ def test_disabled_or_unbuildable_kernels_fall_back_to_torch(tmp_path, monkeypatc
         runner = TargetModel.load(path, max_kv_bytes=2**20)
     assert not runner.uses_cpu_kernels
     assert "native kernel cpu_ops unavailable" in caplog.text and "no_such_header_ddtree.h" in caplog.text
+    # a compiler that is not there: the warning says so (the shell's "not found"), not only the command line
+    assert "not found" in kernels._build_error(RuntimeError(
+        "Error building extension 'x': [1/2] /nonexistent/c++ -MMD -c a.cpp -o a.o\n"
+        "FAILED: a.o\n/bin/sh: 1: /nonexistent/c++: not found\nninja: build stopped: subcommand failed."))
     runner.kv.allocate(0, 8)
     logits, _ = runner.prefill([0], [[3]])  # still decodes, on torch's kernels
     assert logits.shape == (1, runner.config.vocab_size)
@@ -297,3 +310,12 @@ def test_native_ops_release_the_gil(ops):
         stop.set()
         spinner.join()
     assert ticks[0] > 20 * calls  # holding the GIL, the spinner would get about one tick per call
+
+
+def test_ninja_of_the_environment_is_put_on_path(monkeypatch):
+    """torch finds ninja on PATH only: `.venv/bin/python` run without activating the environment has the `ninja`
+    package's binary off PATH, so the build puts it there (without it torch refuses to build: a warning, no kernels)."""
+    ninja = pytest.importorskip("ninja")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    kernels._put_ninja_on_path()
+    assert shutil.which("ninja") is not None and shutil.which("ninja").startswith(ninja.BIN_DIR)

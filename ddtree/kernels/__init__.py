@@ -8,7 +8,8 @@
     PanelLinear(w [K, N], bias, ops)      x @ w (+ bias) on `panel_linear`; PanelLinear.of(nn.Linear, ops)
     use_panel_linears(module, ops)        swaps every nn.Linear inside `module` for a PanelLinear (inference only)
 
-Building needs a C++ compiler (g++ with the Python headers torch's extensions use); the first build takes ~30 s and
+Building needs a C++ compiler (g++ with the Python headers torch's extensions use) and ninja (a dependency of the
+project, put on PATH here when only the environment's bin folder has it); the first build takes ~30 s and
 is cached under ~/.cache/ddtree/kernels (or $DDTREE_KERNEL_CACHE), keyed by the source, torch, Python, the
 compile flags and the CPU; concurrent first uses (several Ray actors) build once, and a build killed half-way is
 redone by the next process. Without a compiler, or with DDTREE_CPU_KERNELS=0, callers keep torch's own kernels
@@ -22,6 +23,7 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 import sys
 import threading
 from pathlib import Path
@@ -126,8 +128,9 @@ def _compile_flags() -> list[str]:
 def _build_error(error: Exception) -> str:
     """The lines of a failed build that say why (torch's message ends with ninja's "subcommand failed")."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    errors = [line for line in lines if "error" in line.lower() and "subcommand failed" not in line]
-    return " | ".join((errors or lines[-1:])[:5])
+    reasons = ("error", "not found", "no such file", "fatal", "ninja is required")
+    errors = [line for line in lines if any(r in line.lower() for r in reasons) and "subcommand failed" not in line]
+    return " | ".join((errors or lines[-1:])[-5:])
 
 
 def _load(name: str):
@@ -153,11 +156,24 @@ def build_directory(name: str) -> Path:
     return cache / f"{name}-{key}"
 
 
+def _put_ninja_on_path() -> None:
+    """torch builds extensions with ninja, found on PATH: the `ninja` package (a dependency) installs it next to the
+    interpreter, which is not on PATH when `.venv/bin/python` runs without the environment activated."""
+    if shutil.which("ninja") is not None:
+        return
+    try:
+        import ninja
+    except ImportError:
+        return  # torch then says "Ninja is required", and the warning passes that on
+    os.environ["PATH"] = f"{ninja.BIN_DIR}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
 def _build_and_import(name: str):
     import fcntl
 
     from torch.utils.cpp_extension import load
 
+    _put_ninja_on_path()
     source = SOURCE_DIR / f"{name}.cpp"
     flags = _compile_flags()
     build_dir = build_directory(name)

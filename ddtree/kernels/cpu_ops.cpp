@@ -201,12 +201,14 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   return y;
 }
 
-// exp(x) within ~2 ulp for x in [-87, 88], 0 below -87 (and for -inf), exp(88) above: arithmetic only, so that
-// `omp simd` loops over it vectorise (std::exp is a scalar library call: ~20 ns each, 0.7 ms of a decode step's
-// softmaxes, 1.2 ms of a 9-token verify's SiLU).
+// exp(x) within ~2 ulp for x in [-87, 88], 0 below -87 (and for -inf), exp(88) up to where float32's exp overflows,
+// inf beyond (as std::exp: SiLU of -inf is then NaN, as torch's), NaN for NaN: arithmetic only, so that `omp simd`
+// loops over it vectorise (std::exp is a scalar library call: ~20 ns each, 0.7 ms of a decode step's softmaxes,
+// 1.2 ms of a 9-token verify's SiLU).
 #pragma omp declare simd
 inline float exp_approx(float x) {
   const bool is_tiny = x < -87.0f;
+  const bool is_huge = x > 88.7228394f;  // ln(FLT_MAX)
   x = is_tiny ? -87.0f : (x > 88.0f ? 88.0f : x);
   const float k = std::floor(x * 1.44269504088896341f + 0.5f);  // x = k ln2 + r, |r| <= ln2 / 2
   const float r = x - k * 0.693359375f + k * 2.12194440e-4f;      // ln2 in two parts (Cody-Waite)
@@ -220,7 +222,7 @@ inline float exp_approx(float x) {
   const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;  // 2^k, k in [-126, 127]
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
-  return is_tiny ? 0.0f : p * scale;
+  return is_tiny ? 0.0f : (is_huge ? INFINITY : p * scale);
 }
 
 torch::Tensor attention_block(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
@@ -334,10 +336,10 @@ torch::Tensor attention_block(const torch::Tensor& qkv, const torch::Tensor& cos
         float* sc = scores.data() + j * t_pad;
         const bool* visible = has_mask ? mp + r * t_len : nullptr;
         const int64_t last = has_mask ? t_len : first_new + r + 1;
-        float max_score = -INFINITY;
+        float max_score = -INFINITY;  // NaN once a visible score is NaN: the row is then NaN, as SDPA's
         for (int64_t t = 0; t < last; ++t) {
           if (visible != nullptr && !visible[t]) sc[t] = -INFINITY;
-          max_score = std::max(max_score, sc[t]);
+          max_score = (sc[t] > max_score || sc[t] != sc[t]) ? sc[t] : max_score;
         }
         if (max_score == -INFINITY) {  // nothing visible (never for a valid tree): zeros, as SDPA gives
           std::fill(sc, sc + last, 0.0f);
