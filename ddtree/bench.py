@@ -89,22 +89,45 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load_prompts(args) -> list[tuple[str, list[dict]]]:
-    """(category, messages) pairs."""
+    """(category, messages) pairs; a malformed --prompts line is refused with its file and line number."""
     if args.prompts:
         items = []
-        for line in Path(args.prompts).read_text().splitlines():
+        path = Path(args.prompts)
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
             if line.strip():
-                d = json.loads(line)
-                messages = d.get("messages") or [{"role": "user", "content": d["prompt"]}]
-                items.append((d.get("category", "file"), messages))
-        return items[: args.num_prompts] if args.num_prompts else items
+                items.append(_prompt_line(line, f"{path}:{number}"))
+        items = items[: args.num_prompts] if args.num_prompts else items
+        if not items:
+            raise ValueError(f"--prompts {path}: no prompts in the file")
+        return items
     from ddtree.training.prompts import load_eval_prompts
 
     items = []
     for category in args.categories.split(","):
         prompts = load_eval_prompts(category)[: args.num_prompts]
         items.extend((category, [{"role": "user", "content": p}]) for p in prompts)
+    if not items:
+        raise ValueError("no prompts: --num-prompts must be at least 1 for the built-in sets")
     return items
+
+
+def _prompt_line(line: str, where: str) -> tuple[str, list[dict]]:
+    try:
+        d = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not JSON ({e})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{where}: expected an object with 'prompt' or 'messages', got {type(d).__name__}")
+    messages = d.get("messages")
+    if messages is None:
+        if not isinstance(d.get("prompt"), str) or not d["prompt"]:
+            raise ValueError(f"{where}: 'prompt' must be a non-empty string (or give 'messages')")
+        messages = [{"role": "user", "content": d["prompt"]}]
+    elif not (isinstance(messages, list) and messages and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in messages)):
+        raise ValueError(f"{where}: 'messages' must be a non-empty list of {{role, content}} strings")
+    return str(d.get("category", "file")), messages
 
 
 def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams, concurrency: int, name: str):
@@ -142,24 +165,47 @@ def run_hf(model_dir: str, prompts: list[list[int]], max_tokens: int, eos_token_
     return result
 
 
+SPECULATIVE_MODES = ("dflash", "ddtree", "auto", "auto-no-ngram")
+
+
+def check_arguments(args) -> tuple[list[str], list[int]]:
+    """The modes and the fixed budgets (distinct, in increasing order); every bad value is refused here, before a
+    model loads, naming its flag."""
+    for flag, value, least in (("--passes", args.passes, 1), ("--max-tokens", args.max_tokens, 1),
+                               ("--concurrency", args.concurrency, 1), ("--num-prompts", args.num_prompts, 0)):
+        if value < least:
+            raise ValueError(f"{flag} must be >= {least}, got {value}")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    modes = args.modes.split(",")
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        raise ValueError(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join(MODES)}")
+    try:
+        budgets = sorted({int(b) for b in args.budgets.split(",") if b.strip()})
+    except ValueError:
+        raise ValueError(f"--budgets must be integers separated by commas, got {args.budgets!r}") from None
+    if "ddtree" in modes and (not budgets or budgets[0] < 1):
+        raise ValueError(f"--budgets must be positive integers (mode ddtree), got {args.budgets!r}")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; it must be a folder (results.json and the plot go there)")
+    return modes, budgets
+
+
 def run(args) -> int:
     import torch
 
     from ddtree.workers import build_workers, load_drafter_worker, resolve_drafter_path
 
+    modes, budgets = check_arguments(args)
+    messages = load_prompts(args)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be >= 1, got {args.threads}")
         torch.set_num_threads(args.threads)
-    if args.passes < 1:
-        raise ValueError(f"--passes must be >= 1, got {args.passes}")
-    modes = args.modes.split(",")
-    unknown = sorted(set(modes) - set(MODES))
-    if unknown:
-        raise ValueError(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join(MODES)}")
-    budgets = [int(b) for b in args.budgets.split(",") if b]
     target, drafter, tokenizer = build_workers(
-        args.model, args.drafter, device=args.device, dtype=args.dtype, need_drafter=True,
+        args.model, args.drafter, device=args.device, dtype=args.dtype,
+        need_drafter=any(m in SPECULATIVE_MODES for m in modes),
     )
     drafters = [("", drafter)]
     if args.compare_drafter:
@@ -167,7 +213,6 @@ def run(args) -> int:
         # (a drafter reading other target layers than the first is refused here: the target computes one set)
         other = load_drafter_worker(path, target.model.head(), device=args.device, dtype=args.dtype)
         drafters.append((f" [{path.name}]", other))
-    messages = load_prompts(args)
     prompts = [
         list(tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False))
         for _, m in messages
@@ -200,12 +245,21 @@ def run(args) -> int:
     def record(run: ModeResult) -> None:
         by_name.setdefault(run.name, ModeResult(run.name)).absorb(run)
 
-    for p in range(args.passes):
-        if "hf" in modes:
-            record(run_hf(target.model_dir, prompts, args.max_tokens, tokenizer.eos_token_id))
-        for name, engine in engines:
-            record(run_engine(engine, prompts, params, args.concurrency, name))
-        print(f"  done: pass {p + 1} of {args.passes}", flush=True)
+    p = 0
+    try:
+        for p in range(args.passes):
+            if "hf" in modes:
+                record(run_hf(target.model_dir, prompts, args.max_tokens, tokenizer.eos_token_id))
+            for name, engine in engines:
+                record(run_engine(engine, prompts, params, args.concurrency, name))
+            print(f"  done: pass {p + 1} of {args.passes}", flush=True)
+    except KeyboardInterrupt:  # Ctrl-C: the runs finished so far are reported and saved, then the command stops
+        if by_name:
+            print(f"\ninterrupted in pass {p + 1} of {args.passes}: the table and results.json hold the runs "
+                  f"finished so far", flush=True)
+            print_table(list(by_name.values()))
+            save(list(by_name.values()), args)
+        raise
     results = list(by_name.values())
     print_table(results)
     save(results, args)
@@ -263,6 +317,7 @@ def save(results: list[ModeResult], args) -> None:
     fixed = [r for r in results if r.name.startswith("ddtree B=") and "[" not in r.name]  # the first drafter's
     if not fixed:
         return
+    fixed.sort(key=lambda r: int(r.name.split("=")[1]))
     budgets = [int(r.name.split("=")[1]) for r in fixed]
     fig, ax1 = plt.subplots(figsize=(6, 4))
     ax1.plot(budgets, [r.tau or 0 for r in fixed], "o-", label="tau (ddtree)")

@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     generate.set_defaults(handler=cli_run.run_generate)
 
     chat = subcommands.add_parser("chat", help="interactive chat")
-    cli_run.add_model_arguments(chat)
+    cli_run.add_chat_arguments(chat)
     chat.set_defaults(handler=cli_run.run_chat)
 
     bench_parser = subcommands.add_parser(
@@ -36,7 +36,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def console_main() -> int:
     """The `ddtree` command: bad input (a ValueError or a missing file, which name the fix) is one line and exit
-    status 2, as argparse answers a bad flag, instead of a traceback; Ctrl-C is one line and status 130."""
+    status 2, as argparse answers a bad flag, instead of a traceback; Ctrl-C is one line and status 130; a closed
+    pipe on the output ends it quietly (status 1, as Python's own advice has it)."""
     import sys
 
     try:
@@ -47,6 +48,14 @@ def console_main() -> int:
     except KeyboardInterrupt:  # Ctrl-C: what the command keeps on it (a checkpoint, finished responses) is kept
         print("\nddtree: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`ddtree generate ... | head`): stop quietly
+        import os
+
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush has nowhere to fail
+        except (OSError, ValueError):  # stdout is not a file (captured)
+            pass
+        return 1
 
 
 if __name__ == "__main__":

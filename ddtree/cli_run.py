@@ -21,13 +21,16 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                        help="stop string (repeat for several): the answer ends before it")
     parser.add_argument("--stats", action="store_true", help="print acceptance statistics after each answer")
     parser.add_argument("--logprobs", type=int, default=None,
                         help="after each answer, print every token's log-probability and the k most likely")
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("prompt", help="the prompt (sent through the chat template unless --raw)")
+    parser.add_argument("prompt", help="the prompt (sent through the chat template unless --raw); - reads it from "
+                                       "standard input")
     parser.add_argument("--raw", action="store_true", help="complete the prompt text as is, no chat template")
     add_model_arguments(parser)
 
@@ -39,10 +42,11 @@ def _build(args):
     # the parameters first: a bad value is reported before the model loads
     try:
         params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                max_tokens=args.max_tokens, seed=args.seed, logprobs=args.logprobs)
+                                max_tokens=args.max_tokens, seed=args.seed, logprobs=args.logprobs,
+                                stop=args.stop or [])
     except ValueError as exc:  # name the flag, not the field ("SamplingParams.max_tokens must be ...")
         message = str(exc)
-        for field in ("temperature", "top_p", "top_k", "max_tokens", "seed", "logprobs"):
+        for field in ("temperature", "top_p", "top_k", "max_tokens", "seed", "logprobs", "stop"):
             message = message.replace(f"SamplingParams.{field}", f"--{field.replace('_', '-')}")
         raise ValueError(message.replace("None or ", "")) from None
     llm = LLM(args.model, args.drafter, device=args.device, dtype=args.dtype, speculation=args.speculation,
@@ -59,11 +63,15 @@ def _int(value: str, name: str) -> int:
 
 def _stream(llm, prompt, params, show_stats: bool) -> str:
     text, last = [], None
-    for out in llm.stream(prompt, params):
-        sys.stdout.write(out.new_text)
-        sys.stdout.flush()
-        text.append(out.new_text)
-        last = out
+    stream = llm.stream(prompt, params)
+    try:
+        for out in stream:
+            sys.stdout.write(out.new_text)
+            sys.stdout.flush()
+            text.append(out.new_text)
+            last = out
+    finally:
+        stream.close()  # (Ctrl-C mid-answer: the request leaves the engine now)
     sys.stdout.write("\n")
     if last is not None and last.logprobs is not None:
         for lp in last.logprobs:
@@ -79,28 +87,49 @@ def _stream(llm, prompt, params, show_stats: bool) -> str:
 
 
 def run_generate(args) -> int:
+    text = sys.stdin.read() if args.prompt == "-" else args.prompt
+    if not text.strip():
+        raise ValueError("the prompt is empty" + (" (nothing on standard input)" if args.prompt == "-" else ""))
     llm, params = _build(args)
-    prompt = args.prompt if args.raw else llm.apply_chat_template([{"role": "user", "content": args.prompt}])
+    prompt = text if args.raw else llm.apply_chat_template([{"role": "user", "content": text}])
     _stream(llm, prompt, params, args.stats)
     return 0
 
 
+def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    parser.add_argument("--system", default=None, help="a system message that starts the conversation")
+
+
 def run_chat(args) -> int:
     llm, params = _build(args)
-    messages: list[dict] = []
-    print("Chat with the model (an empty line, /quit or Ctrl-D ends it; /reset starts over).", file=sys.stderr)
+    start = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(start)
+    print("Chat with the model (/quit or Ctrl-D ends it; /reset starts over; Ctrl-C stops an answer).",
+          file=sys.stderr)
     while True:
         try:
             line = input("> ")
         except EOFError:
+            print(file=sys.stderr)
             break
-        if line.strip() in ("", "/quit", "/exit"):
+        if not line.strip():
+            continue
+        if line.strip() in ("/quit", "/exit"):
             break
         if line.strip() == "/reset":
-            messages = []
+            messages = list(start)
             print("(conversation reset)", file=sys.stderr)
             continue
-        messages.append({"role": "user", "content": line})
-        answer = _stream(llm, llm.apply_chat_template(messages), params, args.stats)
-        messages.append({"role": "assistant", "content": answer})
+        turn = [*messages, {"role": "user", "content": line}]
+        # One turn's failure ends that turn only: the conversation so far stays as it was.
+        try:
+            answer = _stream(llm, llm.apply_chat_template(turn), params, args.stats)
+        except ValueError as exc:  # e.g. the conversation outgrew the context window
+            print(f"ddtree: error: {exc} (this message is dropped; /reset starts over)", file=sys.stderr)
+            continue
+        except KeyboardInterrupt:
+            print("\n(answer stopped; this exchange is dropped)", file=sys.stderr)
+            continue
+        messages = [*turn, {"role": "assistant", "content": answer}]
     return 0

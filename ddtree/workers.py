@@ -318,6 +318,26 @@ class DrafterWorker:
         return self.drafter.measure_draft_cost(batch_sizes, max_k)
 
 
+def resolve_device(device: str | torch.device, what: str = "device") -> torch.device:
+    """The torch device named (cpu, cuda, cuda:N), or a ValueError saying why it cannot be used here, before anything
+    loads: a model meant for a GPU never loads for minutes only to fail, nor silently runs on the CPU. `what`: how
+    the messages name the setting (a CLI's `--device`)."""
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"{what} {device!r} is not a torch device (use cpu, cuda or cuda:N)") from e
+    if resolved.type == "cpu":
+        return resolved
+    if resolved.type != "cuda":
+        raise ValueError(f"{what} {device!r}: DDTree runs on cpu or cuda only")
+    if not torch.cuda.is_available():
+        raise ValueError(f"{what} {device!r}: CUDA is not available here (torch.cuda.is_available() is False; "
+                         f"torch {torch.__version__} sees no GPU, or is a CPU-only build)")
+    if resolved.index is not None and resolved.index >= torch.cuda.device_count():
+        raise ValueError(f"{what} {device!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
+    return resolved
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
     if dtype is None:
         return torch.float32 if str(device).startswith("cpu") else torch.bfloat16
@@ -393,6 +413,8 @@ def build_workers(
     """Both workers in this process (sharing the target's embedding and LM head), and the tokenizer.
 
     model None: the embedded default SmolLM2-135M-Instruct; drafter None: the drafter shipped for it."""
+    device = str(resolve_device(device))
+    resolve_dtype(dtype, device)  # (a bad name is refused before anything loads)
     drafter_path = resolve_drafter_path(model, drafter) if need_drafter else None
     target = load_target_worker(
         model, drafter_path, device=device, dtype=dtype, kv_cache_bytes=kv_cache_bytes, attention=attention

@@ -101,3 +101,119 @@ def test_ctrl_c_in_any_command_is_one_line_and_status_130(monkeypatch, capsys):
     monkeypatch.setattr(cli, "main", interrupted)
     assert cli.console_main() == 130
     assert capsys.readouterr().err.strip() == "ddtree: interrupted"
+
+
+def test_bench_refuses_bad_arguments_and_prompt_files_before_loading(tmp_path):
+    """Each bad value names its flag (or the prompt file's line) before any model loads: the model path given does
+    not exist, so getting past the checks would fail otherwise."""
+    missing = str(tmp_path / "no-model")
+    good = tmp_path / "good.jsonl"
+    good.write_text(json.dumps({"prompt": "hi"}) + "\n")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    cases = {
+        ("--budgets", "abc"): "--budgets must be integers",
+        ("--budgets", "0"): "--budgets must be positive",
+        ("--max-tokens", "0"): "--max-tokens must be >= 1",
+        ("--concurrency", "0"): "--concurrency must be >= 1",
+        ("--num-prompts", "-1"): "--num-prompts must be >= 0",
+        ("--out", str(a_file)): "is a file; it must be a folder",
+    }
+    for (flag, value), message in cases.items():
+        with pytest.raises(ValueError, match=message):
+            main(["bench", "--model", missing, "--prompts", str(good), flag, value, "--out", str(tmp_path / "o")]
+                 if flag != "--out" else ["bench", "--model", missing, "--prompts", str(good), flag, value])
+    lines = {'{"text": "hello"}': "'prompt' must be a non-empty string", '"just a string"': "expected an object",
+             '{"prompt": 5}': "'prompt' must be a non-empty string", "{not json": "not JSON",
+             '{"messages": [{"role": "user"}]}': "'messages' must be a non-empty list"}
+    for line, message in lines.items():
+        bad = tmp_path / "bad.jsonl"
+        bad.write_text(json.dumps({"prompt": "fine"}) + "\n\n" + line + "\n")
+        with pytest.raises(ValueError, match=f"bad.jsonl:3: {message}"):
+            main(["bench", "--model", missing, "--prompts", str(bad), "--out", str(tmp_path / "o")])
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match="no prompts in the file"):
+        main(["bench", "--model", missing, "--prompts", str(empty), "--out", str(tmp_path / "o")])
+    with pytest.raises(ValueError, match="--num-prompts must be at least 1"):
+        main(["bench", "--model", missing, "--num-prompts", "0", "--out", str(tmp_path / "o")])
+
+
+def test_bench_without_speculative_modes_needs_no_drafter_and_ctrl_c_keeps_finished_runs(tmp_path, capsys,
+                                                                                          monkeypatch):
+    import ddtree.bench as bench
+
+    target = make_tiny_target(tmp_path / "target", logit_scale=8.0)
+    drafter = make_tiny_drafter(tmp_path / "drafter", target)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hello world"}) + "\n")
+    out = tmp_path / "out"
+    common = ["bench", "--model", str(target), "--dtype", "float64", "--prompts", str(prompts), "--max-tokens", "4",
+              "--threads", "1", "--out", str(out)]
+    assert main(common + ["--modes", "off"]) == 0  # a custom target, no --drafter: fine without speculation
+    real_run_engine, calls = bench.run_engine, []
+
+    def interrupted_at_the_third(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real_run_engine(*args, **kwargs)
+
+    monkeypatch.setattr(bench, "run_engine", interrupted_at_the_third)
+    with pytest.raises(KeyboardInterrupt):
+        main(common + ["--drafter", str(drafter), "--modes", "off,ddtree", "--budgets", "4,2,4", "--passes", "2"])
+    printed = capsys.readouterr().out
+    assert "interrupted in pass 1 of 2" in printed
+    rows = {r["mode"]: r for r in json.loads((out / "results.json").read_text())}
+    assert list(rows) == ["off", "ddtree B=2"]  # the two runs finished (budgets distinct, in increasing order)
+
+
+def test_generate_reads_stdin_and_stops_and_chat_survives_a_bad_turn(tmp_path, capsys, monkeypatch):
+    """`ddtree generate -` reads the prompt from standard input; --stop ends the answer before the string. In
+    `ddtree chat`, a message that cannot be answered (longer than the context window) is dropped with one line,
+    and the conversation goes on; empty lines are skipped; --system starts the conversation."""
+    import io
+    import sys
+
+    from ddtree.llm import LLM
+    from ddtree.sampling_params import SamplingParams
+
+    target = make_tiny_target(tmp_path / "target", logit_scale=8.0)
+    drafter = make_tiny_drafter(tmp_path / "drafter", target)
+    model = ["--model", str(target), "--drafter", str(drafter), "--dtype", "float64"]
+    reference = LLM(str(target), str(drafter), dtype="float64", speculation="off").generate(
+        "hello", SamplingParams(max_tokens=12, temperature=0))[0].text
+    stop = reference[3:5]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hello"))
+    assert main(["generate", "-", "--raw", "--max-tokens", "12", "--stop", stop] + model) == 0
+    answer = capsys.readouterr().out.rstrip("\n")
+    assert answer == reference[: reference.index(stop)]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("hi\n\n" + "long " * 400 + "\nhi again\n/quit\n"))
+    assert main(["chat", "--max-tokens", "3", "--stats", "--system", "be brief"] + model) == 0
+    err = capsys.readouterr().err
+    assert "this message is dropped" in err
+    assert len([line for line in err.splitlines() if line.startswith("[")]) == 2  # both short messages answered
+
+
+def test_an_unusable_device_is_refused_before_anything_loads(tmp_path):
+    import torch
+
+    from ddtree.workers import build_workers
+
+    missing = str(tmp_path / "no-model")
+    with pytest.raises(ValueError, match="'tpu' is not a torch device"):
+        build_workers(missing, device="tpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available here"):
+            build_workers(missing, device="cuda")
+
+
+def test_a_closed_output_pipe_ends_quietly(monkeypatch, capsys):
+    import ddtree.cli as cli
+
+    def reader_went_away(argv=None):
+        raise BrokenPipeError
+
+    monkeypatch.setattr(cli, "main", reader_went_away)
+    assert cli.console_main() == 1
+    assert capsys.readouterr().err == ""

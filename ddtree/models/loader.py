@@ -48,7 +48,8 @@ def resolve_source(source: str | Path) -> Path:
             return Path(snapshot_download(str(source), allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"],
                                           ignore_patterns=["consolidated*"]))
         except Exception as e:
-            raise ValueError(f"{source!r} is not a local path and could not be fetched from the hub: {e}") from e
+            reason = (str(e).strip().splitlines() or [type(e).__name__])[0]  # (hub errors add advice lines)
+            raise ValueError(f"{source!r} is not a local path and could not be fetched from the hub: {reason}") from e
     raise ValueError(f"model source {source!r} does not exist (expected a folder, a .gguf file or a hub id)")
 
 

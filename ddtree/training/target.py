@@ -18,20 +18,9 @@ def resolve_device(device: str | torch.device) -> torch.device:
     """The torch device named by `--device` (cpu, cuda, cuda:N), or a ValueError saying why it cannot be used here.
 
     Checked before any step runs, so a run meant for a GPU never silently falls back to hours of CPU work."""
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"--device {device!r} is not a torch device (use cpu, cuda or cuda:N)") from e
-    if resolved.type == "cpu":
-        return resolved
-    if resolved.type != "cuda":
-        raise ValueError(f"--device {device!r}: train-drafter runs on cpu or cuda only")
-    if not torch.cuda.is_available():
-        raise ValueError(f"--device {device!r}: CUDA is not available here (torch.cuda.is_available() is False; "
-                         f"torch {torch.__version__} sees no GPU, or is a CPU-only build)")
-    if resolved.index is not None and resolved.index >= torch.cuda.device_count():
-        raise ValueError(f"--device {device!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
-    return resolved
+    from ddtree.workers import resolve_device as resolve
+
+    return resolve(device, what="--device")
 
 
 def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
