@@ -6,8 +6,8 @@ average of observed accepted nodes over predicted S(b) calibrates it: a node is 
 
 Per round:
 - `plan()` (before drafting): which requests speculate. Each request's expected gain from drafting is its EMA of
-  accepted nodes per round; the requests are added in decreasing gain while the round's committed tokens per second
-  improve (cost = drafter forward for the speculating requests + verify of all packed tokens). The others go
+  accepted nodes per round; the requests in decreasing gain, as many of them as maximise the round's committed
+  tokens per second (cost = drafter forward for the speculating requests + verify of all packed tokens). The others go
   autoregressive ("fallback"), with no drafter call at all, and are probed (drafted once) now and then so that a
   request whose drafts start to pay comes back.
 - `allocate()` (after drafting): merges all speculating requests' nodes in decreasing calibrated value and keeps the
@@ -58,8 +58,12 @@ from ddtree.ngram import chain_acceptance, merge_chain
 class CostModel:
     """Seconds per verify pass as a function of packed tokens, and per drafter forward as a function of requests.
 
-    Piecewise-linear in the measured points (measured at start-up), extrapolated linearly past the last one; live
-    timings refresh it (an EMA of the ratio observed / predicted per point)."""
+    Piecewise-linear in the measured points (measured at start-up); live timings refresh them (an EMA of the ratio
+    observed / predicted, shared between the two points around the observation, the ratio bounded so that one
+    stalled round moves the curve by at most `refresh_weight` x (MAX_REFRESH_RATIO - 1)). The curve priced is the
+    points' non-decreasing envelope (more work never costs less: a measured dip is noise, and would make large
+    batches look nearly free), extrapolated past the last point at its last segment's slope or, if less, the
+    curve's average slope."""
 
     verify_points: list[tuple[int, float]]  # (num_tokens, seconds), increasing num_tokens
     draft_points: list[tuple[int, float]]  # (num_requests, seconds), increasing num_requests
@@ -73,23 +77,39 @@ class CostModel:
                 raise ValueError(f"CostModel.{name} has two points at one count: {pts!r}")
         self.verify_points = sorted((int(n), float(s)) for n, s in self.verify_points)
         self.draft_points = sorted((int(n), float(s)) for n, s in self.draft_points)
+        self._verify_curve = _envelope(self.verify_points)
+        self._draft_curve = _envelope(self.draft_points)
 
     def verify_seconds(self, num_tokens: int) -> float:
-        return _interpolate(self.verify_points, num_tokens)
+        return _interpolate(self._verify_curve, num_tokens)
 
     def verify_seconds_range(self, first: int, count: int) -> list[float]:
         """`verify_seconds(n)` for n = first, first + 1, ..., first + count - 1, in one sweep of the points."""
-        return _interpolate_range(self.verify_points, first, count)
+        return _interpolate_range(self._verify_curve, first, count)
 
     def draft_seconds(self, num_requests: int) -> float:
-        return 0.0 if num_requests == 0 else _interpolate(self.draft_points, num_requests)
+        return 0.0 if num_requests == 0 else _interpolate(self._draft_curve, num_requests)
 
     def observe_verify(self, num_tokens: int, seconds: float) -> None:
-        _refresh(self.verify_points, num_tokens, seconds, self.refresh_weight)
+        _refresh(self.verify_points, self._verify_curve, num_tokens, seconds, self.refresh_weight)
+        self._verify_curve = _envelope(self.verify_points)
 
     def observe_draft(self, num_requests: int, seconds: float) -> None:
         if num_requests > 0:
-            _refresh(self.draft_points, num_requests, seconds, self.refresh_weight)
+            _refresh(self.draft_points, self._draft_curve, num_requests, seconds, self.refresh_weight)
+            self._draft_curve = _envelope(self.draft_points)
+
+
+MAX_REFRESH_RATIO = 2.0  # an observation counts as at most this many times (at least 1 / this) its prediction
+
+
+def _envelope(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """The points made non-decreasing (each at least the one before)."""
+    out, highest = [], 0.0
+    for n, s in points:
+        highest = max(highest, s)
+        out.append((n, highest))
+    return out
 
 
 def _interpolate(points: list[tuple[int, float]], x: int) -> float:
@@ -102,10 +122,18 @@ def _interpolate(points: list[tuple[int, float]], x: int) -> float:
     if i == 0:
         return points[0][1]
     if i == len(points):
-        (x0, y0), (x1, y1) = points[-2], points[-1]
-    else:
-        (x0, y0), (x1, y1) = points[i - 1], points[i]
+        (x1, y1) = points[-1]
+        return y1 + _extrapolation_slope(points) * (x - x1)
+    (x0, y0), (x1, y1) = points[i - 1], points[i]
     return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 1e-9)
+
+
+def _extrapolation_slope(points: list[tuple[int, float]]) -> float:
+    """Past the last point: its segment's slope, or the curve's average slope where that is less (a last segment
+    flattened by noise would make larger batches look free)."""
+    (x0, y0), (x1, y1) = points[-2], points[-1]
+    (xf, yf) = points[0]
+    return max((y1 - y0) / (x1 - x0), (y1 - yf) / (x1 - xf))
 
 
 def _interpolate_range(points: list[tuple[int, float]], first: int, count: int) -> list[float]:
@@ -119,25 +147,36 @@ def _interpolate_range(points: list[tuple[int, float]], first: int, count: int) 
         n = min(end, points[0][0]) - x
         out += [points[0][1]] * n
         x += n
-    for i in range(1, len(points)):  # segment points[i - 1] .. points[i]; the last one extrapolates
+    for i in range(1, len(points)):  # segment points[i - 1] .. points[i]
         (x0, y0), (x1, y1) = points[i - 1], points[i]
-        stop = end if i == len(points) - 1 else min(end, x1 + 1)
+        stop = min(end, x1 + 1)
         if x < stop:
             out += [max(y0 + (y1 - y0) * (v - x0) / (x1 - x0), 1e-9) for v in range(x, stop)]
             x = stop
+    if x < end:  # past the last point
+        (x1, y1), slope = points[-1], _extrapolation_slope(points)
+        out += [y1 + slope * (v - x1) for v in range(x, end)]
     for px, py in points:  # measured points exactly, as `_interpolate` gives them
         if first <= px < end:
             out[px - first] = py
     return out
 
 
-def _refresh(points: list[tuple[int, float]], x: int, seconds: float, weight: float) -> None:
-    """Scale the nearest measured point toward the observed/predicted ratio."""
-    predicted = _interpolate(points, x)
-    ratio = seconds / predicted
-    i = min(range(len(points)), key=lambda k: abs(points[k][0] - x))
-    n, s = points[i]
-    points[i] = (n, s * (1.0 - weight + weight * ratio))
+def _refresh(points: list[tuple[int, float]], curve: list[tuple[int, float]], x: int, seconds: float,
+             weight: float) -> None:
+    """Scale the points around `x` toward the ratio observed / predicted (`curve`: what was priced), each by its
+    share of the interpolation there (the nearest point alone before the first and past the last one)."""
+    ratio = min(max(seconds / _interpolate(curve, x), 1.0 / MAX_REFRESH_RATIO), MAX_REFRESH_RATIO)
+    xs = [n for n, _ in points]
+    i = bisect.bisect_left(xs, x)
+    if i == 0 or i == len(points) or xs[i] == x:
+        shares = [(min(i, len(points) - 1), 1.0)]
+    else:
+        right = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
+        shares = [(i - 1, 1.0 - right), (i, right)]
+    for k, share in shares:
+        n, s = points[k]
+        points[k] = (n, s * (1.0 + weight * share * (ratio - 1.0)))
 
 
 @dataclass
@@ -285,21 +324,21 @@ class BudgetPolicy:
         return RoundPlan(speculative, autoregressive, [cap] * len(speculative))
 
     def _choose_speculative(self, candidates: list[str], num_requests: int) -> tuple[list[str], float, float]:
-        """Candidates in decreasing expected gain while the round's tokens per second improve; returns them with
-        their summed expected gain and nodes."""
+        """The candidates in decreasing expected gain, as many as maximise the round's tokens per second (ties: the
+        more); returns them with their summed expected gain and nodes."""
         candidates = sorted(candidates, key=lambda rid: -self._gain(self.states[rid]))
-        chosen: list[str] = []
+        # Every prefix is priced, not only until the rate first drops: a drafter forward that costs about the same
+        # for 1 or 16 requests (a GPU's) makes one more request alone look worse than none, several better.
+        best = (num_requests / self._round_seconds(num_requests, 0, 0.0), 0, 0.0, 0.0)  # (rate, count, gain, nodes)
         gain = nodes = 0.0
-        best = num_requests / self._round_seconds(num_requests, 0, 0.0)
-        for rid in candidates:
+        for count, rid in enumerate(candidates, start=1):
             s = self.states[rid]
-            g, n = gain + self._gain(s), nodes + self._expected_nodes(s)
-            rate = (num_requests + g) / self._round_seconds(num_requests, len(chosen) + 1, n)
-            if rate < best:
-                break
-            best, gain, nodes = rate, g, n
-            chosen.append(rid)
-        return chosen, gain, nodes
+            gain, nodes = gain + self._gain(s), nodes + self._expected_nodes(s)
+            rate = (num_requests + gain) / self._round_seconds(num_requests, count, nodes)
+            if rate >= best[0]:
+                best = (rate, count, gain, nodes)
+        _, count, gain, nodes = best
+        return candidates[:count], gain, nodes
 
     def _is_probe_due(
         self, s: RequestBudgetState, num_requests: int, num_speculative: int, num_nodes: float,

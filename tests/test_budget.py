@@ -23,6 +23,37 @@ def test_cost_model_interpolates_and_refreshes():
         CostModel([(8, 0.02), (8, 0.03)], [(1, 1.0)])
 
 
+def test_cost_curve_never_falls_and_one_stall_moves_it_little():
+    """A measured dip (noise) neither makes larger batches cheaper nor is extrapolated downward; one stalled round
+    moves the curve by a bounded step, on the points around it (both, by their share)."""
+    dip = CostModel([(1, 0.010), (128, 0.040), (256, 0.0392)], [(1, 0.005), (4, 0.0051), (16, 0.0049)])
+    sizes = [1, 64, 128, 200, 256, 1024, 8192]
+    prices = [dip.verify_seconds(n) for n in sizes]
+    assert prices == sorted(prices) and dip.verify_seconds(8192) > 0.040
+    assert dip.verify_seconds_range(250, 20) == [dip.verify_seconds(n) for n in range(250, 270)]
+    drafts = [dip.draft_seconds(r) for r in (1, 4, 16, 256, 512)]
+    assert drafts == sorted(drafts) and drafts[-1] >= 0.0051
+    c = CostModel([(1, 0.020), (4, 0.021), (16, 0.030)], [(1, 0.005)])
+    c.observe_verify(1, 2.0)  # one 2 s stall of a one-token verify (predicted 20 ms)
+    assert c.verify_seconds(1) == pytest.approx(0.020 * (1 + 0.2 * (2.0 - 1.0)))  # the ratio counts as 2
+    assert c.verify_seconds(4) <= c.verify_seconds(16)
+    c = CostModel([(1, 0.020), (11, 0.030)], [(1, 0.005)])
+    c.observe_verify(6, 0.025 * 1.5)  # half way: both points move by half the step
+    assert c.verify_points == [(1, pytest.approx(0.020 * 1.05)), (11, pytest.approx(0.030 * 1.05))]
+
+
+def test_plan_keeps_the_best_number_of_speculating_requests_not_the_first_local_best():
+    """A drafter forward that costs the same for 1 or 16 requests (a GPU's): one request drafting alone lowers the
+    rate, all four raise it. Every prefix is priced, so all four draft."""
+    cost = CostModel([(1, 0.020), (64, 0.020), (128, 0.030)], [(1, 0.020), (16, 0.020)])
+    policy = BudgetPolicy(BudgetConfig(max_budget=8), cost)
+    rids = [f"r{i}" for i in range(4)]
+    for rid in rids:
+        policy.add(rid)
+        policy.states[rid].gain, policy.states[rid].nodes = 1.5, 8.0
+    assert policy.plan(rids).speculative_ids == rids
+
+
 def test_allocate_merges_requests_by_calibrated_probability():
     policy = BudgetPolicy(BudgetConfig(), linear_cost(per_token=0.01))
     for rid in "ab":
