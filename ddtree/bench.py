@@ -118,12 +118,12 @@ def _prompt_line(line: str, where: str) -> tuple[str, list[dict]]:
         raise ValueError(f"{where}: not JSON ({e})") from None
     if not isinstance(d, dict):
         raise ValueError(f"{where}: expected an object with 'prompt' or 'messages', got {type(d).__name__}")
-    messages = d.get("messages")
+    messages = d.get("messages") or None  # (an empty list: the prompt then)
     if messages is None:
         if not isinstance(d.get("prompt"), str) or not d["prompt"]:
             raise ValueError(f"{where}: 'prompt' must be a non-empty string (or give 'messages')")
         messages = [{"role": "user", "content": d["prompt"]}]
-    elif not (isinstance(messages, list) and messages and all(
+    elif not (isinstance(messages, list) and all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in messages)):
         raise ValueError(f"{where}: 'messages' must be a non-empty list of {{role, content}} strings")

@@ -91,12 +91,12 @@ class CostModel:
         return 0.0 if num_requests == 0 else _interpolate(self._draft_curve, num_requests)
 
     def observe_verify(self, num_tokens: int, seconds: float) -> None:
-        _refresh(self.verify_points, self._verify_curve, num_tokens, seconds, self.refresh_weight)
+        _refresh(self.verify_points, num_tokens, seconds, self.refresh_weight)
         self._verify_curve = _envelope(self.verify_points)
 
     def observe_draft(self, num_requests: int, seconds: float) -> None:
         if num_requests > 0:
-            _refresh(self.draft_points, self._draft_curve, num_requests, seconds, self.refresh_weight)
+            _refresh(self.draft_points, num_requests, seconds, self.refresh_weight)
             self._draft_curve = _envelope(self.draft_points)
 
 
@@ -162,11 +162,11 @@ def _interpolate_range(points: list[tuple[int, float]], first: int, count: int) 
     return out
 
 
-def _refresh(points: list[tuple[int, float]], curve: list[tuple[int, float]], x: int, seconds: float,
-             weight: float) -> None:
-    """Scale the points around `x` toward the ratio observed / predicted (`curve`: what was priced), each by its
+def _refresh(points: list[tuple[int, float]], x: int, seconds: float, weight: float) -> None:
+    """Scale the points around `x` toward the ratio observed / what they predict there (the points themselves, not
+    the envelope priced: a point below the envelope must still converge to what is observed at it), each by its
     share of the interpolation there (the nearest point alone before the first and past the last one)."""
-    ratio = min(max(seconds / _interpolate(curve, x), 1.0 / MAX_REFRESH_RATIO), MAX_REFRESH_RATIO)
+    ratio = min(max(seconds / _interpolate(points, x), 1.0 / MAX_REFRESH_RATIO), MAX_REFRESH_RATIO)
     xs = [n for n, _ in points]
     i = bisect.bisect_left(xs, x)
     if i == 0 or i == len(points) or xs[i] == x:

@@ -104,6 +104,11 @@ def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
 def run_chat(args) -> int:
     llm, params = _build(args)
     start = [{"role": "system", "content": args.system}] if args.system else []
+    if start:
+        try:  # once, before the first turn: some chat templates refuse a system message
+            llm.apply_chat_template([*start, {"role": "user", "content": "hi"}])
+        except Exception as exc:
+            raise ValueError(f"--system: this model's chat template does not take a system message ({exc})") from None
     messages = list(start)
     print("Chat with the model (/quit or Ctrl-D ends it; /reset starts over; Ctrl-C stops an answer).",
           file=sys.stderr)

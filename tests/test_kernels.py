@@ -238,6 +238,11 @@ def test_disabled_or_unbuildable_kernels_fall_back_to_torch(tmp_path, monkeypatc
     assert "not found" in kernels._build_error(RuntimeError(
         "Error building extension 'x': [1/2] /nonexistent/c++ -MMD -c a.cpp -o a.o\n"
         "FAILED: a.o\n/bin/sh: 1: /nonexistent/c++: not found\nninja: build stopped: subcommand failed."))
+    # many compiler errors: the first (the cause) and the last are kept
+    many = "\n".join(["a.cpp:3:1: error: 'at::Tag' has not been declared"]
+                     + [f"a.cpp:{9 + i}:5: error: 'x{i}' was not declared" for i in range(6)])
+    kept = kernels._build_error(RuntimeError(many))
+    assert "at::Tag" in kept and "'x5'" in kept and kept.count("|") == 4
     runner.kv.allocate(0, 8)
     logits, _ = runner.prefill([0], [[3]])  # still decodes, on torch's kernels
     assert logits.shape == (1, runner.config.vocab_size)

@@ -198,3 +198,21 @@ def test_a_tied_config_with_a_different_stored_head_uses_that_head(tmp_path):
     untied = logits()
     (hf_dir / "config.json").write_text(json.dumps({**_config(hf_dir), "tie_word_embeddings": True}))
     assert torch.equal(logits(), untied)
+
+
+def test_a_tied_checkpoint_storing_both_copies_shares_one_matrix_in_any_dtype(tmp_path, caplog):
+    """Equal copies as stored are tied whatever the load dtype (a cast to bfloat16 must not make them "differ":
+    a second vocabulary x hidden matrix and a false warning)."""
+    import logging
+
+    from safetensors.torch import load_file, save_file
+
+    hf_dir = write_random_target(tmp_path / "hf", model_type="llama", tie_word_embeddings=True)
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, str(hf_dir / "model.safetensors"))
+    for dtype in (torch.float32, torch.bfloat16):
+        with caplog.at_level(logging.WARNING, logger="ddtree.models.target"):
+            model = TargetModel.load(hf_dir, dtype=dtype)
+        assert model.lm_head.untyped_storage().data_ptr() == model.embed_tokens.untyped_storage().data_ptr()
+        assert "differs" not in caplog.text

@@ -130,7 +130,8 @@ def _build_error(error: Exception) -> str:
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     reasons = ("error", "not found", "no such file", "fatal", "ninja is required")
     errors = [line for line in lines if any(r in line.lower() for r in reasons) and "subcommand failed" not in line]
-    return " | ".join((errors or lines[-1:])[-5:])
+    errors = errors or lines[-1:]
+    return " | ".join(errors if len(errors) <= 5 else errors[:4] + errors[-1:])  # the first (the cause) and the last
 
 
 def _load(name: str):

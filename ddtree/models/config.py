@@ -12,6 +12,20 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 SUPPORTED_ROPE_TYPES = (None, "default", "linear", "llama3")  # ddtree.models.layers.rope_inv_freq
 
 
+REQUIRED_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def check_sizes_and_activation(d: dict, where: str) -> None:
+    """What a target's and a drafter's config.json both need here: the sizes, and SiLU MLPs (the layers are SwiGLU;
+    transformers' `swish` is SiLU too)."""
+    hidden_act = d.get("hidden_act", "silu")
+    if hidden_act not in ("silu", "swish"):
+        raise ValueError(f"{where}: hidden_act {hidden_act!r} is not supported (the MLPs here use SiLU)")
+    missing = [k for k in REQUIRED_SIZES if d.get(k) is None]
+    if missing:
+        raise ValueError(f"{where} lacks {', '.join(missing)}")
+
+
 @dataclass
 class TargetConfig:
     model_type: str
@@ -63,13 +77,7 @@ class TargetConfig:
             )
         if d.get("mlp_bias"):
             raise ValueError("checkpoints with mlp_bias are not supported")
-        hidden_act = d.get("hidden_act", "silu")
-        if hidden_act not in ("silu", "swish"):  # the runner's MLP is SwiGLU (transformers: swish is SiLU too)
-            raise ValueError(f"hidden_act {hidden_act!r} is not supported: the runner's MLP uses SiLU")
-        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                               "num_attention_heads") if d.get(k) is None]
-        if missing:
-            raise ValueError(f"config.json lacks {', '.join(missing)}, which a {model_type} model needs")
+        check_sizes_and_activation(d, f"config.json of a {model_type} model")
         quantization = d.get("quantization_config")
         if quantization:  # FP8 / GPTQ / AWQ weights need their scales: read as plain weights they would be garbage
             method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"

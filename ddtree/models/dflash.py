@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ddtree.models.config import check_sizes_and_activation
 from ddtree.models.layers import RMSNorm, Rotary, apply_rope
 
 CONFIG_NAME = "config.json"
@@ -99,12 +100,7 @@ class DFlashConfig:
             raise ValueError("DFlash drafters with attention_bias are not supported")
         if "sliding_attention" in (d.get("layer_types") or []) and d.get("use_sliding_window", False):
             raise ValueError("DFlash drafters with sliding-window layers are not supported")
-        if d.get("hidden_act", "silu") not in ("silu", "swish"):
-            raise ValueError(f"DFlash drafters with hidden_act {d['hidden_act']!r} are not supported (SiLU only)")
-        missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                               "vocab_size") if d.get(k) is None]
-        if missing:
-            raise ValueError(f"the drafter's config.json lacks {', '.join(missing)}")
+        check_sizes_and_activation(d, "the drafter's config.json")
         dflash = d.get("dflash_config") or {}
         if "mask_token_id" not in dflash:
             raise ValueError("config.json lacks dflash_config.mask_token_id")

@@ -319,8 +319,9 @@ class TargetModel:
             )
         self.final_norm = get("model.norm.weight")
         stored_head = t.get("lm_head.weight")
-        head_is_embedding = stored_head is None or (
-            cfg.tie_word_embeddings and torch.equal(stored_head, get("model.embed_tokens.weight").to(stored_head)))
+        head_is_embedding = stored_head is None or (  # compared as stored: a cast may round two equal copies apart
+            cfg.tie_word_embeddings and "model.embed_tokens.weight" in t
+            and torch.equal(stored_head, t["model.embed_tokens.weight"]))
         if stored_head is None and not cfg.tie_word_embeddings:
             logger.warning("config.json says tie_word_embeddings false but the checkpoint has no lm_head.weight: the "
                            "embedding serves as the LM head")
