@@ -109,14 +109,17 @@ class Detokenizer:
         return kept
 
     def _new_text(self, state: OutputState, text_tokens: list[int]) -> str:
-        """Text the tokens past `read_offset` add; "" while they end inside a character (unless finished)."""
+        """Text the tokens past `read_offset` add; "" while they end inside a character. Once finished, a character
+        the output ends inside of is dropped (as vLLM does: its bytes will never complete, and a U+FFFD standing
+        for them is not text the model wrote); its tokens still count."""
         prefix_text = self.decode(text_tokens[state.prefix_offset : state.read_offset])
         window_text = self.decode(text_tokens[state.prefix_offset :])
         if state.finish_reason is None and (len(window_text) <= len(prefix_text)
                                             or window_text.endswith(REPLACEMENT_CHAR)):
             return ""
         state.prefix_offset, state.read_offset = state.read_offset, len(text_tokens)
-        return window_text[len(prefix_text) :]
+        new_text = window_text[len(prefix_text) :]
+        return new_text.rstrip(REPLACEMENT_CHAR) if state.finish_reason is not None else new_text
 
     def _complete_pending_text(self, state: OutputState, text_tokens: list[int]) -> str:
         """The complete characters of the tokens past `read_offset` while they end inside a character."""

@@ -206,5 +206,5 @@ def _as_api_error(exc: Exception, request: EngineRequest) -> APIError:
     if isinstance(exc, EngineFullError):
         return queue_full(str(exc))
     if isinstance(exc, ValueError):
-        return bad_request(str(exc), request.prompt_param)
+        return bad_request(str(exc), request.prompt_param, "invalid_value")
     return internal_error(f"engine failure: {type(exc).__name__}: {exc}")

@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
+from ray.serve.exceptions import RequestCancelledError
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -114,6 +115,8 @@ async def _engine_call(awaitable):
         cause = unwrap(exc)
         if isinstance(cause, APIError):
             raise APIError(cause.status, cause.message, cause.type, cause.param, cause.code) from None
+        if isinstance(exc, RequestCancelledError) or isinstance(cause, RequestCancelledError):
+            raise  # the client went away (Serve cancels its request): nothing failed, no one to answer
         logger.exception("engine call failed")
         raise internal_error(f"engine call failed: {type(cause).__name__}: {cause}") from None
     if isinstance(result, APIError):
@@ -321,8 +324,9 @@ class OpenAIIngress:
                 yield _event(protocol.usage_chunk(response_id, model, created,
                                                   "chat.completion.chunk" if chat else "text_completion", usage))
             yield "data: [DONE]\n\n"
-        except APIError as exc:  # after the headers went out: the error travels as an event
+        except APIError as exc:  # after the headers went out: the error travels as an event, then the stream's end
             yield _event(exc.body())
+            yield "data: [DONE]\n\n"
         finally:
             for task in tasks:
                 task.cancel()

@@ -5,7 +5,8 @@ Only what the engine does is accepted. Fields the engine cannot honour (n > 1, p
 fields that change nothing about the answer (user, store, metadata, ...) are accepted and ignored.
 
 Extensions (not in OpenAI's API, as in vLLM): `top_k`, `ignore_eos`, `stop_token_ids` in requests, and
-`usage.ddtree` (acceptance statistics of the request) in responses. Speculation settings are per deployment, not per
+`usage.ddtree` (acceptance statistics of the request) in responses; vLLM's `repetition_penalty`, `min_tokens`,
+`skip_special_tokens` and `include_stop_str_in_output` are accepted at their neutral values (1, 0, true, false). Speculation settings are per deployment, not per
 request: the engine batches every request in one verify pass under one policy.
 """
 
@@ -44,8 +45,8 @@ class _GenerationRequest(BaseModel):
 
     model: str
     max_tokens: StrictInt | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0, strict=True)  # OpenAI's default and range
-    top_p: float = Field(1.0, gt=0.0, le=1.0, strict=True)
+    temperature: float = Field(1.0, ge=0.0, le=2.0, strict=True, allow_inf_nan=False)  # OpenAI's default and range
+    top_p: float = Field(1.0, gt=0.0, le=1.0, strict=True, allow_inf_nan=False)
     stop: str | list[str] | None = None
     seed: StrictInt | None = None
     stream: StrictBool = False
@@ -55,6 +56,11 @@ class _GenerationRequest(BaseModel):
     frequency_penalty: float = Field(0.0, strict=True)
     presence_penalty: float = Field(0.0, strict=True)
     logit_bias: dict[str, Annotated[float, Field(strict=True)]] | None = None
+    # vLLM's extensions, accepted at the values that change nothing (clients written for vLLM send them):
+    repetition_penalty: float = Field(1.0, strict=True)
+    min_tokens: StrictInt = 0
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
     # Extensions:
     top_k: StrictInt = Field(0, ge=-1, description="Sample among the k most likely tokens only (0 or -1, vLLM's "
                              "spelling: off).")
@@ -93,7 +99,13 @@ class _GenerationRequest(BaseModel):
         _require_neutral(self.n == 1, "n", "only n=1 is supported")
         _require_neutral(self.frequency_penalty == 0, "frequency_penalty", "frequency_penalty is not supported")
         _require_neutral(self.presence_penalty == 0, "presence_penalty", "presence_penalty is not supported")
-        _require_neutral(not self.logit_bias, "logit_bias", "logit_bias is not supported")
+        _require_neutral(not any((self.logit_bias or {}).values()), "logit_bias", "logit_bias is not supported")
+        _require_neutral(self.repetition_penalty == 1, "repetition_penalty", "repetition_penalty is not supported")
+        _require_neutral(self.min_tokens == 0, "min_tokens", "min_tokens is not supported")
+        _require_neutral(self.skip_special_tokens, "skip_special_tokens",
+                         "special tokens are always skipped in the text")
+        _require_neutral(not self.include_stop_str_in_output, "include_stop_str_in_output",
+                         "the stop string is never included in the output")
         _require_neutral(self.stream or self.stream_options is None, "stream_options",
                          "stream_options is only allowed with stream=true")
         return self
@@ -201,7 +213,8 @@ class ChatMessage(BaseModel):
         return {k: v for k, v in data.items() if not (k in ECHOED_MESSAGE_FIELDS and v in (None, [], {}))}
 
     def as_template_message(self) -> dict[str, str]:
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        # (text parts joined by newlines, as vLLM joins them)
+        content = self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
         # Chat templates know "system"; OpenAI's newer "developer" role means the same thing.
         return {"role": "system" if self.role == "developer" else self.role, "content": content}
 
@@ -277,10 +290,19 @@ def _is_param_part(part) -> bool:
     return part != "body" and part.isidentifier() and part not in _TYPE_TAGS
 
 
-def validation_error(exc: ValidationError) -> APIError:
-    first = exc.errors()[0]
+def _param_path(error: dict) -> list:
     # pydantic's location, less its union-member tags ("str", "list[int]", "function-after[...]"): the parameter
-    param = ".".join(str(p) for p in first.get("loc", ()) if _is_param_part(p)) or None
+    return [p for p in error.get("loc", ()) if _is_param_part(p)]
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    errors = exc.errors()
+    # A value no member of a union takes fails once per member: the member that got furthest into the value says
+    # what is wrong (a content part of another type, not "should be a valid string").
+    first_path = _param_path(errors[0])
+    first = max((e for e in errors if _param_path(e)[: len(first_path)] == first_path),
+                key=lambda e: len(_param_path(e)))
+    param = ".".join(str(p) for p in _param_path(first)) or None
     cause = (first.get("ctx") or {}).get("error")
     if isinstance(cause, _ParamError):
         return bad_request(str(cause), cause.param, cause.code)

@@ -165,3 +165,13 @@ def test_token_bytes_join_into_the_text(make):
     assert joined == (" " + text if make is _byte_fallback_tokenizer else text).encode()
     if make is not make_char_tokenizer:
         assert any(REPLACEMENT_CHAR in tok.decode([t]) for t in tokens)  # parts of characters
+
+
+def test_an_output_ending_inside_a_character_drops_that_character():
+    """As vLLM: the bytes of a character the output stops inside of never complete, so no U+FFFD stands for them
+    in the text (their tokens are still the output's)."""
+    byte_tok = make_byte_tokenizer()
+    tokens = ids(byte_tok, "ab🎉")  # the emoji is 4 byte tokens
+    d, s = Detokenizer(byte_tok), state(byte_tok, max_new=4)
+    assert d.append(s, tokens) == tokens[:4] and s.finish_reason == "length"
+    assert s.text == "ab" and Detokenizer.take_new_text(s) == "ab"

@@ -122,8 +122,8 @@ def test_completion_request_to_sampling_params():
         ({"model": "m", "prompt": "hi", "max_tokens": 0}, "max_tokens", "invalid_value"),
         ({"model": "m", "prompt": ["a", ""]}, "prompt", "invalid_value"),
         ({"model": "m", "prompt": ""}, "prompt", "invalid_value"),
-        ({"model": "m", "prompt": [True, 2]}, "prompt", "invalid_value"),  # not token 1
-        ({"model": "m", "prompt": [1.0, 2]}, "prompt", "invalid_value"),
+        ({"model": "m", "prompt": [True, 2]}, "prompt.0", "invalid_value"),  # not token 1 (the element named)
+        ({"model": "m", "prompt": [1.0, 2]}, "prompt.0", "invalid_value"),
         ({"model": "m", "prompt": "hi", "speculation": "off"}, "speculation", "unrecognized_parameter"),
         ({"model": "m"}, "prompt", "missing_parameter"),
         # strict types, as OpenAI's: pydantic's lax mode would read these as 1, 1, True, False, 0.5, [1]
@@ -246,8 +246,25 @@ def test_chat_request_messages_and_limits():
         "model": "m", "max_completion_tokens": 7,
         "messages": [{"role": "developer", "content": "be brief"},
                      {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})
-    assert req.template_messages() == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "ab"}]
+    # text parts joined by a newline, as vLLM joins them
+    assert req.template_messages() == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"}]
     assert req.sampling_params(default_max_tokens=99).max_tokens == 7
+    # a part of another type is named as such (not "content should be a valid string")
+    err = _error(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}]}]})
+    assert err.param == "messages.0.content.1.type" and "'text'" in err.message
+    # vLLM's extensions at their neutral values are accepted, other values refused by name; so is a zero logit_bias
+    neutral = {"repetition_penalty": 1.0, "min_tokens": 0, "skip_special_tokens": True,
+               "include_stop_str_in_output": False, "logit_bias": {"5": 0}}
+    parse_request(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], **neutral})
+    for param, value in (("repetition_penalty", 1.1), ("min_tokens", 3), ("skip_special_tokens", False),
+                         ("include_stop_str_in_output", True), ("logit_bias", {"5": 2.0})):
+        err = _error(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                             param: value})
+        assert (err.param, err.code) == (param, "unsupported_parameter")
+    err = _error(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                         "temperature": float("nan")})
+    assert err.param == "temperature" and "finite" in err.message
     assert _error(ChatCompletionRequest, {"model": "m", "messages": []}).param == "messages"
     assert _error(ChatCompletionRequest, {"model": "m", "messages": [{"role": "tool", "content": "x"}]}).status == 400
     assert _error(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}],
