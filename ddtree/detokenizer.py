@@ -7,7 +7,8 @@ Decoding is incremental (as vLLM does it): each round decodes only the tokens si
 complete, with a few tokens of left context (`prefix_offset`..`read_offset`) so that tokenizers which drop a word's
 leading space at the start of a decode (SentencePiece) or need more bytes to finish a character (byte-level BPE)
 give the same text as decoding everything; a round whose tokens end inside a character adds no text until the
-character is complete. Decoding the whole output every round cost ~0.8 ms per 4k-token request per round.
+character is complete, and an output that finishes inside a character drops it (as vLLM does) rather than ending
+in U+FFFD. Decoding the whole output every round cost ~0.8 ms per 4k-token request per round.
 """
 
 from __future__ import annotations
