@@ -420,9 +420,9 @@ class WorkerActors:
         for name, ref in pings:
             try:
                 await asyncio.wait_for(asyncio.wrap_future(ref.future()), wait_s)
-            except asyncio.TimeoutError:
+            except (asyncio.TimeoutError, ray.exceptions.ActorUnavailableError):  # (unavailable: it may come back)
                 continue
-            except ray.exceptions.ActorDiedError as exc:  # (not ActorUnavailableError: that one may come back)
+            except ray.exceptions.ActorDiedError as exc:
                 return f"the {name} actor died: {exc}"
         return None
 

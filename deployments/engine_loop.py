@@ -41,6 +41,7 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
+    outputs: asyncio.Queue  # the stream's own queue: an abort never touches a newer request that reuses the id
 
 
 @dataclass
@@ -83,8 +84,10 @@ class EngineLoop:
     _streams: dict[str, _Stream] = field(default_factory=dict)
     _thread: threading.Thread | None = None
     _ids: itertools.count = field(default_factory=itertools.count)
-    error: BaseException | None = None  # set when a step failed: the engine's state is unknown, the loop stops
-    _step_started: float | None = None  # time.monotonic() when the round in progress began
+    error: BaseException | None = None  # set when the loop failed: the engine's state is unknown, the loop stops
+    # time.monotonic() when the loop thread's current pass began (inbox items, a step, its callbacks: every worker
+    # call it makes); None while it waits for work
+    _busy_since: float | None = None
     # Closing and putting are ordered by this lock: after the loop closes its inbox (and fails what is in it),
     # no request can be put there to wait forever.
     _inbox_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -115,8 +118,9 @@ class EngineLoop:
 
     @property
     def seconds_in_round(self) -> float:
-        """How long the round in progress has run (0 between rounds): a hung worker shows here, not as an error."""
-        started = self._step_started
+        """How long the loop thread's current pass (a round, with the inbox items and callbacks around it) has run;
+        0 while it waits for work. A hung worker shows here, not as an error, whichever call it hangs in."""
+        started = self._busy_since
         return 0.0 if started is None else time.monotonic() - started
 
     # ------------------------------------------------------------------------------------------------------------
@@ -145,7 +149,7 @@ class EngineLoop:
         finally:
             rejected = add.admitted.done() and not add.admitted.cancelled() and add.admitted.exception() is not None
             if not finished and not rejected:
-                self._inbox.put(_Abort(request_id))
+                self._inbox.put(_Abort(request_id, add.outputs))
 
     async def generate(self, prompt: object, params: SamplingParams,
                        request_id: str | None = None) -> RequestOutput:
@@ -171,17 +175,37 @@ class EngineLoop:
     # loop thread
 
     def _run(self) -> None:
+        """The loop thread. Whatever fails in it (a step, or a worker call around one: an abort's, an admission's,
+        a callback's) fails every request in flight and stops the loop: no caller is left waiting on a dead thread."""
+        try:
+            self._serve()
+        except BaseException as exc:  # noqa: BLE001 - every waiting caller must hear of it
+            logger.exception("engine loop failed: failing %d requests and stopping the loop",
+                             len(self.engine.requests))
+            if self.error is None:
+                self.error = exc
+            dead = EngineDeadError(f"the engine failed: {type(exc).__name__}: {exc}")
+            dead.__cause__ = exc
+            self._fail_all(dead)
+        finally:
+            self._busy_since = None
+
+    def _serve(self) -> None:
         engine = self.engine
         while True:
             # Block on the inbox only when there is nothing to step (waking every idle_every_s for on_idle).
             if not engine.has_unfinished_requests():
+                self._busy_since = None
                 try:
                     item = self._inbox.get(timeout=self.idle_every_s if self.on_idle is not None else None)
                 except queue.Empty:
                     self._call_back(self.on_idle)
                     continue
+                self._busy_since = time.monotonic()
                 if not self._handle(item):
                     return
+            else:
+                self._busy_since = time.monotonic()
             while True:
                 try:
                     item = self._inbox.get_nowait()
@@ -192,19 +216,7 @@ class EngineLoop:
             if not engine.has_unfinished_requests():
                 continue
             t0 = time.perf_counter()
-            self._step_started = time.monotonic()
-            try:
-                outputs = engine.step()
-            except BaseException as exc:  # noqa: BLE001 - every waiting caller must hear of it
-                logger.exception("engine step failed: failing %d requests and stopping the loop",
-                                 len(engine.requests))
-                self.error = exc
-                dead = EngineDeadError(f"the engine failed: {type(exc).__name__}: {exc}")
-                dead.__cause__ = exc
-                self._fail_all(dead)
-                return
-            finally:
-                self._step_started = None
+            outputs = engine.step()
             wall = time.perf_counter() - t0
             orphans = []
             with self._inbox_lock:
@@ -252,12 +264,15 @@ class EngineLoop:
                 if is_served:
                     self._streams[item.request_id] = _Stream(item.loop, item.outputs)
             if not is_served:
-                self.engine.abort_request(item.request_id)
-                if self._is_closed:
+                if self._is_closed:  # abandoned meanwhile: the caller hears of it first (its worker may be dead)
                     self._fail_item(item, self._closed_error())
                     return False
+                self.engine.abort_request(item.request_id)  # its caller's event loop is gone
         elif isinstance(item, _Abort):
             with self._inbox_lock:  # (abandon() may be reading the streams from another thread)
+                stream = self._streams.get(item.request_id)
+                if stream is not None and stream.outputs is not item.outputs:
+                    return True  # a newer request reusing the id (the aborted one has finished): not this abort's
                 self._streams.pop(item.request_id, None)
             if item.request_id in self.engine.requests:
                 self.engine.abort_request(item.request_id)

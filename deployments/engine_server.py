@@ -148,9 +148,9 @@ class DDTreeEngine:
         requests fail now, so that stopping the replica does not wait for them (graceful_shutdown_timeout_s)."""
         from deployments.engine_loop import EngineDeadError
 
-        if not self.loop.is_alive:
-            raise RuntimeError(f"the engine loop stopped: {self.loop.error!r}")
-        if self.loop.seconds_in_round > self.args.max_round_seconds:
+        if not self.loop.is_alive:  # (its requests have failed already; abandoning again refuses new ones too)
+            problem = f"the engine loop stopped: {self.loop.error!r}"
+        elif self.loop.seconds_in_round > self.args.max_round_seconds:
             problem = (f"an engine round has run for {self.loop.seconds_in_round:.0f} s (max_round_seconds "
                        f"{self.args.max_round_seconds:g}): a worker is hung")
         else:
