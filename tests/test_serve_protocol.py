@@ -452,6 +452,10 @@ def test_health_check_gives_up_on_a_hung_or_dead_worker_first():
     with pytest.raises(RuntimeError, match="drafter actor died"):
         asyncio.run(server.check_health())
     assert [type(e) for e in server.loop.abandoned] == [EngineDeadError, EngineDeadError]
+    server.actors.dead, server.loop.is_alive = None, False  # the loop thread stopped: abandoned too (idempotent)
+    with pytest.raises(RuntimeError, match="engine loop stopped"):
+        asyncio.run(server.check_health())
+    assert len(server.loop.abandoned) == 3
 
 
 def test_the_ingress_settings_change_in_place_over_the_args():
