@@ -750,7 +750,8 @@ def measure_verify_cost_curve(
                 depths=torch.arange(1, num_nodes + 1),
                 path_logprobs=torch.zeros(num_nodes),
             )
-            packed = pack([tree], [1], [runner.kv.num_committed(seq_id)], device="cpu")
+            # on the runner's device, as the engine packs (FlexAttention's mask reads the packed tensors on the GPU)
+            packed = pack([tree.to(runner.device)], [1], [runner.kv.num_committed(seq_id)], device=runner.device)
             best = float("inf")
             for _ in range(num_repeats):
                 start = time.perf_counter()
