@@ -97,12 +97,16 @@ class Detokenizer:
             if self._first_stop(searched, start, params.stop) is not None:
                 state.finish_reason = "stop"
                 # Keep only the tokens needed to produce the text up to (and including) the stop string.
-                while len(kept) > 1 and self._first_stop(self.decode(state.token_ids[:-1]), 0, params.stop) is not None:
+                kept_text = self.decode(state.token_ids)
+                while len(kept) > 1:
+                    shorter = self.decode(state.token_ids[:-1])
+                    if self._first_stop(shorter, 0, params.stop) is None:
+                        break
                     state.token_ids.pop()
                     kept.pop()
+                    kept_text = shorter
                 # The cut of a token-by-token decode: the earliest start among the stops the kept tokens complete (a
                 # stop that starts earlier but completes only in a dropped token never ended the output there).
-                kept_text = self.decode(state.token_ids)
                 completed = [stop for stop in params.stop if stop in kept_text]
                 cut = self._first_stop(searched, start, completed)
                 text = searched[: cut if cut is not None else self._first_stop(searched, start, params.stop)]

@@ -414,7 +414,6 @@ def build_workers(
 
     model None: the embedded default SmolLM2-135M-Instruct; drafter None: the drafter shipped for it."""
     device = str(resolve_device(device))
-    resolve_dtype(dtype, device)  # (a bad name is refused before anything loads)
     drafter_path = resolve_drafter_path(model, drafter) if need_drafter else None
     target = load_target_worker(
         model, drafter_path, device=device, dtype=dtype, kv_cache_bytes=kv_cache_bytes, attention=attention

@@ -33,7 +33,6 @@ tensor through torch's own reducer, ~0.3 ms apiece on this project's CPU, where 
 from __future__ import annotations
 
 import itertools
-
 import os
 import time
 from dataclasses import dataclass

@@ -194,6 +194,7 @@ class EngineLoop:
         engine = self.engine
         while True:
             # Block on the inbox only when there is nothing to step (waking every idle_every_s for on_idle).
+            item = None
             if not engine.has_unfinished_requests():
                 self._busy_since = None
                 try:
@@ -201,11 +202,9 @@ class EngineLoop:
                 except queue.Empty:
                     self._call_back(self.on_idle)
                     continue
-                self._busy_since = time.monotonic()
-                if not self._handle(item):
-                    return
-            else:
-                self._busy_since = time.monotonic()
+            self._busy_since = time.monotonic()
+            if item is not None and not self._handle(item):
+                return
             while True:
                 try:
                     item = self._inbox.get_nowait()

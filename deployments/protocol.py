@@ -6,8 +6,9 @@ fields that change nothing about the answer (user, store, metadata, ...) are acc
 
 Extensions (not in OpenAI's API, as in vLLM): `top_k`, `ignore_eos`, `stop_token_ids` in requests, and
 `usage.ddtree` (acceptance statistics of the request) in responses; vLLM's `repetition_penalty`, `min_tokens`,
-`skip_special_tokens` and `include_stop_str_in_output` are accepted at their neutral values (1, 0, true, false). Speculation settings are per deployment, not per
-request: the engine batches every request in one verify pass under one policy.
+`skip_special_tokens` and `include_stop_str_in_output` are accepted at their neutral values (1, 0, true, false).
+Speculation settings are per deployment, not per request: the engine batches every request in one verify pass under
+one policy.
 """
 
 from __future__ import annotations

@@ -165,24 +165,28 @@ def test_metrics_forget_aborted_requests(workers):
     assert metrics._rounds_seen == {}
 
 
-def test_a_round_in_progress_is_timed_for_the_health_check(workers):
+@pytest.mark.parametrize("hang_in", ["step", "on_round"])
+def test_a_hung_worker_call_is_timed_for_the_health_check(workers, hang_in):
+    """A worker that hangs neither returns nor raises: the watchdog times the loop thread's whole pass, in the step
+    or around it (a metrics callback's KV-stats call, an abort), and reads 0 again once the thread waits for work."""
     import threading
 
     engine = make_engine(workers)
-    real_step, in_step, release = engine.step, threading.Event(), threading.Event()
+    hanging, release = threading.Event(), threading.Event()
 
-    def slow_step():  # a worker that hangs: the round neither returns nor raises
-        in_step.set()
+    def hang():
+        hanging.set()
         release.wait(10)
-        return real_step()
 
-    engine.step = slow_step
+    real_step = engine.step
+    if hang_in == "step":
+        engine.step = lambda: (hang(), real_step())[1]
 
     async def body(loop):
         assert loop.seconds_in_round == 0.0
         pending = asyncio.ensure_future(loop.generate("hi", SamplingParams(temperature=0.0, max_tokens=2)))
-        await asyncio.get_running_loop().run_in_executor(None, in_step.wait, 10)
-        await asyncio.sleep(0.2)
+        await asyncio.get_running_loop().run_in_executor(None, hanging.wait, 10)
+        await asyncio.sleep(0.3)
         hung_for = loop.seconds_in_round
         release.set()
         await pending
@@ -192,8 +196,9 @@ def test_a_round_in_progress_is_timed_for_the_health_check(workers):
             await asyncio.sleep(0.01)
         return hung_for, loop.seconds_in_round
 
-    hung_for, after = run_loop(engine, body)
-    assert hung_for >= 0.2 and after == 0.0
+    on_round = (lambda report: hang()) if hang_in == "on_round" else None
+    hung_for, after = run_loop(engine, body, on_round=on_round)
+    assert hung_for >= 0.3 and after == 0.0
 
 
 def test_a_worker_call_that_fails_outside_a_round_fails_every_request(workers):
@@ -222,30 +227,6 @@ def test_a_worker_call_that_fails_outside_a_round_fails_every_request(workers):
 
     alive, error = run_loop(engine, body)
     assert not alive and isinstance(error, RuntimeError)
-
-
-def test_a_worker_call_that_hangs_outside_the_step_is_timed(workers):
-    """The health check's watchdog covers the whole pass of the loop thread (a metrics callback's worker call, an
-    abort's), not only the step."""
-    import threading
-
-    engine = make_engine(workers)
-    hanging, release = threading.Event(), threading.Event()
-
-    def on_round(report):  # a KV-stats call to a hung worker, say
-        hanging.set()
-        release.wait(10)
-
-    async def body(loop):
-        pending = asyncio.ensure_future(loop.generate("hi", SamplingParams(temperature=0.0, max_tokens=2)))
-        await asyncio.get_running_loop().run_in_executor(None, hanging.wait, 10)
-        await asyncio.sleep(0.3)
-        hung_for = loop.seconds_in_round
-        release.set()
-        await pending
-        return hung_for
-
-    assert run_loop(engine, body, on_round=on_round) >= 0.3
 
 
 def test_a_late_abort_leaves_a_newer_request_with_the_same_id_alone(workers):

@@ -26,6 +26,17 @@ def check_sizes_and_activation(d: dict, where: str) -> None:
         raise ValueError(f"{where} lacks {', '.join(missing)}")
 
 
+def read_rope(d: dict) -> tuple[float, dict | None]:
+    """(rope_theta, rope_scaling) from a config.json in transformers 4.x (`rope_theta`, `rope_scaling`) or 5.x
+    (`rope_parameters`, which holds both) layout; a null `rope_theta` beside `rope_parameters` counts as absent."""
+    rope_params = d.get("rope_parameters") or {}
+    rope_theta = d.get("rope_theta") or rope_params.get("rope_theta", 10000.0)
+    rope_scaling = d.get("rope_scaling")
+    if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
+        rope_scaling = dict(rope_params)
+    return float(rope_theta), rope_scaling
+
+
 @dataclass
 class TargetConfig:
     model_type: str
@@ -83,11 +94,7 @@ class TargetConfig:
             method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
             raise ValueError(f"quantized checkpoints ({method}) are not supported: use the unquantized "
                              f"(bfloat16 / float16) checkpoint")
-        rope_params = d.get("rope_parameters") or {}
-        rope_theta = d.get("rope_theta") or rope_params.get("rope_theta", 10000.0)
-        rope_scaling = d.get("rope_scaling")
-        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
-            rope_scaling = dict(rope_params)
+        rope_theta, rope_scaling = read_rope(d)
         # (transformers' MistralConfig defaults to a 4096-token window when the key is absent; null means none)
         sliding_window = d.get("sliding_window", 4096 if model_type == "mistral" else None)
         uses_window = model_type == "mistral" or bool(d.get("use_sliding_window"))

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ddtree.models.config import check_sizes_and_activation
+from ddtree.models.config import check_sizes_and_activation, read_rope
 from ddtree.models.layers import RMSNorm, Rotary, apply_rope
 
 CONFIG_NAME = "config.json"
@@ -117,11 +117,7 @@ class DFlashConfig:
             if num_target_layers is None:
                 raise ValueError("config.json needs dflash_config.target_layer_ids or num_target_layers")
             target_layer_ids = build_target_layer_ids(int(num_target_layers), num_layers)
-        rope_params = d.get("rope_parameters") or {}
-        rope_theta = d.get("rope_theta") or rope_params.get("rope_theta", 10000.0)
-        rope_scaling = d.get("rope_scaling")
-        if rope_scaling is None and rope_params.get("rope_type", "default") != "default":
-            rope_scaling = dict(rope_params)
+        rope_theta, rope_scaling = read_rope(d)
         known = {
             "architectures", "model_type", "attention_bias", "attention_dropout", "block_size", "dflash_config",
             "head_dim", "hidden_act", "hidden_size", "intermediate_size", "layer_types", "max_position_embeddings",
