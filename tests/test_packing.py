@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import torch
-from torch.nn.attention.flex_attention import create_mask
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import create_mask, flex_attention
 
 from ddtree.packing import pack
 from ddtree.tree import DraftTree, build_tree
@@ -115,3 +116,73 @@ def test_bad_batches_are_rejected() -> None:
         pack([], [], [])
     with pytest.raises(ValueError):
         pack([DEPTH3], [1, 2], [0])
+
+
+def mask_from_blocks(block_mask, num_queries: int, num_keys: int) -> torch.Tensor:
+    """[Q, K] bool: what FlexAttention computes with this BlockMask: partial blocks through the mask_mod, full
+    blocks whole, unlisted blocks not at all."""
+    size = block_mask.BLOCK_SIZE[0]
+    q = torch.arange(num_queries)
+    k = torch.arange(num_keys)
+    by_mod = block_mask.mask_mod(0, 0, q[:, None], k[None, :])
+    out = torch.zeros(num_queries, num_keys, dtype=torch.bool)
+    for qb in range(block_mask.kv_num_blocks.shape[-1]):
+        rows = slice(qb * size, (qb + 1) * size)
+        for counts, indices, is_full in ((block_mask.kv_num_blocks, block_mask.kv_indices, False),
+                                         (block_mask.full_kv_num_blocks, block_mask.full_kv_indices, True)):
+            for kb in indices[0, 0, qb, : int(counts[0, 0, qb])].tolist():
+                cols = slice(kb * size, (kb + 1) * size)
+                out[rows, cols] = True if is_full else by_mod[rows, cols]
+    return out
+
+
+def test_flex_block_mask_from_the_layout_is_the_exact_mask() -> None:
+    """The BlockMask built from host integers gives FlexAttention exactly the ancestor mask: no visible key in an
+    unlisted block, full blocks all visible; small blocks so that query blocks hold one or many requests."""
+    g = torch.Generator().manual_seed(5)
+    for case in range(12):
+        num_requests = 1 + case % 5
+        trees = [
+            build_tree(torch.log_softmax(torch.randn(5, 20, generator=g), -1), int(torch.randint(0, 40, (1,), generator=g)))
+            for _ in range(num_requests)
+        ]
+        num_cached = torch.randint(0, 70, (num_requests,), generator=g).tolist()
+        packed = pack(trees, list(range(num_requests)), num_cached)
+        expected = torch.block_diag(*[packed.dense_mask(r) for r in range(num_requests)])
+        for block_size in (8, 16, 128):
+            block_mask = packed.flex_block_mask(block_size)
+            got = mask_from_blocks(block_mask, packed.num_tokens, packed.kv_starts()[-1])
+            assert torch.equal(got, expected), (case, block_size)
+            if block_size == 8 and any(c >= 16 for c in num_cached):
+                assert int(block_mask.full_kv_num_blocks.sum()) > 0  # full blocks are used where they exist
+
+
+def test_flex_block_mask_skips_other_requests_blocks() -> None:
+    """Sparsity: one request per query block sees only its own key blocks."""
+    trees = [DraftTree.empty()] * 3
+    packed = pack(trees, [1, 2, 3], [40, 40, 40])
+    block_mask = packed.flex_block_mask(1)  # one query per block
+    counts = (block_mask.kv_num_blocks + block_mask.full_kv_num_blocks)[0, 0].tolist()
+    assert counts == [41, 41, 41]
+    assert block_mask.full_kv_num_blocks[0, 0].tolist() == [40, 40, 40]
+
+
+def test_compiled_flex_attention_with_the_layout_block_mask_equals_sdpa() -> None:
+    """The fused kernel (torch.compile, as the runner uses on GPUs; here its CPU form) reads only the listed blocks:
+    with the layout's BlockMask it equals SDPA with the dense masks, query blocks of one request (full blocks) and of
+    several alike."""
+    g = torch.Generator().manual_seed(6)
+    trees = [build_tree(torch.log_softmax(torch.randn(6, 30, generator=g), -1), b) for b in (200, 0, 17, 9, 5)]
+    packed = pack(trees, [1, 2, 3, 4, 5], [300, 5, 129, 0, 260])  # two query blocks: inductor's CPU template
+    # fails to compile for a single one (torch 2.13)
+    num_keys = packed.kv_starts()[-1]
+    q = torch.randn(1, 4, packed.num_tokens, 64, generator=g)
+    k = torch.randn(1, 2, num_keys, 64, generator=g)
+    v = torch.randn(1, 2, num_keys, 64, generator=g)
+    expected = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=torch.block_diag(*[packed.dense_mask(r) for r in range(5)]), enable_gqa=True
+    )
+    block_mask = packed.flex_block_mask()  # 128, the runner's (a fresh compile at 16 trips an inductor CPU bug)
+    assert int(block_mask.full_kv_num_blocks.sum()) > 0 and int(block_mask.kv_num_blocks.sum()) > 0
+    out = torch.compile(flex_attention, dynamic=True)(q, k, v, block_mask=block_mask, enable_gqa=True)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

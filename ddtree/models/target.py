@@ -673,13 +673,10 @@ class TargetModel:
 
     def _flex_attention_fn(self, batch: _Batch):
         """FlexAttention over the flat layout of `packed.kv_starts()`, with a block mask built once per forward."""
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        from torch.nn.attention.flex_attention import flex_attention
 
         packed = batch.packed
-        kv_starts = packed.kv_starts()
-        block_mask = create_block_mask(
-            packed.flex_mask_mod(), None, None, packed.num_tokens, kv_starts[-1], device=str(self.device)
-        )
+        block_mask = packed.flex_block_mask()
         if self._flex is None:
             # Compiled on GPU (fused kernel); eager elsewhere (materialises the scores: for tests only).
             self._flex = torch.compile(flex_attention, dynamic=True) if self.device.type == "cuda" else flex_attention
