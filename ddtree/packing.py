@@ -63,21 +63,37 @@ class PackedBatch:
         return torch.cat([cached, tree], dim=1)
 
     def kv_starts(self) -> list[int]:
-        """[R + 1] offsets of the flat key/value layout: request r's cached entries then its segment tokens."""
+        """[R + 1] offsets of the compact flat key/value layout: request r's cached entries then its segment tokens."""
         starts = [0]
         for r in range(self.num_requests):
             starts.append(starts[-1] + self.num_cached[r] + self.segment_len(r))
         return starts
 
-    def flex_mask_mod(self):
-        """A FlexAttention mask_mod over queries = packed tokens and keys = the flat layout of `kv_starts()`."""
+    def key_layout(self, kv_offsets: list[int] | None = None, num_keys: int | None = None) -> tuple[list[int], int]:
+        """(where each request's keys start, total keys) of a key/value tensor holding request r's cached entries
+        then its segment tokens at kv_offsets[r]: by default the compact layout of `kv_starts()`; the runner's KV
+        pool (each request's region, in any order, with free slots between) is another."""
+        if kv_offsets is None:
+            starts = self.kv_starts()
+            return starts[:-1], starts[-1] if num_keys is None else num_keys
+        if len(kv_offsets) != self.num_requests:
+            raise ValueError(f"{len(kv_offsets)} kv_offsets for a batch of {self.num_requests} requests")
+        ranges = sorted((o, o + self.num_cached[r] + self.segment_len(r)) for r, o in enumerate(kv_offsets))
+        if num_keys is None:
+            num_keys = ranges[-1][1]
+        if ranges[0][0] < 0 or ranges[-1][1] > num_keys or any(b[0] < a[1] for a, b in zip(ranges, ranges[1:])):
+            raise ValueError(f"requests' key ranges must be disjoint and within [0, {num_keys}), got {ranges}")
+        return list(kv_offsets), num_keys
+
+    def flex_mask_mod(self, kv_offsets: list[int] | None = None, num_keys: int | None = None):
+        """A FlexAttention mask_mod over queries = packed tokens and keys = the layout of `key_layout`."""
         device = self.input_ids.device
-        kv_starts = self.kv_starts()
-        kv_lens = [kv_starts[r + 1] - kv_starts[r] for r in range(self.num_requests)]
-        kv_seq = torch.repeat_interleave(
-            torch.arange(self.num_requests, device=device), torch.tensor(kv_lens, device=device)
-        )  # [total_kv]
-        kv_start = torch.tensor(kv_starts[:-1], device=device)  # [R]
+        offsets, num_keys = self.key_layout(kv_offsets, num_keys)
+        kv_seq = torch.full((num_keys,), -1, dtype=torch.int64)  # the request owning each key; -1: none
+        for r, o in enumerate(offsets):
+            kv_seq[o : o + self.num_cached[r] + self.segment_len(r)] = r
+        kv_seq = kv_seq.to(device)
+        kv_start = torch.tensor(offsets, device=device)  # [R]
         num_cached = torch.tensor(self.num_cached, device=device)  # [R]
         seq_index, bits = self.seq_index, self.ancestor_bits
         num_words = bits.shape[1]
@@ -85,7 +101,8 @@ class PackedBatch:
         def mask_mod(b, h, q_idx, kv_idx):
             r_q = seq_index[q_idx]
             r_kv = kv_seq[kv_idx]
-            local = kv_idx - kv_start[r_kv] - num_cached[r_kv]  # segment offset of the key; < 0 for cached entries
+            r_owner = r_kv.clamp(min=0)
+            local = kv_idx - kv_start[r_owner] - num_cached[r_owner]  # segment offset of the key; < 0: cached
             in_cache = local < 0
             j = local.clamp(min=0)
             word = bits[q_idx, (j // BITS_PER_WORD).clamp(max=num_words - 1)]
@@ -94,19 +111,21 @@ class PackedBatch:
 
         return mask_mod
 
-    def flex_block_mask(self, block_size: int = FLEX_BLOCK_SIZE):
-        """The FlexAttention BlockMask of `flex_mask_mod()`, built from the batch layout in host integers.
+    def flex_block_mask(self, block_size: int = FLEX_BLOCK_SIZE, kv_offsets: list[int] | None = None,
+                        num_keys: int | None = None):
+        """The FlexAttention BlockMask of `flex_mask_mod(kv_offsets, num_keys)`, built from the batch layout in host
+        integers.
 
         `create_block_mask` finds the blocks by evaluating the mask over the whole query x key grid (32 requests of
         65 tokens over 2k-token contexts: 135M entries, seconds and gigabytes per verify); the layout gives them
-        directly. A query block holding requests r_lo..r_hi can only see keys of those requests, one contiguous
-        range of the flat layout. Its key blocks are full (no mask evaluated) where the query block holds one
+        directly. A query block holding requests r_lo..r_hi can only see keys of those requests: the blocks
+        covering their key ranges. Its key blocks are full (no mask evaluated) where the query block holds one
         request and the key block lies inside that request's cached entries, which every token of it sees."""
         from torch.nn.attention.flex_attention import BlockMask
 
-        kv_starts = self.kv_starts()
+        offsets, num_keys = self.key_layout(kv_offsets, num_keys)
         num_q_blocks = max(1, -(-self.num_tokens // block_size))
-        num_kv_blocks = max(1, -(-kv_starts[-1] // block_size))
+        num_kv_blocks = max(1, -(-num_keys // block_size))
         partial: list[list[int]] = []
         full: list[list[int]] = []
         r_lo = 0
@@ -117,15 +136,16 @@ class PackedBatch:
             r_hi = r_lo
             while self.query_starts[r_hi + 1] <= last:
                 r_hi += 1
-            lo, hi = kv_starts[r_lo], kv_starts[r_hi + 1]  # the keys this query block may see
-            blocks = range(lo // block_size, -(-hi // block_size))
+            blocks: set[int] = set()
+            for r in range(r_lo, r_hi + 1):
+                lo, hi = offsets[r], offsets[r] + self.num_cached[r] + self.segment_len(r)  # its keys
+                blocks.update(range(lo // block_size, -(-hi // block_size)))
+            full_blocks: set[int] = set()
             if r_lo == r_hi:
-                cached_end = lo + self.num_cached[r_lo]
-                is_full = [b * block_size >= lo and (b + 1) * block_size <= cached_end for b in blocks]
-            else:
-                is_full = [False] * len(blocks)
-            partial.append([b for b, f in zip(blocks, is_full) if not f])
-            full.append([b for b, f in zip(blocks, is_full) if f])
+                lo, cached_end = offsets[r_lo], offsets[r_lo] + self.num_cached[r_lo]
+                full_blocks = {b for b in blocks if b * block_size >= lo and (b + 1) * block_size <= cached_end}
+            partial.append(sorted(blocks - full_blocks))
+            full.append(sorted(full_blocks))
 
         def as_tensors(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
             counts = torch.tensor([len(row) for row in rows], dtype=torch.int32)
@@ -139,7 +159,7 @@ class PackedBatch:
         full_kv_num_blocks, full_kv_indices = as_tensors(full)
         return BlockMask.from_kv_blocks(
             kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, BLOCK_SIZE=block_size,
-            mask_mod=self.flex_mask_mod(), seq_lengths=(self.num_tokens, kv_starts[-1]),
+            mask_mod=self.flex_mask_mod(offsets, num_keys), seq_lengths=(self.num_tokens, num_keys),
             compute_q_blocks=False,  # the transposed index serves the backward pass only
         )
 

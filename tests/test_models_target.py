@@ -66,14 +66,20 @@ def path_tokens(tree, root, node):
     return [root] + out[::-1]
 
 
-def make_verify_case(runner, gen, num_requests=3, vocab=97):
-    """Prefilled requests with different committed lengths and one random tree (depth <= 4) each."""
+def make_verify_case(runner, gen, num_requests=3, vocab=97, scattered=False):
+    """Prefilled requests with different committed lengths and one random tree (depth <= 4) each. `scattered`:
+    their KV regions lie in the pool in reverse order with free slots between them (requests that left)."""
     prompts = [random_ids(n, gen, vocab) for n in (6, 11, 3, 8)[:num_requests]]
     trees = [random_draft_tree(n, 4, vocab, gen) for n in (7, 0, 12, 5)[:num_requests]]
     roots = [int(t) for t in torch.randint(0, vocab, (num_requests,), generator=gen)]
     seq_ids = [10 + r for r in range(num_requests)]
-    for s in seq_ids:
+    for s in (reversed(seq_ids) if scattered else seq_ids):
+        if scattered:
+            runner.kv.allocate(100 + s, 37)
         runner.kv.allocate(s, 64)
+    if scattered:
+        for s in seq_ids:
+            runner.kv.free(100 + s)
     runner.prefill(seq_ids, prompts)
     packed = pack(trees, roots, [len(p) for p in prompts])
     return seq_ids, prompts, trees, roots, packed
@@ -125,7 +131,8 @@ def sequential_logits(runner, prompt, path, seq_id=99):
 @pytest.mark.parametrize("attention", ["sdpa", "flex"])
 def test_verify_equals_sequential_decoding_float64(checkpoints, attention):
     runner = TargetModel.load(checkpoints["qwen2"], dtype=torch.float64, max_kv_bytes=2**23, attention=attention)
-    seq_ids, prompts, trees, roots, packed = make_verify_case(runner, torch.Generator().manual_seed(2), 4)
+    seq_ids, prompts, trees, roots, packed = make_verify_case(runner, torch.Generator().manual_seed(2), 4,
+                                                              scattered=attention == "flex")
     rows = torch.tensor([0, 3, packed.num_tokens - 1])
     logits, _ = runner.verify(seq_ids, packed)
     for r in range(len(seq_ids)):
@@ -141,12 +148,15 @@ def test_verify_equals_sequential_decoding_float64(checkpoints, attention):
     torch.testing.assert_close(only, logits[rows], rtol=1e-12, atol=1e-12)
 
 
-def test_flex_matches_sdpa(checkpoints):
+@pytest.mark.parametrize("scattered", [False, True])
+def test_flex_matches_sdpa(checkpoints, scattered):
+    """FlexAttention reads the KV pool in place: requests' regions in batch order and adjacent, or in reverse
+    order with free slots between them."""
     results = []
     for attention in ("sdpa", "flex"):
         runner = TargetModel.load(checkpoints["llama"], feature_layer_ids=[1], max_kv_bytes=2**22,
                                   attention=attention)
-        seq_ids, _, _, _, packed = make_verify_case(runner, torch.Generator().manual_seed(3))
+        seq_ids, _, _, _, packed = make_verify_case(runner, torch.Generator().manual_seed(3), scattered=scattered)
         results.append(runner.verify(seq_ids, packed))
     torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-5, atol=1e-5)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import create_mask, flex_attention
@@ -140,6 +141,7 @@ def test_flex_block_mask_from_the_layout_is_the_exact_mask() -> None:
     """The BlockMask built from host integers gives FlexAttention exactly the ancestor mask: no visible key in an
     unlisted block, full blocks all visible; small blocks so that query blocks hold one or many requests."""
     g = torch.Generator().manual_seed(5)
+    num_full = 0
     for case in range(12):
         num_requests = 1 + case % 5
         trees = [
@@ -148,13 +150,33 @@ def test_flex_block_mask_from_the_layout_is_the_exact_mask() -> None:
         ]
         num_cached = torch.randint(0, 70, (num_requests,), generator=g).tolist()
         packed = pack(trees, list(range(num_requests)), num_cached)
-        expected = torch.block_diag(*[packed.dense_mask(r) for r in range(num_requests)])
-        for block_size in (8, 16, 128):
-            block_mask = packed.flex_block_mask(block_size)
-            got = mask_from_blocks(block_mask, packed.num_tokens, packed.kv_starts()[-1])
-            assert torch.equal(got, expected), (case, block_size)
-            if block_size == 8 and any(c >= 16 for c in num_cached):
-                assert int(block_mask.full_kv_num_blocks.sum()) > 0  # full blocks are used where they exist
+        compact = torch.block_diag(*[packed.dense_mask(r) for r in range(num_requests)])
+        # the compact layout, and a pool's: regions in shuffled order with free slots between and after them
+        lens = [c + packed.segment_len(r) for r, c in enumerate(num_cached)]
+        gaps = torch.randint(0, 20, (num_requests + 1,), generator=g).tolist()
+        offsets, end = [0] * num_requests, 0
+        for r, gap in zip(torch.randperm(num_requests, generator=g).tolist(), gaps):
+            offsets[r], end = end + gap, end + gap + lens[r]
+        num_keys = end + gaps[-1]
+        pooled = torch.zeros(packed.num_tokens, num_keys, dtype=torch.bool)
+        for r in range(num_requests):
+            pooled[packed.segment(r), offsets[r] : offsets[r] + lens[r]] = packed.dense_mask(r)
+        for layout, expected in (({}, compact), ({"kv_offsets": offsets, "num_keys": num_keys}, pooled)):
+            for block_size in (8, 16, 128):
+                block_mask = packed.flex_block_mask(block_size, **layout)
+                got = mask_from_blocks(block_mask, *expected.shape)
+                assert torch.equal(got, expected), (case, block_size, layout)
+                num_full += int(block_mask.full_kv_num_blocks.sum())
+    assert num_full > 0  # the cases exercise full blocks too
+
+
+def test_flex_key_layout_is_checked() -> None:
+    packed = pack([DraftTree.empty(), DraftTree.empty()], [1, 2], [3, 4])  # key ranges of 4 and 5
+    assert packed.key_layout() == ([0, 4], 9)
+    assert packed.key_layout([10, 0], 20) == ([10, 0], 20)
+    for offsets, num_keys in (([0], 20), ([0, 3], 20), ([4, 0], 20), ([0, 16], 20), ([-1, 10], 20)):
+        with pytest.raises(ValueError):
+            packed.key_layout(offsets, num_keys)
 
 
 def test_flex_block_mask_skips_other_requests_blocks() -> None:
@@ -184,5 +206,19 @@ def test_compiled_flex_attention_with_the_layout_block_mask_equals_sdpa() -> Non
     )
     block_mask = packed.flex_block_mask()  # 128, the runner's (a fresh compile at 16 trips an inductor CPU bug)
     assert int(block_mask.full_kv_num_blocks.sum()) > 0 and int(block_mask.kv_num_blocks.sum()) > 0
-    out = torch.compile(flex_attention, dynamic=True)(q, k, v, block_mask=block_mask, enable_gqa=True)
+    flex = torch.compile(flex_attention, dynamic=False)  # dynamic shapes trip an inductor CPU codegen bug
+    torch.testing.assert_close(flex(q, k, v, block_mask=block_mask, enable_gqa=True), expected, rtol=1e-5, atol=1e-5)
+
+    # The runner's form: keys and values a strided view of a pool [2, kv_heads, slots, head_dim] whose regions lie
+    # in reverse order with zeroed free slots between them
+    kv_starts, offsets, end = packed.kv_starts(), [0] * 5, 50
+    pool = torch.zeros(2, 2, 1500, 64)
+    for r in reversed(range(5)):
+        offsets[r] = end
+        pool[0, :, end : end + kv_starts[r + 1] - kv_starts[r]] = k[0, :, kv_starts[r] : kv_starts[r + 1]]
+        pool[1, :, end : end + kv_starts[r + 1] - kv_starts[r]] = v[0, :, kv_starts[r] : kv_starts[r + 1]]
+        end += kv_starts[r + 1] - kv_starts[r] + 7
+    view = pool[:, :, 50:end].unsqueeze(1)  # [2, 1, kv_heads, keys, head_dim], not contiguous
+    block_mask = packed.flex_block_mask(kv_offsets=[o - 50 for o in offsets], num_keys=end - 50)
+    out = flex(q, view[0], view[1], block_mask=block_mask, enable_gqa=True)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)

@@ -13,7 +13,8 @@ the kept entries (root + accepted path) to be contiguous after the committed one
 request's full `max_tokens` is reserved up front, so an admitted request can always run to completion. When the
 free slots would hold a request but only split into holes (requests of different sizes finishing out of order),
 `allocate` first slides the live regions together (one copy of their entries), so free bytes are admissible bytes.
-On CPU the pool is allocated with torch.empty, so untouched slots cost address space, not memory.
+On CPU the pool is allocated with torch.empty, so untouched slots cost address space, not memory (`zero_fill`, for
+FlexAttention's reads of whole key blocks, fills it).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         max_tokens_per_request: int | None = None,
         extra_bytes_per_token: int = 0,
+        zero_fill: bool = False,
     ):
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
@@ -67,7 +69,9 @@ class KVCache:
         self.num_slots = int(max_bytes) // self.bytes_per_token
         if self.num_slots < 1:
             raise ValueError(f"max_bytes={max_bytes} holds no token (one token takes {self.bytes_per_token} bytes)")
-        self.pool = torch.empty(
+        # `zero_fill` for readers of whole key blocks (FlexAttention over the pool): a never-written slot next to a
+        # request's entries must hold a finite value, as a masked key's zero weight times a NaN value is NaN.
+        self.pool = (torch.zeros if zero_fill else torch.empty)(
             num_layers, 2, num_kv_heads, self.num_slots, head_dim, device=self.device, dtype=dtype
         )  # [L, 2, kv_heads, slots, head_dim]
         self._handles: dict[int, KVHandle] = {}

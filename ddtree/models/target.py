@@ -203,6 +203,7 @@ class TargetModel:
             config.num_hidden_layers, config.num_key_value_heads, config.head_dim, max_kv_bytes, self.device,
             dtype, max_tokens_per_request=config.sliding_window,
             extra_bytes_per_token=feature_bytes_per_token(config, dtype, len(self.feature_layer_ids)),
+            zero_fill=attention == "flex",
         )
         self._tokenizer = None
         self._flex = None
@@ -672,27 +673,27 @@ class TargetModel:
         return out.view(num_tokens, nh * hd)
 
     def _flex_attention_fn(self, batch: _Batch):
-        """FlexAttention over the flat layout of `packed.kv_starts()`, with a block mask built once per forward."""
+        """FlexAttention over the KV pool in place: keys are the pool's slots from the batch's first region to the
+        end of its last one, each request's entries read where they lie (no per-layer copy of every request's
+        context), with a block mask built once per forward that lists only the blocks of the batch's regions."""
         from torch.nn.attention.flex_attention import flex_attention
 
         packed = batch.packed
-        block_mask = packed.flex_block_mask()
+        regions = [self.kv.handle(s).slot_start for s in batch.seq_ids]
+        # The keys: the pool's slots from the first region to the end of the last one, a view
+        first = min(regions)
+        end = max(o + packed.num_cached[r] + packed.segment_len(r) for r, o in enumerate(regions))
+        block_mask = packed.flex_block_mask(kv_offsets=[o - first for o in regions], num_keys=end - first)
         if self._flex is None:
-            # Compiled on GPU (fused kernel); eager elsewhere (materialises the scores: for tests only).
+            # Compiled on GPU (fused kernel); eager elsewhere (materialises the scores over the span: tests only).
             self._flex = torch.compile(flex_attention, dynamic=True) if self.device.type == "cuda" else flex_attention
         flex = self._flex
         gqa = self.config.num_attention_heads != self.config.num_key_value_heads
 
         def attend(layer: int, q: torch.Tensor, b: _Batch) -> torch.Tensor:
             num_tokens, nh, hd = q.shape
-            keys, values = [], []
-            for r, seq_id in enumerate(b.seq_ids):
-                k, v = self.kv.keys_values(seq_id, layer, b.num_cached[r] + packed.segment_len(r))
-                keys.append(k)
-                values.append(v)
-            k_flat = torch.cat(keys, dim=1).unsqueeze(0)  # [1, kv_heads, total_kv, head_dim]
-            v_flat = torch.cat(values, dim=1).unsqueeze(0)
-            o = flex(q.transpose(0, 1).unsqueeze(0), k_flat, v_flat, block_mask=block_mask, enable_gqa=gqa)
+            pool = self.kv.pool[layer, :, :, first:end].unsqueeze(1)  # [2, 1, kv_heads, end - first, head_dim]
+            o = flex(q.transpose(0, 1).unsqueeze(0), pool[0], pool[1], block_mask=block_mask, enable_gqa=gqa)
             return o[0].transpose(0, 1).reshape(num_tokens, nh * hd)
 
         return attend
