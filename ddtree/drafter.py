@@ -144,18 +144,21 @@ class DFlashDrafter:
         n = features.shape[0]
         if n == 0:
             return
-        if positions is None:
-            positions = torch.arange(ctx.next_position, ctx.next_position + n)
-        positions = torch.as_tensor(positions, dtype=torch.int64).to(self.device).flatten()
-        if positions.numel() != n:
-            raise ValueError(f"{n} features but {positions.numel()} positions")
+        if positions is None:  # made on the device, the next position known on the host: no device sync
+            positions = torch.arange(ctx.next_position, ctx.next_position + n, device=self.device)
+            next_position = ctx.next_position + n
+        else:
+            positions = torch.as_tensor(positions, dtype=torch.int64).to(self.device).flatten()
+            if positions.numel() != n:
+                raise ValueError(f"{n} features but {positions.numel()} positions")
+            next_position = int(positions[-1]) + 1
         self._ensure_capacity(ctx, ctx.length + n)
         context = self.model.project_context(features.to(self.device, self.dtype).unsqueeze(0))  # [1, n, H]
         for layer, (k, v) in enumerate(self.model.context_kv(context, positions.unsqueeze(0))):
             ctx.kv[layer, 0, ctx.length : ctx.length + n] = k[0]  # [n, kv_heads, head_dim]
             ctx.kv[layer, 1, ctx.length : ctx.length + n] = v[0]
         ctx.length += n
-        ctx.next_position = int(positions[-1]) + 1
+        ctx.next_position = next_position
 
     def free(self, seq_id: Hashable) -> bool:
         return self._contexts.pop(seq_id, None) is not None

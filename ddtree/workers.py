@@ -27,6 +27,14 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30
 DEFAULT_DRAFTER_DIR = Path(__file__).parent / "assets" / "drafter" / "smollm2-135m-dflash"
 
 
+def wait_for_device(device: torch.device | str) -> None:
+    """Wait for the work queued on a CUDA device. Its kernels run asynchronously: without this, a worker call that
+    returns device tensors is timed by its launches, and the budget policy's cost model (refreshed from these
+    timings every round) would learn that drafting costs next to nothing."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class Completed:
     """A worker call already done, in this process. The engine submits the round's two big calls (draft, verify)
     with `*_async` and reads them with `.result()`, so that the actor proxies (deployments/actors.py) can run them
@@ -195,6 +203,7 @@ class TargetWorker:
         packed = pack(trees, root_token_ids, num_cached, device=device)
         on_demand = packed.num_tokens >= self.lm_head_on_demand_min_tokens
         out, features = self.model.verify(seq_ids, packed, hidden_only=on_demand)  # [N, H] or [N, V]; [N, F]
+        wait_for_device(device)  # the forward's time, not its launches' (the walk's sync would add it to accept)
         t1 = time.perf_counter()
         if on_demand:
             result, logits, tokens, logit_rows = self._accept_on_demand(request_ids, packed, out)
@@ -303,7 +312,9 @@ class DrafterWorker:
                 self._known.add(rid)
             if feats.shape[0]:
                 self.drafter.add_context(rid, feats)
-        return self.drafter.draft(request_ids, root_token_ids, max_k)
+        out = self.drafter.draft(request_ids, root_token_ids, max_k)
+        wait_for_device(self.drafter.device)  # the call's time is the drafter's, not its kernel launches'
+        return out
 
     def draft_async(self, request_ids: list[str], root_token_ids: list[int], new_features: list[torch.Tensor],
                     max_k: int) -> Completed:
