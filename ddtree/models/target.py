@@ -686,7 +686,17 @@ class TargetModel:
         block_mask = packed.flex_block_mask(kv_offsets=[o - first for o in regions], num_keys=end - first)
         if self._flex is None:
             # Compiled on GPU (fused kernel); eager elsewhere (materialises the scores over the span: tests only).
-            self._flex = torch.compile(flex_attention, dynamic=True) if self.device.type == "cuda" else flex_attention
+            if self.device.type == "cuda":
+                # Batches differ in which sizes are 1 or happen to be equal (requests, query blocks, bit words), and
+                # dynamo compiles a variant for each such pattern (4 over 40 varied batches in a CPU check:
+                # benchmarks/check_flex_recompiles.py). Past its limit (8) it would run flex_attention eagerly,
+                # materialising every score of the batch: a variant more costs one compile, that costs memory.
+                import torch._dynamo
+
+                torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, FLEX_RECOMPILE_LIMIT)
+                self._flex = torch.compile(flex_attention, dynamic=True)
+            else:
+                self._flex = flex_attention
         flex = self._flex
         gqa = self.config.num_attention_heads != self.config.num_key_value_heads
 
@@ -697,6 +707,9 @@ class TargetModel:
             return o[0].transpose(0, 1).reshape(num_tokens, nh * hd)
 
         return attend
+
+
+FLEX_RECOMPILE_LIMIT = 64
 
 
 def _is_stored_out_in(out_features: int, in_features: int, dtype: torch.dtype) -> bool:
