@@ -21,6 +21,7 @@ Public API:
     drafter.block_len                                          L = block_size - 1 drafted positions
     drafter.add_request(seq_id)                                optional; add_context creates the request too
     drafter.add_context(seq_id, features [n, F], positions [n] | None)   None: continue after the last position
+    drafter.add_contexts(seq_ids, features list, positions list | None)  several requests, one projection
     drafter.draft(seq_ids, last_token_ids, max_k) -> (topk_logprobs [R, L, K] float32, topk_token_ids [R, L, K])
     drafter.free(seq_id) -> bool
     drafter.context_len(seq_id) -> int;  drafter.num_cache_bytes -> int
@@ -130,35 +131,56 @@ class DFlashDrafter:
     def num_cache_bytes(self) -> int:
         return sum(c.kv.numel() * c.kv.element_size() for c in self._contexts.values())
 
-    @torch.inference_mode()
     def add_context(self, seq_id: Hashable, features: torch.Tensor, positions: torch.Tensor | None = None) -> None:
         """Append target features [n, F] of tokens now in the target's KV cache (positions default to the next
         ones after the request's context)."""
-        if seq_id not in self._contexts:
-            self.add_request(seq_id, max(MIN_CONTEXT_CAPACITY, 2 * features.shape[0]))
-        ctx = self._contexts[seq_id]
-        if features.dim() != 2 or features.shape[1] != self.config.num_target_features:
-            raise ValueError(
-                f"features must be [n, {self.config.num_target_features}], got {tuple(features.shape)}"
-            )
-        n = features.shape[0]
-        if n == 0:
+        self.add_contexts([seq_id], [features], None if positions is None else [positions])
+
+    @torch.inference_mode()
+    def add_contexts(self, seq_ids: list, features: list[torch.Tensor], positions: list | None = None) -> None:
+        """`add_context` for several requests at once: one projection (fc, norm, every layer's K/V) over all their
+        new tokens, which are independent rows (a round extends every drafting request by a few tokens: one small
+        projection per request cost ~0.3 ms each on a CPU). Everything is checked before anything is added."""
+        if len(features) != len(seq_ids) or (positions is not None and len(positions) != len(seq_ids)):
+            raise ValueError(f"{len(seq_ids)} requests, {len(features)} feature tensors"
+                             + ("" if positions is None else f", {len(positions)} position lists"))
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError("a request appears twice in one context extension")
+        width = self.config.num_target_features
+        for f in features:
+            if f.dim() != 2 or f.shape[1] != width:
+                raise ValueError(f"features must be [n, {width}], got {tuple(f.shape)}")
+        # Per request with new tokens: its positions on the host (given, or the next ones: no device sync).
+        new: list[tuple[Hashable, torch.Tensor, torch.Tensor]] = []
+        for i, (seq_id, f) in enumerate(zip(seq_ids, features)):
+            ctx = self._contexts.get(seq_id)
+            start = 0 if ctx is None else ctx.next_position
+            if positions is None or positions[i] is None:
+                pos = torch.arange(start, start + f.shape[0])
+            else:
+                pos = torch.as_tensor(positions[i], dtype=torch.int64).flatten().cpu()
+                if pos.numel() != f.shape[0]:
+                    raise ValueError(f"{f.shape[0]} features but {pos.numel()} positions")
+            if f.shape[0]:
+                new.append((seq_id, f, pos))
+        for seq_id, f in zip(seq_ids, features):
+            if seq_id not in self._contexts:
+                self.add_request(seq_id, max(MIN_CONTEXT_CAPACITY, 2 * f.shape[0]))
+        if not new:
             return
-        if positions is None:  # made on the device, the next position known on the host: no device sync
-            positions = torch.arange(ctx.next_position, ctx.next_position + n, device=self.device)
-            next_position = ctx.next_position + n
-        else:
-            positions = torch.as_tensor(positions, dtype=torch.int64).to(self.device).flatten()
-            if positions.numel() != n:
-                raise ValueError(f"{n} features but {positions.numel()} positions")
-            next_position = int(positions[-1]) + 1
-        self._ensure_capacity(ctx, ctx.length + n)
-        context = self.model.project_context(features.to(self.device, self.dtype).unsqueeze(0))  # [1, n, H]
-        for layer, (k, v) in enumerate(self.model.context_kv(context, positions.unsqueeze(0))):
-            ctx.kv[layer, 0, ctx.length : ctx.length + n] = k[0]  # [n, kv_heads, head_dim]
-            ctx.kv[layer, 1, ctx.length : ctx.length + n] = v[0]
-        ctx.length += n
-        ctx.next_position = next_position
+        rows = torch.cat([f.to(self.device, self.dtype) for _, f, _ in new]).unsqueeze(0)  # [1, T, F]
+        context = self.model.project_context(rows)  # [1, T, H]
+        layers_kv = self.model.context_kv(context, torch.cat([p for _, _, p in new]).to(self.device).unsqueeze(0))
+        offset = 0
+        for seq_id, f, pos in new:
+            ctx, n = self._contexts[seq_id], f.shape[0]
+            self._ensure_capacity(ctx, ctx.length + n)
+            for layer, (k, v) in enumerate(layers_kv):  # [1, T, kv_heads, head_dim]
+                ctx.kv[layer, 0, ctx.length : ctx.length + n] = k[0, offset : offset + n]
+                ctx.kv[layer, 1, ctx.length : ctx.length + n] = v[0, offset : offset + n]
+            ctx.length += n
+            ctx.next_position = int(pos[-1]) + 1  # a host tensor: no device sync
+            offset += n
 
     def free(self, seq_id: Hashable) -> bool:
         return self._contexts.pop(seq_id, None) is not None

@@ -306,12 +306,11 @@ class DrafterWorker:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Extend each request's context with `new_features`, then ONE forward for all of them:
         (top-K log-probs [R, L, K], token ids [R, L, K]) for block positions 1..L."""
-        for rid, feats in zip(request_ids, new_features):
+        for rid in request_ids:
             if rid not in self._known:
                 self.drafter.add_request(rid)
                 self._known.add(rid)
-            if feats.shape[0]:
-                self.drafter.add_context(rid, feats)
+        self.drafter.add_contexts(request_ids, new_features)
         out = self.drafter.draft(request_ids, root_token_ids, max_k)
         wait_for_device(self.drafter.device)  # the call's time is the drafter's, not its kernel launches'
         return out

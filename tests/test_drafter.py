@@ -85,6 +85,41 @@ def test_context_from_target_prefill_and_free(pair):
         target.free(7)
 
 
+def test_contexts_of_several_requests_in_one_projection(pair):
+    """`add_contexts` (one projection for every request's new tokens) gives each request the context that
+    `add_context` one request at a time gives, including a request new to the drafter, an empty extension and
+    explicit positions; a bad request in the batch leaves every context as it was."""
+    target, drafter_dir = pair
+    one_by_one, batched = DFlashDrafter.load(drafter_dir, target), DFlashDrafter.load(drafter_dir, target)
+    gen = torch.Generator().manual_seed(4)
+    for d in (one_by_one, batched):
+        d.add_context("a", torch.randn(5, 128, generator=torch.Generator().manual_seed(9), dtype=torch.float64))
+    for step in range(3):
+        feats = [torch.randn(n, 128, generator=gen, dtype=torch.float64) for n in (2, 0, 3, 70)]
+        ids = ["a", "b", "c", "d"]  # "b" empty, then new; "d" crosses its capacity
+        positions = [None, None, torch.arange(10 * step, 10 * step + 3), None]
+        for seq_id, f, p in zip(ids, feats, positions):
+            one_by_one.add_context(seq_id, f, p)
+        batched.add_contexts(ids, feats, positions)
+    for seq_id in ("a", "b", "c", "d"):
+        assert batched.context_len(seq_id) == one_by_one.context_len(seq_id)
+        assert batched._get(seq_id).next_position == one_by_one._get(seq_id).next_position
+    v1, i1 = one_by_one.draft(["a", "c", "d"], [1, 2, 3], max_k=4)
+    v2, i2 = batched.draft(["a", "c", "d"], [1, 2, 3], max_k=4)
+    torch.testing.assert_close(v2, v1, rtol=1e-12, atol=1e-12)
+    assert torch.equal(i1, i2)
+    lengths = {s: batched.context_len(s) for s in ("a", "c")}
+    for bad in ([torch.zeros(2, 128, dtype=torch.float64), torch.zeros(2, 7, dtype=torch.float64)],):
+        with pytest.raises(ValueError, match="features must be"):
+            batched.add_contexts(["a", "e"], bad)
+    with pytest.raises(ValueError, match="twice"):
+        batched.add_contexts(["a", "a"], [torch.zeros(1, 128, dtype=torch.float64)] * 2)
+    with pytest.raises(ValueError, match="positions"):
+        batched.add_contexts(["a", "c"], [torch.zeros(1, 128, dtype=torch.float64)] * 2, [None, [1, 2]])
+    assert {s: batched.context_len(s) for s in ("a", "c")} == lengths
+    assert "e" not in batched._contexts
+
+
 def test_context_capacity_grows(pair):
     target, drafter_dir = pair
     drafter = DFlashDrafter.load(drafter_dir, target)
