@@ -26,6 +26,7 @@ Public API:
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -210,22 +211,40 @@ class DFlashAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,  # [B, S, H], already input-normed
-        context_k: torch.Tensor,  # [B, C, kv_heads, head_dim]
-        context_v: torch.Tensor,  # [B, C, kv_heads, head_dim]
         cos: torch.Tensor,  # [B, S, head_dim] at the block positions
         sin: torch.Tensor,
-        attention_mask: torch.Tensor | None,  # [B, S, C + S] bool, True = may attend
+        attend: BlockAttention,
     ) -> torch.Tensor:
         b, s, _ = x.shape
         q = apply_rope(self.q_norm(self.q_proj(x).view(b, s, self.num_heads, self.head_dim)), cos, sin)
         block_k, block_v = self.project_kv(x, cos, sin)
+        out = attend(q, block_k, block_v)  # [B, S, heads, head_dim]
+        return self.o_proj(out.reshape(b, s, self.num_heads * self.head_dim))
+
+
+# The block's attention over its context and itself: (q [B, S, heads, head_dim], the block's own k and v [B, S,
+# kv_heads, head_dim]) -> [B, S, heads, head_dim]. Where the context's keys and values live is the caller's: given
+# per layer (`attend_with_context`, training and the generic forward), or a serving cache read in place.
+BlockAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def attend_with_context(
+    context_k: torch.Tensor,  # [B, C, kv_heads, head_dim]
+    context_v: torch.Tensor,  # [B, C, kv_heads, head_dim]
+    attention_mask: torch.Tensor | None,  # [B, S, C + S] bool, True = may attend; None = all
+) -> BlockAttention:
+    """Attention over the given context keys/values followed by the block's own (one SDPA call, masked)."""
+
+    def attend(q: torch.Tensor, block_k: torch.Tensor, block_v: torch.Tensor) -> torch.Tensor:
         k = torch.cat([context_k, block_k], dim=1).transpose(1, 2)  # [B, kv_heads, C + S, head_dim]
         v = torch.cat([context_v, block_v], dim=1).transpose(1, 2)
         mask = None if attention_mask is None else attention_mask.unsqueeze(1)  # [B, 1, S, C + S]
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k, v, attn_mask=mask, enable_gqa=self.num_heads != self.num_kv_heads
+            q.transpose(1, 2), k, v, attn_mask=mask, enable_gqa=q.shape[2] != k.shape[1]
         )  # [B, heads, S, head_dim]
-        return self.o_proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+        return out.transpose(1, 2)
+
+    return attend
 
 
 class DFlashMLP(nn.Module):
@@ -247,8 +266,8 @@ class DFlashDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, h, context_k, context_v, cos, sin, attention_mask):
-        h = h + self.self_attn(self.input_layernorm(h), context_k, context_v, cos, sin, attention_mask)
+    def forward(self, h, cos, sin, attend: BlockAttention):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, attend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -297,10 +316,18 @@ class DFlashDraftModel(nn.Module):
         """[B, S, H] final-normed block states, keys/values of the context given per layer."""
         if len(context_kv) != len(self.layers):
             raise ValueError(f"context_kv has {len(context_kv)} layers, model has {len(self.layers)}")
+        return self.forward_with_attention(
+            block_hidden, block_positions, [attend_with_context(k, v, attention_mask) for k, v in context_kv]
+        )
+
+    def forward_with_attention(
+        self, block_hidden: torch.Tensor, block_positions: torch.Tensor, attends: list[BlockAttention]
+    ) -> torch.Tensor:
+        """[B, S, H] final-normed block states, each layer's attention over its context given as a function."""
         cos, sin = self.rotary.cos_sin(block_positions, block_hidden.dtype)
         h = block_hidden
-        for layer, (k, v) in zip(self.layers, context_kv):
-            h = layer(h, k, v, cos, sin, attention_mask)
+        for layer, attend in zip(self.layers, attends, strict=True):
+            h = layer(h, cos, sin, attend)
         return self.norm(h)
 
     def forward(
