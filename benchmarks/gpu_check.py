@@ -1,0 +1,172 @@
+"""The GPU paths in one prepared run, for a session lent a GPU (nothing here has run on one yet): run it as one
+command, then read its table and JSON.
+
+    python benchmarks/gpu_check.py --out gpu_check.json                 # CUDA (the default device)
+    python benchmarks/gpu_check.py --device cpu --quick --out x.json    # the same checks on a CPU, small
+
+Rows (each with its number; `ok` / `FAILED` where there is a right answer):
+1. runner, float32: a packed verify batch of trees (requests' KV regions out of order, gaps between them):
+   FlexAttention (compiled on CUDA) against SDPA, max |logit difference| and equal argmax;
+2. engine, float32: greedy outputs of `ddtree` (auto, and B = 16) identical to `off` on evaluation prompts;
+3. engine, bfloat16 (CUDA only): the share of outputs identical to `off` (near-ties may differ);
+4. tokens/s of off, auto and B = 16 at 1 and at --concurrency requests, with the round's split (draft, tree,
+   verify, accept ms per round) and tau;
+5. device syncs per engine round (CUDA only): `torch.cuda.set_sync_debug_mode("warn")` over a few rounds, the
+   warnings counted by file:line (the ten most frequent are listed in the JSON);
+6. peak device memory (CUDA only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import time
+import warnings
+from pathlib import Path
+
+
+def runner_flex_vs_sdpa(device: str, rows: list) -> None:
+    import torch
+
+    from ddtree.models.default import default_target_dir
+    from ddtree.models.target import TargetModel
+    from ddtree.packing import pack
+    from ddtree.tree import build_tree
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in (300, 7, 129, 1000)]
+    logprobs = [torch.log_softmax(torch.randn(8, 49152, generator=g), -1) for _ in prompts]
+    results = []
+    for attention in ("sdpa", "flex"):
+        runner = TargetModel.load(default_target_dir(), device=device, dtype=torch.float32, attention=attention)
+        seq_ids = list(range(len(prompts)))
+        for s in reversed(seq_ids):  # regions in reverse order, with free slots between them
+            runner.kv.allocate(100 + s, 37)
+            runner.kv.allocate(s, len(prompts[s]) + 256)
+        for s in seq_ids:
+            runner.kv.free(100 + s)
+        runner.prefill(seq_ids, prompts)
+        trees = [build_tree(lp, b).to(device) for lp, b in zip(logprobs, (64, 0, 130, 16))]
+        packed = pack(trees, [1] * len(prompts), [len(p) for p in prompts], device=device)
+        start = time.perf_counter()
+        logits, _ = runner.verify(seq_ids, packed)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        results.append((logits.float().cpu(), time.perf_counter() - start))
+    diff = float((results[0][0] - results[1][0]).abs().max())
+    same = bool(torch.equal(results[0][0].argmax(-1), results[1][0].argmax(-1)))
+    rows.append(("runner: flex vs sdpa verify, float32, max abs logit difference", f"{diff:.2e}",
+                 "ok" if diff < 1e-3 and same else "FAILED"))
+    rows.append(("runner: first flex verify seconds (compile included)", f"{results[1][1]:.2f}", ""))
+
+
+def run_engine(llm, prompts, params, concurrency: int) -> tuple[list, float]:
+    outputs, start = [], time.perf_counter()
+    for i in range(0, len(prompts), concurrency):
+        outputs += llm.chat([[{"role": "user", "content": p}] for p in prompts[i : i + concurrency]], params)
+    return outputs, time.perf_counter() - start
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", required=True, help="JSON file for every number")
+    parser.add_argument("--quick", action="store_true", help="2 prompts per category, 16 tokens (a smoke run)")
+    parser.add_argument("--concurrency", type=int, default=16)
+    args = parser.parse_args()
+
+    import torch
+
+    from ddtree import LLM, SamplingParams
+    from ddtree.training.prompts import load_eval_prompts
+
+    is_cuda = args.device.startswith("cuda")
+    warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")  # the CPU's eager path
+    per_category, max_tokens = (2, 16) if args.quick else (6, 96)
+    prompts = [p for c in ("code", "math", "chat") for p in load_eval_prompts(c)[:per_category]]
+    params = SamplingParams(max_tokens=max_tokens, temperature=0)
+    rows: list[tuple[str, str, str]] = []
+    report: dict = {"device": args.device, "torch": torch.__version__, "prompts": len(prompts),
+                    "max_tokens": max_tokens}
+    if is_cuda:
+        report["gpu"] = torch.cuda.get_device_name()
+
+    runner_flex_vs_sdpa(args.device, rows)
+
+    # 2. lossless in float32
+    reference = None
+    for name, kwargs in (("off", {"speculation": "off"}), ("auto", {}), ("B=16", {"budget": 16})):
+        llm = LLM(device=args.device, dtype="float32", **kwargs)
+        outputs, _ = run_engine(llm, prompts, params, args.concurrency)
+        texts = [o.token_ids for o in outputs]
+        if reference is None:
+            reference = texts
+        else:
+            num_same = sum(a == b for a, b in zip(texts, reference))
+            rows.append((f"engine float32: {name} outputs identical to off", f"{num_same}/{len(texts)}",
+                         "ok" if num_same == len(texts) else "FAILED"))
+        del llm
+
+    # 3.-6. bfloat16 on CUDA (the serving dtype), float32 on a CPU
+    dtype = "bfloat16" if is_cuda else "float32"
+    if is_cuda:
+        torch.cuda.reset_peak_memory_stats()
+    reference, speeds = None, {}
+    for name, kwargs in (("off", {"speculation": "off"}), ("auto", {}), ("B=16", {"budget": 16})):
+        llm = LLM(device=args.device, dtype=dtype, max_num_seqs=max(args.concurrency, 1), **kwargs)
+        run_engine(llm, prompts[:2], SamplingParams(max_tokens=8), 2)  # warm-up (compiles)
+        for concurrency in (1, args.concurrency):
+            before = dict(llm.engine.timings.as_dict())
+            outputs, seconds = run_engine(llm, prompts, params, concurrency)
+            after = llm.engine.timings.as_dict()
+            rounds = max(after["num_rounds"] - before["num_rounds"], 1)
+            split = {k: 1000 * (after[k] - before[k]) / rounds for k in ("draft", "tree", "verify", "accept")}
+            taus = [t for o in outputs for t in o.stats.acceptance_lengths]
+            num_tokens = sum(len(o.token_ids) for o in outputs)
+            speeds[(name, concurrency)] = num_tokens / seconds
+            report[f"{name} x{concurrency}"] = {"tokens_per_s": num_tokens / seconds, "ms_per_round": split,
+                                                "tau": sum(taus) / len(taus) if taus else None}
+            rows.append((f"{dtype} {name}, {concurrency} concurrent: tokens/s (x off)",
+                         f"{num_tokens / seconds:.1f} ({num_tokens / seconds / speeds[('off', concurrency)]:.2f}x)",
+                         "draft/tree/verify/accept ms per round " + "/".join(f"{v:.1f}" for v in split.values())))
+            if concurrency == 1:
+                if reference is None:
+                    reference = [o.token_ids for o in outputs]
+                elif is_cuda:
+                    num_same = sum(o.token_ids == r for o, r in zip(outputs, reference))
+                    rows.append((f"engine bfloat16: {name} outputs identical to off", f"{num_same}/{len(outputs)}",
+                                 ""))
+        if is_cuda and name == "auto":  # 5. syncs per round
+            rounds_before = llm.engine.timings.num_rounds
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    run_engine(llm, prompts[: args.concurrency], params, args.concurrency)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+            rounds = max(llm.engine.timings.num_rounds - rounds_before, 1)
+            sites = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught
+                                        if "synchroniz" in str(w.message))
+            report["syncs_per_round"] = sum(sites.values()) / rounds
+            report["sync_sites"] = sites.most_common(10)
+            rows.append((f"device syncs per round ({args.concurrency} requests, auto)",
+                         f"{sum(sites.values()) / rounds:.0f}", ""))
+        del llm
+    if is_cuda:
+        report["max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30
+        rows.append(("peak device memory GB", f"{report['max_memory_allocated_gb']:.2f}", ""))
+
+    report["rows"] = rows
+    Path(args.out).write_text(json.dumps(report, indent=1, default=str))
+    print("| check | value | |")
+    print("|---|---|---|")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
+    return 1 if any(status == "FAILED" for _, _, status in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
