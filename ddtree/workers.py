@@ -212,12 +212,14 @@ class TargetWorker:
             tokens = self._target_tokens(request_ids, logits, packed.seq_index, packed.position_ids)
             result = accept(packed, tokens)  # the round's one host sync
             logit_rows = result.accepted_packed
-        for r, (rid, seq_id) in enumerate(zip(request_ids, seq_ids)):
-            start = packed.query_starts[r]
-            kept = result.accepted_packed[r]  # the root and the accepted nodes: they produced the committed tokens
-            self.model.commit(seq_id, [p - start for p in kept])
-            if self.keep_features:
-                self._pending_features[rid].append(features[kept])
+        # Each request keeps the root and its accepted nodes (they produced the committed tokens): KV entries and
+        # features, for all requests at once
+        kept = result.accepted_packed
+        self.model.commit_many(seq_ids, [[p - packed.query_starts[r] for p in k] for r, k in enumerate(kept)])
+        if self.keep_features:
+            rows = torch.tensor([p for k in kept for p in k], dtype=torch.int64).to(features.device)
+            for rid, f in zip(request_ids, features.index_select(0, rows).split([len(k) for k in kept])):
+                self._pending_features[rid].append(f)
         logprobs = raw_logprobs(logits, tokens, logit_rows, [self._params[rid].logprobs for rid in request_ids])
         t2 = time.perf_counter()
         return VerifyResult(result.accepted_token_ids, result.bonus_token_ids, packed.num_tokens, t1 - t0, t2 - t1,

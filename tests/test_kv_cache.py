@@ -58,6 +58,41 @@ def test_commit_moves_kept_entries_contiguously():
     assert torch.equal(k1[0, :, 0], other)
 
 
+def test_commit_many_equals_one_commit_per_request_and_checks_all_first():
+    """A verify pass's commit for every request in one copy: the same pool and counts as one commit per request
+    (regions adjacent, so the moves of neighbours would collide if the copy were not gathered first); a bad keep
+    list for any request commits none of them."""
+    keeps = {1: [0, 2, 5], 2: [0, 1, 2], 3: [0], 4: [0, 3]}
+    caches = [make_cache(100), make_cache(100)]
+    for cache in caches:
+        for seq_id in keeps:
+            cache.allocate(seq_id, 20)
+            fill_scratch(cache, seq_id, 3)
+            cache.commit_all(seq_id)
+            fill_scratch(cache, seq_id, 6)
+    for seq_id, keep in keeps.items():
+        caches[0].commit(seq_id, keep)
+    before = caches[1].pool.clone()
+    written = torch.zeros(100, dtype=torch.bool)
+    for seq_id in keeps:
+        written[caches[1].handle(seq_id).slot_start : caches[1].handle(seq_id).slot_start + 9] = True
+    with pytest.raises(ValueError, match="increasing"):
+        caches[1].commit_many(list(keeps), [keeps[1], keeps[2], [3, 1], keeps[4]])
+    with pytest.raises(ValueError, match="twice"):
+        caches[1].commit_many([1, 1], [[0], [0]])
+    assert torch.equal(caches[1].pool[..., written, :], before[..., written, :])
+    assert all(caches[1].handle(s).num_committed == 3 and caches[1].handle(s).num_scratch == 6 for s in keeps)
+    caches[1].commit_many(list(keeps), list(keeps.values()))
+    for seq_id in keeps:  # the 9 slots written in each region (the others were never written)
+        start = caches[1].handle(seq_id).slot_start
+        assert torch.equal(caches[1].pool[..., start : start + 9, :], caches[0].pool[..., start : start + 9, :])
+    for seq_id, keep in keeps.items():
+        h = caches[1].handle(seq_id)
+        assert (h.num_committed, h.num_scratch) == (3 + len(keep), 0)
+        expected = torch.tensor(keep, dtype=torch.float64) + 300
+        assert torch.equal(caches[1].keys_values(seq_id, 1, h.num_committed)[0][0, 3:, 0], expected)
+
+
 def test_commit_validation_and_overflow():
     cache = make_cache(100)
     cache.allocate(0, 10)

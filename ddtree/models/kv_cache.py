@@ -193,24 +193,41 @@ class KVCache:
     def commit(self, seq_id: int, keep_local_indices) -> None:
         """Keep the scratch entries at `keep_local_indices` (increasing, relative to the scratch start), moved to
         be contiguous after the committed entries; drop the other scratch entries."""
-        h = self.handle(seq_id)
-        keep = torch.as_tensor(keep_local_indices, dtype=torch.int64).flatten()
-        num_keep = keep.numel()
-        if num_keep:
-            keep_list = keep.tolist()
-            if keep_list[0] < 0 or keep_list[-1] >= h.num_scratch or any(
+        self.commit_many([seq_id], [keep_local_indices])
+
+    def commit_many(self, seq_ids: list[int], keep_local_indices: list) -> None:
+        """`commit` for several requests: every request's moved entries in one copy (a verify pass commits all its
+        requests; one indexed copy per request was a device round trip each on a GPU). All are checked first."""
+        if len(seq_ids) != len(keep_local_indices):
+            raise ValueError(f"{len(seq_ids)} requests but {len(keep_local_indices)} keep lists")
+        plans = []
+        for seq_id, keep in zip(seq_ids, keep_local_indices):
+            h = self.handle(seq_id)
+            keep_list = [int(i) for i in torch.as_tensor(keep, dtype=torch.int64).flatten().tolist()]
+            if keep_list and (keep_list[0] < 0 or keep_list[-1] >= h.num_scratch or any(
                 b <= a for a, b in zip(keep_list, keep_list[1:])
-            ):
+            )):
                 raise ValueError(
                     f"keep_local_indices must be increasing in [0, {h.num_scratch}), got {keep_list}"
                 )
+            plans.append((h, keep_list))
+        if len({h.seq_id for h, _ in plans}) != len(plans):
+            raise ValueError("a request appears twice in one commit")
+        sources: list[int] = []
+        targets: list[int] = []
+        for h, keep_list in plans:
             base = h.slot_start + h.num_committed
-            if keep_list != list(range(num_keep)):
-                src = (keep + base).to(self.device)
-                # Advanced indexing on the right copies first, so overlapping source and target are safe.
-                self.pool[:, :, :, base : base + num_keep] = self.pool[:, :, :, src]
-        h.num_committed += num_keep
-        h.num_scratch = 0
+            if keep_list != list(range(len(keep_list))):  # entries to move down (moves within disjoint regions)
+                sources += [base + i for i in keep_list]
+                targets += range(base, base + len(keep_list))
+        if sources:
+            src = torch.tensor(sources, dtype=torch.int64).to(self.device)
+            dst = torch.tensor(targets, dtype=torch.int64).to(self.device)
+            # Advanced indexing on the right copies first, so overlapping source and target are safe.
+            self.pool[:, :, :, dst] = self.pool[:, :, :, src]
+        for h, keep_list in plans:
+            h.num_committed += len(keep_list)
+            h.num_scratch = 0
 
     def commit_all(self, seq_id: int) -> None:
         """Keep every scratch entry (prefill and plain decode)."""

@@ -479,6 +479,10 @@ class TargetModel:
         """After verify: keep the given segment entries (root + accepted path), contiguous; drop the rest."""
         self.kv.commit(seq_id, keep_local_indices)
 
+    def commit_many(self, seq_ids: list[int], keep_local_indices: list) -> None:
+        """`commit` for every request of a verify pass, in one copy of the moved entries."""
+        self.kv.commit_many(seq_ids, keep_local_indices)
+
     def free(self, seq_id: int) -> bool:
         return self.kv.free(seq_id)
 
