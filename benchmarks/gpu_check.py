@@ -6,7 +6,8 @@ command, then read its table and JSON.
 
 Rows (each with its number; `ok` / `FAILED` where there is a right answer):
 1. runner, float32: a packed verify batch of trees (requests' KV regions out of order, gaps between them):
-   FlexAttention (compiled on CUDA) against SDPA, max |logit difference| and equal argmax;
+   FlexAttention (compiled on CUDA) against SDPA, max |logit difference| and equal argmax; the drafter's two
+   attention mechanisms timed (per request in place, one padded batch);
 2. engine, float32: greedy outputs of `ddtree` (auto, and B = 16) identical to `off` on evaluation prompts;
 3. engine, bfloat16 (CUDA only): the share of outputs identical to `off` (near-ties may differ);
 4. tokens/s of off, auto and B = 16 at 1 and at --concurrency requests, with the round's split (draft, tree,
@@ -62,6 +63,30 @@ def runner_flex_vs_sdpa(device: str, rows: list) -> None:
     rows.append(("runner: first flex verify seconds (compile included)", f"{results[1][1]:.2f}", ""))
 
 
+def drafter_attention_modes(device: str, concurrency: int, rows: list) -> None:
+    """Draft forward ms, the block attending per request in place (the CPU's choice) or in one padded batch (the
+    GPU's choice: one kernel per layer, not one per request; chosen by launch count, not measured)."""
+    import torch
+
+    from ddtree.workers import build_workers
+
+    _, worker, _ = build_workers(device=device)
+    drafter = worker.drafter
+    ids = [f"r{i}" for i in range(concurrency)]
+    drafter.add_contexts(ids, [torch.randn(500 + 7 * i, drafter.config.num_target_features) for i in range(len(ids))])
+    times = {}
+    for in_place in (True, False, True, False):
+        drafter.attends_in_place = in_place
+        start = time.perf_counter()
+        for _ in range(5):
+            drafter.draft(ids, [1] * len(ids), 64)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        times[in_place] = min(times.get(in_place, float("inf")), (time.perf_counter() - start) / 5)
+    rows.append((f"drafter: draft ms at {concurrency} requests of ~500 tokens, in place / padded",
+                 f"{1000 * times[True]:.2f} / {1000 * times[False]:.2f}", ""))
+
+
 def run_engine(llm, prompts, params, concurrency: int) -> tuple[list, float]:
     outputs, start = [], time.perf_counter()
     for i in range(0, len(prompts), concurrency):
@@ -94,6 +119,7 @@ def main() -> int:
         report["gpu"] = torch.cuda.get_device_name()
 
     runner_flex_vs_sdpa(args.device, rows)
+    drafter_attention_modes(args.device, args.concurrency, rows)
 
     # 2. lossless in float32
     reference = None

@@ -38,7 +38,7 @@ from typing import Hashable
 import torch
 import torch.nn.functional as F
 
-from ddtree.models.dflash import DFlashConfig, DFlashDraftModel, load_dflash, load_draft_vocab
+from ddtree.models.dflash import DFlashConfig, DFlashDraftModel, attend_with_context, load_dflash, load_draft_vocab
 
 MIN_CONTEXT_CAPACITY = 64
 
@@ -85,6 +85,9 @@ class DFlashDrafter:
         self.device = device
         self.dtype = dtype
         self.block_len = config.block_size - 1
+        # The block's attention: per request over its cache in place on a CPU (measured faster at every size,
+        # docs/engine.md); one padded batch elsewhere (one kernel per layer rather than one per request)
+        self.attends_in_place = device.type == "cpu"
         self._contexts: dict[Hashable, _Context] = {}
         self.draft_token_ids: torch.Tensor | None = None  # [Vd] int64 target token ids; None: the full vocabulary
         # [H, Vd], a copy of those columns of the target's head (a PanelLinear of it with the native ops)
@@ -151,7 +154,7 @@ class DFlashDrafter:
             raise ValueError("a request appears twice in one context extension")
         width = self.config.num_target_features
         for f in features:
-            if f.dim() != 2 or f.shape[1] != width:
+            if f.dim() != 2 or (f.shape[0] and f.shape[1] != width):  # no rows: nothing to add, any width
                 raise ValueError(f"features must be [n, {width}], got {tuple(f.shape)}")
         # Per request with new tokens: its positions on the host (given, or the next ones: no device sync).
         new: list[tuple[Hashable, torch.Tensor, torch.Tensor]] = []
@@ -166,14 +169,14 @@ class DFlashDrafter:
                     raise ValueError(f"{f.shape[0]} features but {pos.numel()} positions")
             if f.shape[0]:
                 new.append((seq_id, f, pos))
-        for seq_id, f in zip(seq_ids, features):
+        layers_kv = []
+        if new:
+            rows = torch.cat([f.to(self.device, self.dtype) for _, f, _ in new]).unsqueeze(0)  # [1, T, F]
+            context = self.model.project_context(rows)  # [1, T, H]
+            layers_kv = self.model.context_kv(context, torch.cat([p for _, _, p in new]).to(self.device).unsqueeze(0))
+        for seq_id, f in zip(seq_ids, features):  # after the projection: a failure there adds nothing
             if seq_id not in self._contexts:
                 self.add_request(seq_id, max(MIN_CONTEXT_CAPACITY, 2 * f.shape[0]))
-        if not new:
-            return
-        rows = torch.cat([f.to(self.device, self.dtype) for _, f, _ in new]).unsqueeze(0)  # [1, T, F]
-        context = self.model.project_context(rows)  # [1, T, H]
-        layers_kv = self.model.context_kv(context, torch.cat([p for _, _, p in new]).to(self.device).unsqueeze(0))
         offset = 0
         for seq_id, f, pos in new:
             ctx, n = self._contexts[seq_id], f.shape[0]
@@ -205,9 +208,12 @@ class DFlashDrafter:
         starts = torch.tensor([c.next_position for c in contexts], dtype=torch.int64)
         block_positions = (starts.unsqueeze(1) + torch.arange(block)).to(self.device)  # [R, S]
         block_hidden = self.target.embed(ids.to(self.device)).to(self.dtype)  # [R, S, H]
-        for c in contexts:
-            self._ensure_capacity(c, c.length + block)  # room for the block's keys/values after the context
-        attends = [self._cached_attention(layer, contexts) for layer in range(self.config.num_hidden_layers)]
+        if self.attends_in_place:
+            for c in contexts:
+                self._ensure_capacity(c, c.length + block)  # room for the block's keys/values after the context
+            attends = [self._cached_attention(layer, contexts) for layer in range(self.config.num_hidden_layers)]
+        else:
+            attends = self._padded_attention(contexts)
         h = self.model.forward_with_attention(block_hidden, block_positions, attends)  # [R, S, H]
         hidden = h[:, 1:].to(self.target.dtype)  # [R, L, H]
         if self._draft_lm_head is None:
@@ -223,6 +229,26 @@ class DFlashDrafter:
         if self.draft_token_ids is None:
             return top.values, top.indices
         return top.values, self.draft_token_ids[top.indices]  # draft-vocab positions -> target token ids
+
+    def _padded_attention(self, contexts: list[_Context]) -> list:
+        """Per layer, the block's attention over the requests' contexts copied into one padded batch ([R, C_max]
+        keys, masked where a context is shorter): one attention call per layer, where `_cached_attention` makes
+        one per request (a GPU would launch R small kernels per layer; not measured on one)."""
+        lengths = [c.length for c in contexts]
+        max_len, cfg = max(lengths), self.config
+        padded = torch.zeros(cfg.num_hidden_layers, 2, len(contexts), cfg.num_key_value_heads, max_len, cfg.head_dim,
+                             device=self.device, dtype=self.dtype)  # [L, 2, R, kv_heads, C_max, head_dim]
+        for r, c in enumerate(contexts):
+            padded[:, :, r, :, : c.length] = c.kv[:, :, :, : c.length]
+        mask = None
+        if min(lengths) != max_len:
+            block = cfg.block_size
+            cols = torch.arange(max_len + block, device=self.device)
+            lens = torch.tensor(lengths, device=self.device).view(-1, 1)
+            visible = (cols.unsqueeze(0) < lens) | (cols.unsqueeze(0) >= max_len)  # [R, C_max + S]
+            mask = visible.unsqueeze(1).expand(len(contexts), block, max_len + block)
+        keys_values = padded.transpose(3, 4)  # [L, 2, R, C_max, kv_heads, head_dim]
+        return [attend_with_context(keys_values[i, 0], keys_values[i, 1], mask) for i in range(cfg.num_hidden_layers)]
 
     def _cached_attention(self, layer: int, contexts: list[_Context]):
         """The block's attention for one layer, per request over its cache read in place: the block's keys/values

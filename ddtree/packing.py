@@ -6,11 +6,15 @@ attend to the request's first num_cached[r] cached entries, to its ancestors in 
 other branches or other requests.
 
 Two mask forms: dense boolean masks per request (PyTorch SDPA, the reference), and ancestor bitmasks with a
-mask function over a flat packed key/value layout (FlexAttention).
+mask function and a block list over one key/value tensor holding each request's keys at an offset (FlexAttention):
+the compact layout (requests one after another), or the runner's KV pool read in place (regions in any order,
+free slots between them).
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import math
 from dataclasses import dataclass
 
@@ -20,6 +24,13 @@ from ddtree.tree import DraftTree
 
 BITS_PER_WORD = 64
 FLEX_BLOCK_SIZE = 128  # FlexAttention's default tile: queries and keys in blocks of 128
+
+
+@functools.cache
+def _has_compute_q_blocks() -> bool:
+    from torch.nn.attention.flex_attention import BlockMask
+
+    return "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters
 
 
 @dataclass
@@ -89,25 +100,21 @@ class PackedBatch:
         """A FlexAttention mask_mod over queries = packed tokens and keys = the layout of `key_layout`."""
         device = self.input_ids.device
         offsets, num_keys = self.key_layout(kv_offsets, num_keys)
-        kv_seq = torch.full((num_keys,), -1, dtype=torch.int64)  # the request owning each key; -1: none
-        for r, o in enumerate(offsets):
-            kv_seq[o : o + self.num_cached[r] + self.segment_len(r)] = r
-        kv_seq = kv_seq.to(device)
         kv_start = torch.tensor(offsets, device=device)  # [R]
         num_cached = torch.tensor(self.num_cached, device=device)  # [R]
+        kv_end = kv_start + num_cached + torch.tensor(self.query_starts[1:], device=device) \
+            - torch.tensor(self.query_starts[:-1], device=device)  # [R]: its keys are kv_start..kv_end - 1
         seq_index, bits = self.seq_index, self.ancestor_bits
         num_words = bits.shape[1]
 
         def mask_mod(b, h, q_idx, kv_idx):
-            r_q = seq_index[q_idx]
-            r_kv = kv_seq[kv_idx]
-            r_owner = r_kv.clamp(min=0)
-            local = kv_idx - kv_start[r_owner] - num_cached[r_owner]  # segment offset of the key; < 0: cached
-            in_cache = local < 0
+            r = seq_index[q_idx]  # the query's request: only its own keys may be seen
+            local = kv_idx - kv_start[r] - num_cached[r]  # segment offset of the key; < 0: a cached entry
+            is_own = (kv_idx >= kv_start[r]) & (kv_idx < kv_end[r])
             j = local.clamp(min=0)
             word = bits[q_idx, (j // BITS_PER_WORD).clamp(max=num_words - 1)]
             is_ancestor = ((word >> (j % BITS_PER_WORD)) & 1) == 1
-            return (r_q == r_kv) & (in_cache | is_ancestor)
+            return is_own & ((local < 0) | is_ancestor)
 
         return mask_mod
 
@@ -157,10 +164,11 @@ class PackedBatch:
 
         kv_num_blocks, kv_indices = as_tensors(partial)
         full_kv_num_blocks, full_kv_indices = as_tensors(full)
+        # the transposed index serves the backward pass only (torch >= 2.7 can skip it)
+        skip_q_blocks = {"compute_q_blocks": False} if _has_compute_q_blocks() else {}
         return BlockMask.from_kv_blocks(
             kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, BLOCK_SIZE=block_size,
-            mask_mod=self.flex_mask_mod(offsets, num_keys), seq_lengths=(self.num_tokens, num_keys),
-            compute_q_blocks=False,  # the transposed index serves the backward pass only
+            mask_mod=self.flex_mask_mod(offsets, num_keys), seq_lengths=(self.num_tokens, num_keys), **skip_q_blocks,
         )
 
 

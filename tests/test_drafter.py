@@ -35,9 +35,12 @@ def reference_logprobs(drafter, features, last_token, start_position):
         return torch.log_softmax(drafter.target.project_logits(h[0, 1:]), dim=-1)
 
 
-def test_draft_equals_generic_forward_on_full_context(pair):
+@pytest.mark.parametrize("in_place", [True, False])
+def test_draft_equals_generic_forward_on_full_context(pair, in_place):
+    """Both attention mechanisms: per request over its cache in place (CPUs), one padded batch (GPUs)."""
     target, drafter_dir = pair
     drafter = DFlashDrafter.load(drafter_dir, target)
+    drafter.attends_in_place = in_place
     assert drafter.block_len == 4
     gen = torch.Generator().manual_seed(0)
     lengths = [9, 3, 14]
@@ -114,6 +117,9 @@ def test_contexts_of_several_requests_in_one_projection(pair):
             batched.add_contexts(["a", "e"], bad)
     with pytest.raises(ValueError, match="twice"):
         batched.add_contexts(["a", "a"], [torch.zeros(1, 128, dtype=torch.float64)] * 2)
+    batched.add_contexts(["a", "f"], [torch.zeros(0, 0), torch.zeros(0, 128)])  # no rows (the actors' empty pick)
+    assert batched.context_len("f") == 0 and batched.context_len("a") == lengths["a"]
+    batched.free("f")
     with pytest.raises(ValueError, match="positions"):
         batched.add_contexts(["a", "c"], [torch.zeros(1, 128, dtype=torch.float64)] * 2, [None, [1, 2]])
     assert {s: batched.context_len(s) for s in ("a", "c")} == lengths

@@ -18,6 +18,9 @@ Public API:
       .forward(block_hidden [B, S, H], context [B, C, H], block_positions [B, S], context_positions [B, C],
                attention_mask [B, S, C + S] bool or None) -> [B, S, H] (after the final norm)
       .forward_with_context_kv(block_hidden, context_kv, block_positions, attention_mask) -> [B, S, H]
+      .forward_with_attention(block_hidden, block_positions, attends: one per layer) -> [B, S, H]
+    attend_with_context(context_k, context_v, attention_mask) -> a layer's attention function (BlockAttention:
+        (q [B, S, heads, head_dim], block k, v [B, S, kv_heads, head_dim]) -> [B, S, heads, head_dim])
     save_dflash(model, config, path, dtype=torch.bfloat16)   config.json + model.safetensors
     load_dflash(path, device="cpu", dtype=torch.float32) -> (config, model)
     build_target_layer_ids(num_target_layers, num_draft_layers) -> list[int]

@@ -695,9 +695,11 @@ class TargetModel:
                 # dynamo compiles a variant for each such pattern (4 over 40 varied batches in a CPU check:
                 # benchmarks/check_flex_recompiles.py). Past its limit (8) it would run flex_attention eagerly,
                 # materialising every score of the batch: a variant more costs one compile, that costs memory.
-                import torch._dynamo
+                import torch._dynamo as dynamo
 
-                torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, FLEX_RECOMPILE_LIMIT)
+                # `recompile_limit` since torch 2.7, `cache_size_limit` before
+                name = "recompile_limit" if hasattr(dynamo.config, "recompile_limit") else "cache_size_limit"
+                setattr(dynamo.config, name, max(getattr(dynamo.config, name), FLEX_RECOMPILE_LIMIT))
                 self._flex = torch.compile(flex_attention, dynamic=True)
             else:
                 self._flex = flex_attention
