@@ -27,10 +27,11 @@ FLEX_BLOCK_SIZE = 128  # FlexAttention's default tile: queries and keys in block
 
 
 @functools.cache
-def _has_compute_q_blocks() -> bool:
+def _from_kv_blocks_parameters() -> frozenset[str]:
+    """What this torch's `BlockMask.from_kv_blocks` takes (`seq_lengths` since 2.6, `compute_q_blocks` later)."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    return "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters
+    return frozenset(inspect.signature(BlockMask.from_kv_blocks).parameters)
 
 
 @dataclass
@@ -128,9 +129,12 @@ class PackedBatch:
         directly. A query block holding requests r_lo..r_hi can only see keys of those requests: the blocks
         covering their key ranges. Its key blocks are full (no mask evaluated) where the query block holds one
         request and the key block lies inside that request's cached entries, which every token of it sees."""
-        from torch.nn.attention.flex_attention import BlockMask
+        from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
         offsets, num_keys = self.key_layout(kv_offsets, num_keys)
+        if "seq_lengths" not in _from_kv_blocks_parameters():  # an older torch: the grid evaluation (exact, slow)
+            return create_block_mask(self.flex_mask_mod(offsets, num_keys), None, None, self.num_tokens, num_keys,
+                                     device=str(self.input_ids.device), BLOCK_SIZE=block_size)
         num_q_blocks = max(1, -(-self.num_tokens // block_size))
         num_kv_blocks = max(1, -(-num_keys // block_size))
         partial: list[list[int]] = []
@@ -165,7 +169,7 @@ class PackedBatch:
         kv_num_blocks, kv_indices = as_tensors(partial)
         full_kv_num_blocks, full_kv_indices = as_tensors(full)
         # the transposed index serves the backward pass only (torch >= 2.7 can skip it)
-        skip_q_blocks = {"compute_q_blocks": False} if _has_compute_q_blocks() else {}
+        skip_q_blocks = {"compute_q_blocks": False} if "compute_q_blocks" in _from_kv_blocks_parameters() else {}
         return BlockMask.from_kv_blocks(
             kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, BLOCK_SIZE=block_size,
             mask_mod=self.flex_mask_mod(offsets, num_keys), seq_lengths=(self.num_tokens, num_keys), **skip_q_blocks,

@@ -222,3 +222,16 @@ def test_compiled_flex_attention_with_the_layout_block_mask_equals_sdpa() -> Non
     block_mask = packed.flex_block_mask(kv_offsets=[o - 50 for o in offsets], num_keys=end - 50)
     out = flex(q, view[0], view[1], block_mask=block_mask, enable_gqa=True)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_flex_block_mask_on_a_torch_without_from_kv_blocks_lengths(monkeypatch) -> None:
+    """A torch whose from_kv_blocks takes no seq_lengths (before 2.6): the mask evaluated over the grid, same mask."""
+    import ddtree.packing as packing
+
+    g = torch.Generator().manual_seed(8)
+    trees = [build_tree(torch.log_softmax(torch.randn(5, 20, generator=g), -1), b) for b in (30, 0, 12)]
+    packed = pack(trees, [1, 2, 3], [40, 3, 0])
+    layout = {"kv_offsets": [60, 0, 20], "num_keys": 150}
+    expected = mask_from_blocks(packed.flex_block_mask(16, **layout), packed.num_tokens, 150)
+    monkeypatch.setattr(packing, "_from_kv_blocks_parameters", lambda: frozenset())
+    assert torch.equal(mask_from_blocks(packed.flex_block_mask(16, **layout), packed.num_tokens, 150), expected)
