@@ -451,7 +451,7 @@ class Engine:
                 trees = chain_trees_from_topk(topk_logprobs, topk_token_ids, lengths)
             else:
                 trees = _build_depth_capped_trees(topk_logprobs, topk_token_ids, plan.max_budgets, max_depths)
-            proposed = self._proposed_trees(trees)
+            proposed, trees = self._proposed_trees(trees)  # the trees now on the host, as the policy reads them
         chains: dict[str, list[int]] = {}
         if self.ngram_tokens:
             for rid in list(plan.speculative_ids) + list(ngram_candidates):
@@ -461,9 +461,9 @@ class Engine:
         if not allocation.request_ids:
             return drafted
         for i, (rid, tree, n) in enumerate(zip(allocation.request_ids, allocation.trees, allocation.counts)):
+            # On the host: the target worker packs the round's trees there and uploads the batch once
             if tree.is_rebuilt:  # a chain merged into a drafted tree, or a chain alone: new tensors
-                device = trees[i].token_ids.device if i < len(trees) else "cpu"  # (the target moves them to its own)
-                kept = _truncate(self._tree_tensors(tree, device), n)
+                kept = _truncate(self._tree_tensors(tree, "cpu"), n)
             else:
                 kept = _truncate(trees[i], n)
             if i < allocation.num_drafted:
@@ -474,23 +474,29 @@ class Engine:
         self.timings.tree += time.perf_counter() - t1
         return drafted
 
-    def _proposed_trees(self, trees: list[DraftTree]) -> list[ProposedTree]:
-        """The trees as plain lists for the budget policy, in one host sync per round: node probabilities (and, to
-        merge n-gram chains, tokens and parents; token ids are exact in float64)."""
-        columns = [torch.cat([t.path_logprobs for t in trees]).exp().double()]
-        if self.ngram_tokens:
-            columns += [torch.cat([t.token_ids for t in trees]).double(), torch.cat([t.parents for t in trees]).double()]
-        host = torch.stack(columns).tolist()
-        proposed, start = [], 0
+    def _proposed_trees(self, trees: list[DraftTree]) -> tuple[list[ProposedTree], list[DraftTree]]:
+        """The trees as plain lists for the budget policy (node probabilities and, to merge n-gram chains, tokens and
+        parents; token ids are exact in float64), and as host tensors (views of one copy): one device read per
+        round for both."""
+        logprobs = torch.cat([t.path_logprobs for t in trees])
+        host = torch.stack([logprobs.exp().double(), logprobs.double()]
+                           + [torch.cat([getattr(t, f) for t in trees]).double()
+                              for f in ("token_ids", "parents", "depths")]).cpu()  # [5, nodes]
+        columns = host[[0, 2, 3]].tolist() if self.ngram_tokens else [host[0].tolist()]
+        ids = host[2:].long()
+        path_logprobs = host[1].to(logprobs.dtype)
+        proposed, host_trees, start = [], [], 0
         for t in trees:
             end = start + t.num_nodes
             if self.ngram_tokens:
-                proposed.append(ProposedTree(host[0][start:end], [int(x) for x in host[1][start:end]],
-                                             [int(x) for x in host[2][start:end]]))
+                proposed.append(ProposedTree(columns[0][start:end], [int(x) for x in columns[1][start:end]],
+                                             [int(x) for x in columns[2][start:end]]))
             else:
-                proposed.append(ProposedTree(host[0][start:end]))
+                proposed.append(ProposedTree(columns[0][start:end]))
+            host_trees.append(DraftTree(ids[0, start:end], ids[1, start:end], ids[2, start:end],
+                                        path_logprobs[start:end]))
             start = end
-        return proposed
+        return proposed, host_trees
 
     @staticmethod
     def _tree_tensors(tree: ProposedTree, device) -> DraftTree:

@@ -13,6 +13,7 @@ free slots between them).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import math
@@ -49,6 +50,16 @@ class PackedBatch:
     @property
     def num_tokens(self) -> int:
         return self.query_starts[-1]
+
+    def to(self, device: torch.device | str) -> "PackedBatch":
+        """The batch on `device` in two copies (its six per-token rows stacked, and the ancestor bits): a batch
+        packed on the host, where its sizes are known without a device read, then uploaded once."""
+        device = torch.device(device)
+        if self.input_ids.device == device:
+            return self
+        names = ("input_ids", "position_ids", "seq_index", "node_index", "local_parents", "depths")
+        rows = torch.stack([getattr(self, name) for name in names]).to(device)
+        return dataclasses.replace(self, **dict(zip(names, rows.unbind(0))), ancestor_bits=self.ancestor_bits.to(device))
 
     @property
     def num_requests(self) -> int:

@@ -198,9 +198,11 @@ class TargetWorker:
         t0 = time.perf_counter()
         seq_ids = [self._seq_ids[r] for r in request_ids]
         device = self.model.device
-        trees = [t.to(device) if t is not None else DraftTree.empty(device) for t in trees]
+        # Packed on the host (the engine's trees are there; its sizes are then known without a device read) and
+        # uploaded in one go
+        trees = [t.to("cpu") if t is not None else DraftTree.empty() for t in trees]
         num_cached = [self.model.kv.num_committed(s) for s in seq_ids]
-        packed = pack(trees, root_token_ids, num_cached, device=device)
+        packed = pack(trees, root_token_ids, num_cached, device="cpu").to(device)
         on_demand = packed.num_tokens >= self.lm_head_on_demand_min_tokens
         out, features = self.model.verify(seq_ids, packed, hidden_only=on_demand)  # [N, H] or [N, V]; [N, F]
         wait_for_device(device)  # the forward's time, not its launches' (the walk's sync would add it to accept)

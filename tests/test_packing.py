@@ -235,3 +235,16 @@ def test_flex_block_mask_on_a_torch_without_from_kv_blocks_lengths(monkeypatch) 
     expected = mask_from_blocks(packed.flex_block_mask(16, **layout), packed.num_tokens, 150)
     monkeypatch.setattr(packing, "_from_kv_blocks_parameters", lambda: frozenset())
     assert torch.equal(mask_from_blocks(packed.flex_block_mask(16, **layout), packed.num_tokens, 150), expected)
+
+
+def test_a_batch_packed_on_the_host_moves_whole() -> None:
+    """`PackedBatch.to`: every tensor on the new device with its own values (one stacked copy), the lists kept."""
+    g = torch.Generator().manual_seed(9)
+    packed = pack([build_tree(torch.log_softmax(torch.randn(4, 9, generator=g), -1), 12), DraftTree.empty()], [1, 2],
+                  [5, 0])
+    assert packed.to("cpu") is packed
+    moved = packed.to("meta")
+    for name in ("input_ids", "position_ids", "seq_index", "node_index", "local_parents", "depths", "ancestor_bits"):
+        original, copy = getattr(packed, name), getattr(moved, name)
+        assert copy.device.type == "meta" and copy.shape == original.shape and copy.dtype == original.dtype, name
+    assert moved.query_starts == packed.query_starts and moved.num_cached == packed.num_cached
