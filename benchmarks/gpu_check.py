@@ -14,7 +14,7 @@ Rows (each with its number; `ok` / `FAILED` where there is a right answer):
    verify, accept ms per round) and tau;
 5. device syncs per engine round (CUDA only): `torch.cuda.set_sync_debug_mode("warn")` over a few rounds, the
    warnings counted by file:line (the ten most frequent are listed in the JSON);
-6. peak device memory (CUDA only).
+6. the target's KV cache as sized by default, and the peak device memory (CUDA only).
 """
 
 from __future__ import annotations
@@ -142,6 +142,9 @@ def main() -> int:
     reference, speeds = None, {}
     for name, kwargs in (("off", {"speculation": "off"}), ("auto", {}), ("B=16", {"budget": 16})):
         llm = LLM(device=args.device, dtype=dtype, max_num_seqs=max(args.concurrency, 1), **kwargs)
+        if name == "off":
+            kv = llm.engine.target.model.kv
+            rows.append(("target KV cache GB (default sizing)", f"{kv.max_bytes / 2**30:.2f}", ""))
         run_engine(llm, prompts[:2], SamplingParams(max_tokens=8), 2)  # warm-up (compiles)
         for concurrency in (1, args.concurrency):
             before = dict(llm.engine.timings.as_dict())

@@ -23,7 +23,8 @@ from ddtree.sampling_params import SamplingParams
 from ddtree.tree import DraftTree
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
-DEFAULT_KV_CACHE_BYTES = 1 << 30
+DEFAULT_KV_CACHE_BYTES = 1 << 30  # on a CPU; on a GPU, GPU_KV_CACHE_FRACTION of the memory free after the weights
+GPU_KV_CACHE_FRACTION = 0.5
 DEFAULT_DRAFTER_DIR = Path(__file__).parent / "assets" / "drafter" / "smollm2-135m-dflash"
 
 
@@ -391,17 +392,31 @@ def load_target_worker(
     if drafter_path is not None:
         config = DFlashConfig.from_dict(json.loads((Path(drafter_path) / "config.json").read_text()))
         feature_layer_ids = config.target_layer_ids
+    is_cuda = torch.device(device).type == "cuda"
     if attention == "auto":
-        attention = "flex" if str(device).startswith("cuda") else "sdpa"
+        attention = "flex" if is_cuda else "sdpa"
+    sized_after_loading = kv_cache_bytes is None and is_cuda
     target_model = TargetModel.load(
         model if model is not None else "default",
         device=device,
         dtype=resolve_dtype(dtype, device),
         feature_layer_ids=feature_layer_ids,
-        max_kv_bytes=kv_cache_bytes or DEFAULT_KV_CACHE_BYTES,
+        max_kv_bytes=(1 << 20) if sized_after_loading else kv_cache_bytes or DEFAULT_KV_CACHE_BYTES,
         attention=attention,
     )
+    if sized_after_loading:
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()  # memory the loading's temporaries left in torch's cache counts as free
+        free_bytes, _ = torch.cuda.mem_get_info(torch.device(device))
+        target_model.resize_kv_cache(gpu_kv_cache_bytes(free_bytes + target_model.kv.max_bytes))
     return TargetWorker(target_model, keep_features=drafter_path is not None)
+
+
+def gpu_kv_cache_bytes(free_bytes: int) -> int:
+    """The KV cache a GPU target gets without `kv_cache_bytes`: a share of the device memory free once its weights
+    are loaded, the rest left to the drafter's weights and contexts (when it shares the GPU) and to the activations
+    of verify passes (logits of up to ~1000 rows x the vocabulary)."""
+    return int(free_bytes * GPU_KV_CACHE_FRACTION)
 
 
 def load_drafter_worker(

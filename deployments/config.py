@@ -54,7 +54,8 @@ class AppArgs(BaseModel):
         "cap lets more such requests decode at once.")
     kv_cache_bytes: PositiveInt | None = Field(
         None, description="KV cache memory of the target worker, counting with each token's KV entries the target "
-        "features it keeps until the drafter takes them. None: the worker's default.")
+        "features it keeps until the drafter takes them. None: 1 GiB on a CPU; on a GPU half the memory free once the "
+        "target's weights are loaded.")
     attention: Literal["auto", "sdpa", "flex"] = Field(
         "auto", description="Attention backend of the workers ('auto', 'sdpa', 'flex').")
     allow_fallback: bool = Field(

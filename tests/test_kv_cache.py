@@ -193,3 +193,20 @@ def test_compaction_by_less_than_a_region_keeps_its_entries(chunk, monkeypatch):
     assert cache.allocate(2, 40) is not None and cache.handle(1).slot_start == 0
     k, v = cache.keys_values(1, 0, 30)
     assert torch.equal(k[0, :, 0], values) and torch.equal(v[0, :, 2], values)
+
+
+def test_the_runner_resizes_its_empty_kv_cache(tmp_path):
+    """A GPU target's cache is sized once its weights are loaded (`load_target_worker`): resized in place while
+    empty, refused while it holds a request."""
+    from ddtree.models.target import TargetModel
+    from ddtree.models.testing import write_random_target
+
+    runner = TargetModel.load(write_random_target(tmp_path / "t"), max_kv_bytes=2**16)
+    per_token = runner.kv.bytes_per_token
+    assert runner.kv.num_slots == 2**16 // per_token
+    runner.resize_kv_cache(2**20)
+    assert runner.kv.num_slots == 2**20 // per_token and runner.kv.bytes_per_token == per_token
+    runner.kv.allocate(1, 8)
+    with pytest.raises(ValueError, match="resized empty"):
+        runner.resize_kv_cache(2**18)
+    assert runner.kv.num_slots == 2**20 // per_token and 1 in runner.kv

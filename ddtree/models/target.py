@@ -198,17 +198,29 @@ class TargetModel:
         elif pack_gemm_weights and self.device.type == "cpu" and dtype == torch.float32 and _has_onednn_linear():
             self._pack_gemm_weights()
         self.rotary = Rotary(config.head_dim, config.rope_theta, config.rope_scaling)
-        # `max_kv_bytes` covers each token's KV entries and its features (kept until the drafter takes them)
-        self.kv = KVCache(
-            config.num_hidden_layers, config.num_key_value_heads, config.head_dim, max_kv_bytes, self.device,
-            dtype, max_tokens_per_request=config.sliding_window,
-            extra_bytes_per_token=feature_bytes_per_token(config, dtype, len(self.feature_layer_ids)),
-            zero_fill=attention == "flex",
-        )
+        self.kv = self._new_kv_cache(max_kv_bytes)
         self._tokenizer = None
         self._flex = None
 
     # ---- construction -----------------------------------------------------------------------------------------
+    def _new_kv_cache(self, max_bytes: int) -> KVCache:
+        # `max_bytes` covers each token's KV entries and its features (kept until the drafter takes them)
+        cfg = self.config
+        return KVCache(
+            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, max_bytes, self.device, self.dtype,
+            max_tokens_per_request=cfg.sliding_window,
+            extra_bytes_per_token=feature_bytes_per_token(cfg, self.dtype, len(self.feature_layer_ids)),
+            zero_fill=self.attention == "flex",
+        )
+
+    def resize_kv_cache(self, max_bytes: int) -> None:
+        """A KV cache of `max_bytes` in place of the current one, which must hold no request (sizing it once the
+        weights are loaded: `ddtree.workers.load_target_worker` on a GPU)."""
+        if self.kv.num_bytes_used:
+            raise ValueError("the KV cache holds requests: it can only be resized empty")
+        self.kv = None  # the old pool's memory is free before the new one is allocated
+        self.kv = self._new_kv_cache(max_bytes)
+
     def _make_panels(self) -> None:
         """The layer matrices move into panels (the plain copies are dropped); the LM head keeps its plain matrix
         (the embedding, shared with drafters) and gains a panel copy."""
