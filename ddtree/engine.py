@@ -476,16 +476,29 @@ class Engine:
 
     def _proposed_trees(self, trees: list[DraftTree]) -> tuple[list[ProposedTree], list[DraftTree]]:
         """The trees as plain lists for the budget policy (node probabilities and, to merge n-gram chains, tokens and
-        parents; token ids are exact in float64), and as host tensors (views of one copy): one device read per
-        round for both."""
+        parents; token ids are exact in float64), and as host tensors (on a GPU, views of one copy: one device read
+        per round for both)."""
         logprobs = torch.cat([t.path_logprobs for t in trees])
+        if logprobs.device.type == "cpu":  # host trees already: only the lists the policy reads
+            fields = ("token_ids", "parents") if self.ngram_tokens else ()
+            columns = [logprobs.exp().double()] + [torch.cat([getattr(t, f) for t in trees]).double() for f in fields]
+            return self._as_proposed(trees, torch.stack(columns).tolist()), trees
         host = torch.stack([logprobs.exp().double(), logprobs.double()]
                            + [torch.cat([getattr(t, f) for t in trees]).double()
                               for f in ("token_ids", "parents", "depths")]).cpu()  # [5, nodes]
-        columns = host[[0, 2, 3]].tolist() if self.ngram_tokens else [host[0].tolist()]
         ids = host[2:].long()
         path_logprobs = host[1].to(logprobs.dtype)
-        proposed, host_trees, start = [], [], 0
+        host_trees, start = [], 0
+        for t in trees:
+            end = start + t.num_nodes
+            host_trees.append(DraftTree(ids[0, start:end], ids[1, start:end], ids[2, start:end],
+                                        path_logprobs[start:end]))
+            start = end
+        return self._as_proposed(trees, (host[[0, 2, 3]] if self.ngram_tokens else host[:1]).tolist()), host_trees
+
+    def _as_proposed(self, trees: list[DraftTree], columns: list[list[float]]) -> list[ProposedTree]:
+        """Per tree, its slice of the columns (probabilities; with n-gram chains, tokens and parents too)."""
+        proposed, start = [], 0
         for t in trees:
             end = start + t.num_nodes
             if self.ngram_tokens:
@@ -493,10 +506,8 @@ class Engine:
                                              [int(x) for x in columns[2][start:end]]))
             else:
                 proposed.append(ProposedTree(columns[0][start:end]))
-            host_trees.append(DraftTree(ids[0, start:end], ids[1, start:end], ids[2, start:end],
-                                        path_logprobs[start:end]))
             start = end
-        return proposed, host_trees
+        return proposed
 
     @staticmethod
     def _tree_tensors(tree: ProposedTree, device) -> DraftTree:

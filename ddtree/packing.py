@@ -59,7 +59,8 @@ class PackedBatch:
             return self
         names = ("input_ids", "position_ids", "seq_index", "node_index", "local_parents", "depths")
         rows = torch.stack([getattr(self, name) for name in names]).to(device)
-        return dataclasses.replace(self, **dict(zip(names, rows.unbind(0))), ancestor_bits=self.ancestor_bits.to(device))
+        return dataclasses.replace(self, **dict(zip(names, rows.unbind(0))),
+                                   ancestor_bits=self.ancestor_bits.to(device))
 
     @property
     def num_requests(self) -> int:
@@ -119,12 +120,16 @@ class PackedBatch:
         seq_index, bits = self.seq_index, self.ancestor_bits
         num_words = bits.shape[1]
 
+        last_query = self.num_tokens - 1
+
         def mask_mod(b, h, q_idx, kv_idx):
-            r = seq_index[q_idx]  # the query's request: only its own keys may be seen
+            # queries past the batch (torch 2.5's create_block_mask pads the grid to whole blocks) see nothing
+            q = q_idx.clamp(max=last_query)
+            r = seq_index[q]  # the query's request: only its own keys may be seen
             local = kv_idx - kv_start[r] - num_cached[r]  # segment offset of the key; < 0: a cached entry
-            is_own = (kv_idx >= kv_start[r]) & (kv_idx < kv_end[r])
+            is_own = (kv_idx >= kv_start[r]) & (kv_idx < kv_end[r]) & (q_idx <= last_query)
             j = local.clamp(min=0)
-            word = bits[q_idx, (j // BITS_PER_WORD).clamp(max=num_words - 1)]
+            word = bits[q, (j // BITS_PER_WORD).clamp(max=num_words - 1)]
             is_ancestor = ((word >> (j % BITS_PER_WORD)) & 1) == 1
             return is_own & ((local < 0) | is_ancestor)
 

@@ -25,6 +25,7 @@ from ddtree.tree import DraftTree
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 DEFAULT_KV_CACHE_BYTES = 1 << 30  # on a CPU; on a GPU, GPU_KV_CACHE_FRACTION of the memory free after the weights
 GPU_KV_CACHE_FRACTION = 0.5
+KV_PLACEHOLDER_BYTES = 1 << 26  # a GPU target's cache until it is sized: one token of any model (65B bf16: 2.7 MB)
 DEFAULT_DRAFTER_DIR = Path(__file__).parent / "assets" / "drafter" / "smollm2-135m-dflash"
 
 
@@ -185,7 +186,7 @@ class TargetWorker:
         last_logits, features = self.model.prefill(seq_ids, prompts)  # [R, V], list of [n_i, F]
         if self.keep_features:
             for rid, f in zip(request_ids, features):
-                self._pending_features[rid].append(f)
+                self._pending_features[rid].append(f)  # each its own tensor (the prefill concatenates its pieces)
         seq_index = torch.arange(len(request_ids), device=last_logits.device)
         last_positions = torch.tensor([len(p) - 1 for p in prompts], device=last_logits.device)
         tokens = self._target_tokens(request_ids, last_logits, seq_index, last_positions)
@@ -222,7 +223,9 @@ class TargetWorker:
         if self.keep_features:
             rows = torch.tensor([p for k in kept for p in k], dtype=torch.int64).to(features.device)
             for rid, f in zip(request_ids, features.index_select(0, rows).split([len(k) for k in kept])):
-                self._pending_features[rid].append(f)
+                # its own copy: a view would keep the whole round's gather alive while the request rests in
+                # fallback (many rounds), outside the KV budget that counts each token's features once
+                self._pending_features[rid].append(f.clone())
         logprobs = raw_logprobs(logits, tokens, logit_rows, [self._params[rid].logprobs for rid in request_ids])
         t2 = time.perf_counter()
         return VerifyResult(result.accepted_token_ids, result.bonus_token_ids, packed.num_tokens, t1 - t0, t2 - t1,
@@ -401,7 +404,7 @@ def load_target_worker(
         device=device,
         dtype=resolve_dtype(dtype, device),
         feature_layer_ids=feature_layer_ids,
-        max_kv_bytes=(1 << 20) if sized_after_loading else kv_cache_bytes or DEFAULT_KV_CACHE_BYTES,
+        max_kv_bytes=KV_PLACEHOLDER_BYTES if sized_after_loading else kv_cache_bytes or DEFAULT_KV_CACHE_BYTES,
         attention=attention,
     )
     if sized_after_loading:

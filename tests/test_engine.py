@@ -861,3 +861,28 @@ def test_logprobs_follow_stops_and_streams(workers):
     final = llm.generate(PROMPTS[1], greedy(30, logprobs=2))[0]
     assert [lp for c in chunks for lp in c.new_logprobs] == final.logprobs
     assert all(len(c.new_logprobs) == len(c.new_token_ids) for c in chunks)
+
+
+def test_features_kept_for_the_drafter_hold_only_their_own_rows(workers):
+    """A verify's kept features are gathered for all requests at once; each request keeps a copy of its rows, not a
+    view of the round's gather (a request resting in fallback keeps them for many rounds, and the KV budget counts
+    each token's features once)."""
+    from ddtree.tree import DraftTree
+
+    target, _, _ = workers
+    ids = ["pin-a", "pin-b", "pin-c"]
+    for rid in ids:
+        assert target.allocate(rid, 64, greedy())
+    try:
+        first = target.prefill(ids, [[5, 6, 7], [8, 9], [10, 11, 12, 13]]).token_ids
+        target.take_features(ids)
+        chain = DraftTree(torch.tensor([3, 4]), torch.tensor([-1, 0]), torch.tensor([1, 2]), torch.zeros(2))
+        for _ in range(3):
+            result = target.verify(ids, [chain, None, chain], first)
+            first = result.bonus_token_ids
+        for rid in ids:
+            for rows in target._pending_features[rid]:
+                assert rows.untyped_storage().nbytes() == rows.numel() * rows.element_size()
+    finally:
+        for rid in ids:
+            target.free(rid)

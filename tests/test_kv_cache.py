@@ -210,3 +210,14 @@ def test_the_runner_resizes_its_empty_kv_cache(tmp_path):
     with pytest.raises(ValueError, match="resized empty"):
         runner.resize_kv_cache(2**18)
     assert runner.kv.num_slots == 2**20 // per_token and 1 in runner.kv
+
+
+def test_a_failed_resize_keeps_the_kv_cache(tmp_path):
+    from ddtree.models.target import TargetModel
+    from ddtree.models.testing import write_random_target
+
+    runner = TargetModel.load(write_random_target(tmp_path / "t"), max_kv_bytes=2**16)
+    before = runner.kv
+    with pytest.raises(ValueError, match="holds no token"):
+        runner.resize_kv_cache(8)
+    assert runner.kv is before

@@ -248,3 +248,15 @@ def test_a_batch_packed_on_the_host_moves_whole() -> None:
         original, copy = getattr(packed, name), getattr(moved, name)
         assert copy.device.type == "meta" and copy.shape == original.shape and copy.dtype == original.dtype, name
     assert moved.query_starts == packed.query_starts and moved.num_cached == packed.num_cached
+
+
+def test_flex_mask_mod_on_a_grid_padded_past_the_batch() -> None:
+    """torch 2.5's create_block_mask evaluates the mask over a grid rounded up to whole blocks: queries and keys past
+    the batch must see nothing, not index past its tensors."""
+    g = torch.Generator().manual_seed(10)
+    packed = pack([build_tree(torch.log_softmax(torch.randn(5, 20, generator=g), -1), 40)], [1], [9])
+    num_queries, num_keys = packed.num_tokens, packed.kv_starts()[-1]
+    q, k = torch.arange(num_queries + 30)[:, None], torch.arange(num_keys + 30)[None, :]
+    padded = packed.flex_mask_mod()(0, 0, q, k)
+    assert torch.equal(padded[:num_queries, :num_keys], packed.dense_mask(0))
+    assert not padded[num_queries:].any() and not padded[:, num_keys:].any()

@@ -218,8 +218,7 @@ class TargetModel:
         weights are loaded: `ddtree.workers.load_target_worker` on a GPU)."""
         if self.kv.num_bytes_used:
             raise ValueError("the KV cache holds requests: it can only be resized empty")
-        self.kv = None  # the old pool's memory is free before the new one is allocated
-        self.kv = self._new_kv_cache(max_bytes)
+        self.kv = self._new_kv_cache(max_bytes)  # built first: a failure keeps the old one
 
     def _make_panels(self) -> None:
         """The layer matrices move into panels (the plain copies are dropped); the LM head keeps its plain matrix
