@@ -382,9 +382,23 @@ class TextOffsets:
     def take(self, token_logprobs: list) -> list[int]:
         offsets = []
         for lp in token_logprobs:
-            offsets.append(self.num_chars)
-            self.num_chars += len(self.decoder.decode(_token_bytes(lp)))
+            token_bytes = _token_bytes(lp)
+            pending, _ = self.decoder.getstate()
+            # Bytes an earlier token left pending that this one does not continue (an invalid sequence) come out
+            # now, as replacement characters, before this token's own text: they are not this token's.
+            abandoned = pending and not _continues_utf8(pending, token_bytes)
+            offsets.append(self.num_chars + (len(pending.decode("utf-8", errors="replace")) if abandoned else 0))
+            self.num_chars += len(self.decoder.decode(token_bytes))
         return offsets
+
+
+def _continues_utf8(pending: bytes, token_bytes: bytes) -> bool:
+    """Whether the token's first byte continues the incomplete UTF-8 sequence `pending` (or it has no bytes)."""
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(pending + token_bytes[:1])
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _token_bytes(lp) -> bytes:

@@ -241,6 +241,21 @@ def test_logprobs_of_tokens_splitting_a_character_carry_its_bytes_and_offsets():
     assert offsets == [0, 1, 1, 2]
 
 
+def test_text_offsets_after_an_abandoned_byte_sequence():
+    """A token leaving an incomplete UTF-8 sequence that the next token does not continue (garbage bytes): the
+    sequence becomes U+FFFD in the text, at the first token's offset, and the next token starts after it."""
+    from ddtree.outputs import TokenLogprobs
+    from deployments.protocol import completion_logprobs
+
+    parts = [b"a", b"\xe2\x82", b"b", b"\xf0", "🎉".encode(), b"c"]
+    text = b"".join(parts).decode(errors="replace")
+    assert text == "a\ufffdb\ufffd🎉c"
+    lps = [TokenLogprobs(i, raw.decode(errors="replace"), -1.0, [], raw, []) for i, raw in enumerate(parts)]
+    assert completion_logprobs(lps)["text_offset"] == [0, 1, 2, 3, 4, 5]
+    offsets = completion_logprobs(lps)["text_offset"]
+    assert [text[o] for o in offsets] == ["a", "\ufffd", "b", "\ufffd", "🎉", "c"]
+
+
 def test_chat_request_messages_and_limits():
     req = parse_request(ChatCompletionRequest, {
         "model": "m", "max_completion_tokens": 7,
