@@ -29,7 +29,8 @@ FLEX_BLOCK_SIZE = 128  # FlexAttention's default tile: queries and keys in block
 
 @functools.cache
 def _from_kv_blocks_parameters() -> frozenset[str]:
-    """What this torch's `BlockMask.from_kv_blocks` takes (`seq_lengths` since 2.6, `compute_q_blocks` later)."""
+    """What this torch's `BlockMask.from_kv_blocks` takes (older versions lack `seq_lengths` and
+    `compute_q_blocks`; pyproject allows torch 2.5)."""
     from torch.nn.attention.flex_attention import BlockMask
 
     return frozenset(inspect.signature(BlockMask.from_kv_blocks).parameters)
@@ -148,7 +149,7 @@ class PackedBatch:
         from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 
         offsets, num_keys = self.key_layout(kv_offsets, num_keys)
-        if "seq_lengths" not in _from_kv_blocks_parameters():  # an older torch: the grid evaluation (exact, slow)
+        if "seq_lengths" not in _from_kv_blocks_parameters():  # an older torch: the grid evaluation (exact, slower)
             return create_block_mask(self.flex_mask_mod(offsets, num_keys), None, None, self.num_tokens, num_keys,
                                      device=str(self.input_ids.device), BLOCK_SIZE=block_size)
         num_q_blocks = max(1, -(-self.num_tokens // block_size))
@@ -184,7 +185,7 @@ class PackedBatch:
 
         kv_num_blocks, kv_indices = as_tensors(partial)
         full_kv_num_blocks, full_kv_indices = as_tensors(full)
-        # the transposed index serves the backward pass only (torch >= 2.7 can skip it)
+        # the transposed index serves the backward pass only (a torch that can skip it is told to)
         skip_q_blocks = {"compute_q_blocks": False} if "compute_q_blocks" in _from_kv_blocks_parameters() else {}
         return BlockMask.from_kv_blocks(
             kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, BLOCK_SIZE=block_size,

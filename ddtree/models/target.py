@@ -708,7 +708,7 @@ class TargetModel:
                 # materialising every score of the batch: a variant more costs one compile, that costs memory.
                 import torch._dynamo as dynamo
 
-                # `recompile_limit` since torch 2.7, `cache_size_limit` before
+                # `recompile_limit` in newer torch, `cache_size_limit` in older
                 name = "recompile_limit" if hasattr(dynamo.config, "recompile_limit") else "cache_size_limit"
                 setattr(dynamo.config, name, max(getattr(dynamo.config, name), FLEX_RECOMPILE_LIMIT))
                 self._flex = torch.compile(flex_attention, dynamic=True)
