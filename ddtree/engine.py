@@ -463,7 +463,7 @@ class Engine:
         for i, (rid, tree, n) in enumerate(zip(allocation.request_ids, allocation.trees, allocation.counts)):
             # On the host: the target worker packs the round's trees there and uploads the batch once
             if tree.is_rebuilt:  # a chain merged into a drafted tree, or a chain alone: new tensors
-                kept = _truncate(self._tree_tensors(tree, "cpu"), n)
+                kept = _truncate(self._tree_tensors(tree), n)
             else:
                 kept = _truncate(trees[i], n)
             if i < allocation.num_drafted:
@@ -510,13 +510,13 @@ class Engine:
         return proposed
 
     @staticmethod
-    def _tree_tensors(tree: ProposedTree, device) -> DraftTree:
-        """A tree the policy rebuilt (a chain merged in) as tensors on `device`."""
+    def _tree_tensors(tree: ProposedTree) -> DraftTree:
+        """A tree the policy rebuilt (a chain merged in) as host tensors."""
         return DraftTree(
-            torch.tensor(tree.token_ids, dtype=torch.int64, device=device),
-            torch.tensor(tree.parents, dtype=torch.int64, device=device),
-            torch.tensor(tree.depths, dtype=torch.int64, device=device),
-            torch.tensor(tree.values, dtype=torch.float32, device=device).log(),
+            torch.tensor(tree.token_ids, dtype=torch.int64),
+            torch.tensor(tree.parents, dtype=torch.int64),
+            torch.tensor(tree.depths, dtype=torch.int64),
+            torch.tensor(tree.values, dtype=torch.float32).log(),
         )
 
     def _submit_verify(self, plan: RoundPlan, drafted: _DraftedTrees):

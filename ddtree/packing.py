@@ -87,11 +87,15 @@ class PackedBatch:
         cached = torch.ones(tree.shape[0], self.num_cached[r], dtype=torch.bool, device=tree.device)
         return torch.cat([cached, tree], dim=1)
 
+    def num_keys(self, r: int) -> int:
+        """Keys request r's tokens may see: its cached entries, then its segment's tokens."""
+        return self.num_cached[r] + self.segment_len(r)
+
     def kv_starts(self) -> list[int]:
         """[R + 1] offsets of the compact flat key/value layout: request r's cached entries then its segment tokens."""
         starts = [0]
         for r in range(self.num_requests):
-            starts.append(starts[-1] + self.num_cached[r] + self.segment_len(r))
+            starts.append(starts[-1] + self.num_keys(r))
         return starts
 
     def key_layout(self, kv_offsets: list[int] | None = None, num_keys: int | None = None) -> tuple[list[int], int]:
@@ -103,7 +107,7 @@ class PackedBatch:
             return starts[:-1], starts[-1] if num_keys is None else num_keys
         if len(kv_offsets) != self.num_requests:
             raise ValueError(f"{len(kv_offsets)} kv_offsets for a batch of {self.num_requests} requests")
-        ranges = sorted((o, o + self.num_cached[r] + self.segment_len(r)) for r, o in enumerate(kv_offsets))
+        ranges = sorted((o, o + self.num_keys(r)) for r, o in enumerate(kv_offsets))
         if num_keys is None:
             num_keys = ranges[-1][1]
         if ranges[0][0] < 0 or ranges[-1][1] > num_keys or any(b[0] < a[1] for a, b in zip(ranges, ranges[1:])):
@@ -116,8 +120,7 @@ class PackedBatch:
         offsets, num_keys = self.key_layout(kv_offsets, num_keys)
         kv_start = torch.tensor(offsets, device=device)  # [R]
         num_cached = torch.tensor(self.num_cached, device=device)  # [R]
-        kv_end = kv_start + num_cached + torch.tensor(self.query_starts[1:], device=device) \
-            - torch.tensor(self.query_starts[:-1], device=device)  # [R]: its keys are kv_start..kv_end - 1
+        kv_end = torch.tensor([o + self.num_keys(r) for r, o in enumerate(offsets)], device=device)  # [R], exclusive
         seq_index, bits = self.seq_index, self.ancestor_bits
         num_words = bits.shape[1]
 
@@ -166,7 +169,7 @@ class PackedBatch:
                 r_hi += 1
             blocks: set[int] = set()
             for r in range(r_lo, r_hi + 1):
-                lo, hi = offsets[r], offsets[r] + self.num_cached[r] + self.segment_len(r)  # its keys
+                lo, hi = offsets[r], offsets[r] + self.num_keys(r)
                 blocks.update(range(lo // block_size, -(-hi // block_size)))
             full_blocks: set[int] = set()
             if r_lo == r_hi:

@@ -221,11 +221,12 @@ class TargetWorker:
         kept = result.accepted_packed
         self.model.commit_many(seq_ids, [[p - packed.query_starts[r] for p in k] for r, k in enumerate(kept)])
         if self.keep_features:
+            # one upload of every request's rows, then a gather each: each request's own tensor (a view of one
+            # gather for all would keep the whole round alive while a request rests in fallback for many rounds,
+            # outside the KV budget that counts each token's features once)
             rows = torch.tensor([p for k in kept for p in k], dtype=torch.int64).to(features.device)
-            for rid, f in zip(request_ids, features.index_select(0, rows).split([len(k) for k in kept])):
-                # its own copy: a view would keep the whole round's gather alive while the request rests in
-                # fallback (many rounds), outside the KV budget that counts each token's features once
-                self._pending_features[rid].append(f.clone())
+            for rid, own_rows in zip(request_ids, rows.split([len(k) for k in kept])):
+                self._pending_features[rid].append(features.index_select(0, own_rows))
         logprobs = raw_logprobs(logits, tokens, logit_rows, [self._params[rid].logprobs for rid in request_ids])
         t2 = time.perf_counter()
         return VerifyResult(result.accepted_token_ids, result.bonus_token_ids, packed.num_tokens, t1 - t0, t2 - t1,

@@ -203,7 +203,7 @@ class KVCache:
         plans = []
         for seq_id, keep in zip(seq_ids, keep_local_indices):
             h = self.handle(seq_id)
-            keep_list = [int(i) for i in torch.as_tensor(keep, dtype=torch.int64).flatten().tolist()]
+            keep_list = torch.as_tensor(keep, dtype=torch.int64).flatten().tolist()
             if keep_list and (keep_list[0] < 0 or keep_list[-1] >= h.num_scratch or any(
                 b <= a for a, b in zip(keep_list, keep_list[1:])
             )):

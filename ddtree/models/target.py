@@ -697,7 +697,7 @@ class TargetModel:
         regions = [self.kv.handle(s).slot_start for s in batch.seq_ids]
         # The keys: the pool's slots from the first region to the end of the last one, a view
         first = min(regions)
-        end = max(o + packed.num_cached[r] + packed.segment_len(r) for r, o in enumerate(regions))
+        end = max(o + packed.num_keys(r) for r, o in enumerate(regions))
         block_mask = packed.flex_block_mask(kv_offsets=[o - first for o in regions], num_keys=end - first)
         if self._flex is None:
             # Compiled on GPU (fused kernel); eager elsewhere (materialises the scores over the span: tests only).
