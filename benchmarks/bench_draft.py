@@ -1,5 +1,6 @@
 """One draft forward of the shipped drafter: full vocabulary vs its draft vocabulary (draft_vocab.json), and the
-draft vocabulary on torch's kernels vs the native panel GEMM (ddtree.kernels).
+draft vocabulary on torch's kernels vs the native panel GEMM (ddtree.kernels) with float32 and with bfloat16
+panels (the default: bf16 dot products).
 
     python benchmarks/bench_draft.py                 # batch sizes 1 4 16, top-K 64, 128 context tokens, 1 thread
 
@@ -33,11 +34,12 @@ def main(argv: list[str] | None = None) -> int:
     head = load_target_worker(None, path).model.head()
     drafters = {"full vocab, torch": DFlashDrafter.load(path, head, use_draft_vocab=False, cpu_kernels=False),
                 "draft vocab, torch": DFlashDrafter.load(path, head, cpu_kernels=False),
-                "draft vocab, native": DFlashDrafter.load(path, head)}
+                "draft vocab, native f32": DFlashDrafter.load(path, head, kernel_weight_dtype=torch.float32),
+                "draft vocab, native bf16": DFlashDrafter.load(path, head)}
     if drafters["draft vocab, torch"].draft_token_ids is None:
         raise ValueError(f"{path} has no draft_vocab.json")
-    if not drafters["draft vocab, native"].uses_cpu_kernels:
-        del drafters["draft vocab, native"]  # no compiler here: torch's kernels only
+    if not drafters["draft vocab, native bf16"].uses_cpu_kernels:  # no compiler here: torch's kernels only
+        del drafters["draft vocab, native f32"], drafters["draft vocab, native bf16"]
     best = {name: {b: float("inf") for b in args.batch_sizes} for name in drafters}
     for _ in range(args.repeats):  # alternate, so that load from other jobs hits both alike
         for name, drafter in drafters.items():
@@ -47,10 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{path.name}: draft vocabulary {vocab_size} of {head.config.vocab_size} tokens; top-K {args.top_k}, "
           f"{args.threads} thread(s), best of {args.repeats}; ms per draft forward (x the last column)")
     names = list(drafters)
-    print(f"{'requests':>9}" + "".join(f"{name:>24}" for name in names))
+    print(f"{'requests':>9}" + "".join(f"{name:>26}" for name in names))
     for b in args.batch_sizes:
         last = best[names[-1]][b]
-        print(f"{b:>9}" + "".join(f"{1000 * best[n][b]:>16.1f} ({best[n][b] / last:4.2f}x)" for n in names))
+        print(f"{b:>9}" + "".join(f"{1000 * best[n][b]:>18.2f} ({best[n][b] / last:4.2f}x)" for n in names))
     return 0
 
 

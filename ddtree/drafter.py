@@ -54,10 +54,15 @@ class _Context:
 
 class DFlashDrafter:
     def __init__(self, config: DFlashConfig, model: DFlashDraftModel, target, device=None, dtype=None,
-                 draft_token_ids: list[int] | None = None, cpu_kernels: bool = True):
+                 draft_token_ids: list[int] | None = None, cpu_kernels: bool = True,
+                 kernel_weight_dtype: torch.dtype = torch.bfloat16):
         """`cpu_kernels` (CPU, float32): the drafter's linears and its draft-vocabulary head run on the native panel
         GEMM (ddtree.kernels), which reads each weight once per forward; a draft forward is a few rows per request,
-        where torch's GEMMs run far below the memory's read rate. Without it (or no compiler) torch's kernels. The
+        where torch's GEMMs run far below the memory's read rate. `kernel_weight_dtype` bfloat16 (the default): those
+        products take bf16-rounded inputs and weights (bf16 dot products, float32 sums; the shipped drafter's
+        weights are bf16 values already), 1.3-3.6x faster than float32 panels here (benchmarks/bench_panel_dtype.py);
+        the drafts' numbers move by that rounding, the output never does (the target's verify decides every token);
+        float32: the float32 products. Without the native kernels (or no compiler) torch's kernels. The
         `model` given is converted in place (its linears replaced): the drafter owns it, for inference only."""
         device = torch.device(device) if device is not None else target.device
         dtype = dtype or target.dtype
@@ -106,9 +111,9 @@ class DFlashDrafter:
 
             self._cpu_ops = cpu_ops()
             if self._cpu_ops is not None:
-                use_panel_linears(self.model, self._cpu_ops)
+                use_panel_linears(self.model, self._cpu_ops, kernel_weight_dtype)
                 if self._draft_lm_head is not None:
-                    self._draft_lm_head = PanelLinear(self._draft_lm_head, None, self._cpu_ops)
+                    self._draft_lm_head = PanelLinear(self._draft_lm_head, None, self._cpu_ops, kernel_weight_dtype)
 
     @property
     def uses_cpu_kernels(self) -> bool:
@@ -116,13 +121,13 @@ class DFlashDrafter:
 
     @classmethod
     def load(cls, path: str | Path, target, device=None, dtype=None, use_draft_vocab: bool = True,
-             cpu_kernels: bool = True) -> "DFlashDrafter":
+             cpu_kernels: bool = True, kernel_weight_dtype: torch.dtype = torch.bfloat16) -> "DFlashDrafter":
         """`use_draft_vocab=False` ignores the folder's draft vocabulary (drafts over the full vocabulary)."""
         device = torch.device(device) if device is not None else target.device
         dtype = dtype or target.dtype
         config, model = load_dflash(path, device=device, dtype=dtype)
         draft_token_ids = load_draft_vocab(path, target.config.vocab_size) if use_draft_vocab else None
-        return cls(config, model, target, device, dtype, draft_token_ids, cpu_kernels)
+        return cls(config, model, target, device, dtype, draft_token_ids, cpu_kernels, kernel_weight_dtype)
 
     # ---- per-request context -----------------------------------------------------------------------------------
     def add_request(self, seq_id: Hashable, capacity: int = MIN_CONTEXT_CAPACITY) -> None:

@@ -60,6 +60,60 @@ def test_panel_linear_matches_torch(ops, threads, k, n):
         torch.set_num_threads(previous)
 
 
+def bf16_products(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w with both rounded to bfloat16 (nearest even), summed in float64: what the bf16 panels compute, up to
+    their float32 sums."""
+    return (x.bfloat16().double() @ w.bfloat16().double()).float()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("k, n", [(576, 960), (37, 53), (1, 1), (1536, 576), (5, 300)])
+def test_bf16_panel_linear_sums_the_bf16_products(ops, threads, k, n):
+    """bfloat16 panels: every row-block size, odd K (a zero-padded last pair), partial last panels, bias and
+    residual added in float32; the products are those of bf16-rounded x and W, summed in float32."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(k * 1000 + n + 7)
+        w, bias = torch.randn(k, n, generator=gen), torch.randn(n, generator=gen)
+        panels = kernels.pack_panels(w, torch.bfloat16)
+        assert panels.shape == (-(-n // 32), -(-k // 2), 64) and panels.dtype == torch.bfloat16
+        # the layout: panel p, row i holds columns 32p..32p+31 of inputs 2i and 2i + 1 in pairs
+        p, i, c = (n - 1) // 32, (k - 1) // 2, (n - 1) % 32
+        assert panels[p, i, 2 * c + (k - 1) % 2] == w[k - 1, n - 1].bfloat16()
+        tolerance = dict(rtol=1e-5, atol=1e-4 * max(1.0, k ** 0.5 / 8))
+        for m in (1, 2, 3, 5, 8, 9, 17, 40):
+            x, residual = torch.randn(m, k, generator=gen), torch.randn(m, n, generator=gen)
+            expected = bf16_products(x, w)
+            torch.testing.assert_close(ops.panel_linear(x, panels, n, EMPTY, EMPTY), expected, **tolerance)
+            torch.testing.assert_close(ops.panel_linear(x, panels, n, bias, residual), expected + bias + residual,
+                                       **tolerance)
+        # the float32 result differs by the rounding of x and W: the test above would notice float32 products
+        x = torch.randn(4, k, generator=gen)
+        assert not torch.allclose(ops.panel_linear(x, panels, n, EMPTY, EMPTY), x @ w, rtol=1e-6, atol=1e-6)
+    finally:
+        torch.set_num_threads(previous)
+
+
+@pytest.mark.slow
+def test_bf16_panels_without_bf16_dot_products_sum_the_same(ops, tmp_path, monkeypatch):
+    """Built for a CPU without AVX-512 bf16 dot products (DDTREE_KERNEL_CFLAGS=-mno-avx512bf16: the portable
+    loop), the bfloat16 panels give the same sums as the build for this CPU."""
+    if "avx512_bf16" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("this CPU has no AVX-512 bf16 dot products: the default build is the portable loop already")
+    monkeypatch.setenv("DDTREE_KERNEL_CFLAGS", "-mno-avx512bf16")
+    monkeypatch.setenv("DDTREE_KERNEL_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(kernels, "_loaded", {})
+    portable = kernels.cpu_ops()
+    assert portable is not None and portable is not ops
+    gen = torch.Generator().manual_seed(5)
+    for k, n, m in [(576, 1000, 8), (37, 53, 3), (1536, 576, 17)]:
+        w, x = torch.randn(k, n, generator=gen), torch.randn(m, k, generator=gen)
+        panels = kernels.pack_panels(w, torch.bfloat16)
+        torch.testing.assert_close(portable.panel_linear(x, panels, n, EMPTY, EMPTY),
+                                   ops.panel_linear(x, panels, n, EMPTY, EMPTY), rtol=1e-6, atol=1e-5)
+
+
 @pytest.mark.parametrize("threads", [1, 2])
 def test_gemv_matches_torch(ops, threads):
     previous = torch.get_num_threads()
@@ -91,8 +145,18 @@ def test_linear_ops_reject_what_they_cannot_compute(ops):
         ops.panel_linear(torch.randn(3, 9), panels, 40, EMPTY, EMPTY)
     with pytest.raises(RuntimeError, match="residual must be"):
         ops.panel_linear(torch.randn(3, 8), panels, 40, EMPTY, torch.randn(2, 40))
-    with pytest.raises(RuntimeError, match="float32 only"):
+    with pytest.raises(RuntimeError, match="x must be float32"):
         ops.panel_linear(torch.randn(3, 8).double(), panels, 40, EMPTY, EMPTY)
+    with pytest.raises(RuntimeError, match="panels must be float32 or bfloat16"):
+        ops.panel_linear(torch.randn(3, 8), panels.double(), 40, EMPTY, EMPTY)
+    bf16_panels = kernels.pack_panels(torch.randn(9, 40), torch.bfloat16)  # 5 pairs of inputs
+    assert bf16_panels.shape == (2, 5, 64)
+    with pytest.raises(RuntimeError, match="x has 8 columns, the bfloat16 panels 5 rows"):
+        ops.panel_linear(torch.randn(3, 8), bf16_panels, 40, EMPTY, EMPTY)
+    with pytest.raises(RuntimeError, match=r"\[P, ceil\(K / 2\), 64\] bfloat16"):
+        ops.panel_linear(torch.randn(3, 9), bf16_panels.view(2, 10, 32), 40, EMPTY, EMPTY)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        kernels.pack_panels(torch.randn(8, 40), torch.float16)
 
 
 def test_rms_norm_and_silu_and_mul_match_torch(ops):
@@ -248,9 +312,18 @@ def test_disabled_or_unbuildable_kernels_fall_back_to_torch(tmp_path, monkeypatc
     assert logits.shape == (1, runner.config.vocab_size)
 
 
+def round_linears_to_bf16(module) -> None:
+    """Every nn.Linear in `module` computes with its input and weight rounded to bfloat16 (float32 results): what
+    the bf16 panels compute, on torch's kernels."""
+    for linear in [m for m in module.modules() if isinstance(m, torch.nn.Linear)]:
+        weight = linear.weight.detach().bfloat16().float()
+        linear.forward = lambda x, w=weight, b=linear.bias: F.linear(x.bfloat16().float(), w, b)
+
+
 def test_drafter_on_native_ops_drafts_what_torch_drafts(tmp_path, ops):
-    """The drafter's linears and draft-vocabulary head on the panel GEMM: the same top-k, log-probs within float32
-    rounding, for batched requests with different context lengths."""
+    """The drafter's linears and draft-vocabulary head on the panel GEMM: float32 panels give the same top-k and
+    log-probs as torch within float32 rounding; bfloat16 panels (the default) those of torch with every product's
+    input and weight rounded to bf16; for batched requests with different context lengths."""
     from ddtree.drafter import DFlashDrafter
     from ddtree.models.dflash import save_draft_vocab
     from ddtree.models.testing import write_random_dflash
@@ -260,17 +333,31 @@ def test_drafter_on_native_ops_drafts_what_torch_drafts(tmp_path, ops):
     drafter_dir = write_random_dflash(tmp_path / "drafter", target.config, num_layers=2, block_size=6,
                                       target_layer_ids=[0, 2])
     save_draft_vocab(drafter_dir, list(range(3, 90, 2)), source="test")
-    drafters = {native: DFlashDrafter.load(drafter_dir, target, cpu_kernels=native) for native in (True, False)}
-    assert drafters[True].uses_cpu_kernels and not drafters[False].uses_cpu_kernels
+    drafters = {
+        "f32": DFlashDrafter.load(drafter_dir, target, kernel_weight_dtype=torch.float32),
+        "bf16": DFlashDrafter.load(drafter_dir, target),
+        "torch": DFlashDrafter.load(drafter_dir, target, cpu_kernels=False),
+        "torch bf16": DFlashDrafter.load(drafter_dir, target, cpu_kernels=False),
+    }
+    assert drafters["f32"].uses_cpu_kernels and drafters["bf16"].uses_cpu_kernels
+    assert not drafters["torch"].uses_cpu_kernels
+    reference = drafters["torch bf16"]
+    round_linears_to_bf16(reference.model)
+    head = reference._draft_lm_head  # [H, Vd]: as a linear whose products are rounded to bf16, as its panels do
+    reference._draft_lm_head = torch.nn.Linear(head.shape[0], head.shape[1], bias=False)
+    reference._draft_lm_head.weight.data = head.t().contiguous()
+    round_linears_to_bf16(reference._draft_lm_head)
     gen = torch.Generator().manual_seed(0)
     for r, n in enumerate((9, 3, 14)):
-        features = torch.randn(n, drafters[True].config.num_target_features, generator=gen)
+        features = torch.randn(n, drafters["f32"].config.num_target_features, generator=gen)
         for drafter in drafters.values():
             drafter.add_context(r, features)
-    drafts = {native: d.draft([0, 1, 2], [5, 17, 42], max_k=8) for native, d in drafters.items()}
-    torch.testing.assert_close(drafts[True][0], drafts[False][0], rtol=1e-5, atol=1e-5)
-    assert torch.equal(drafts[True][1], drafts[False][1])
-    assert set(drafts[True][1].flatten().tolist()) <= set(range(3, 90, 2))
+    drafts = {name: d.draft([0, 1, 2], [5, 17, 42], max_k=8) for name, d in drafters.items()}
+    for native, torch_kernels in (("f32", "torch"), ("bf16", "torch bf16")):
+        torch.testing.assert_close(drafts[native][0], drafts[torch_kernels][0], rtol=1e-5, atol=1e-5)
+        assert torch.equal(drafts[native][1], drafts[torch_kernels][1])
+    assert not torch.allclose(drafts["bf16"][0], drafts["f32"][0], rtol=1e-5, atol=1e-5)  # bf16 rounding shows
+    assert set(drafts["bf16"][1].flatten().tolist()) <= set(range(3, 90, 2))
 
 
 def test_a_build_killed_half_way_does_not_block_later_loads(ops, monkeypatch):

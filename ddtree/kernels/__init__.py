@@ -4,14 +4,17 @@
                                     `panel_linear` (a GEMM over panel-packed weights that reads them once per
                                     call), `gemv`, `rms_norm`, `attention_block` (rotary + KV write + attention of
                                     a request's new tokens) and `silu_and_mul`; None where they cannot be built
-    pack_panels(w [K, N]) -> [P, K, 32]   a weight matrix in the panel layout `panel_linear` reads
-    PanelLinear(w [K, N], bias, ops)      x @ w (+ bias) on `panel_linear`; PanelLinear.of(nn.Linear, ops)
-    use_panel_linears(module, ops)        swaps every nn.Linear inside `module` for a PanelLinear (inference only)
+    pack_panels(w [K, N], dtype)          a weight matrix in the panel layout `panel_linear` reads: float32, or
+                                          bfloat16 (x rounded to bf16, bf16 dot products, float32 sums: for the
+                                          drafter, whose numbers only shape proposals)
+    PanelLinear(w [K, N], bias, ops, weight_dtype)   x @ w (+ bias) on `panel_linear`; PanelLinear.of(nn.Linear, ...)
+    use_panel_linears(module, ops, weight_dtype)     swaps every nn.Linear inside `module` for a PanelLinear
 
 Building needs a C++ compiler (g++ with the Python headers torch's extensions use) and ninja (a dependency of the
 project, put on PATH here when only the environment's bin folder has it); the first build takes ~30 s and
 is cached under ~/.cache/ddtree/kernels (or $DDTREE_KERNEL_CACHE), keyed by the source, torch, Python, the
-compile flags and the CPU; concurrent first uses (several Ray actors) build once, and a build killed half-way is
+compile flags (`$DDTREE_KERNEL_CFLAGS` appends to them, e.g. `-march=x86-64-v3` for an image built for
+other CPUs) and the CPU; concurrent first uses (several Ray actors) build once, and a build killed half-way is
 redone by the next process. Without a compiler, or with DDTREE_CPU_KERNELS=0, callers keep torch's own kernels
 (a failed build logs the compiler's error lines once): the kernels change speed, never results beyond float32
 rounding. The ops release the GIL while they run, as torch's ops do.
@@ -53,30 +56,45 @@ PANEL_WIDTH = 32  # output columns per panel (cpu_ops.cpp: kPanelWidth)
 NO_TENSOR = torch.empty(0)  # the native ops' "no bias / residual / add / mask"
 
 
-def pack_panels(w: torch.Tensor) -> torch.Tensor:
-    """W [K, N] (any strides) -> [ceil(N / 32), K, 32] contiguous float32: panel p holds W[:, 32p : 32p + 32],
-    zero-padded past N, so that a GEMM streams each panel as one contiguous block."""
+PANEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def pack_panels(w: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """W [K, N] (any strides) -> panels of 32 output columns, zero-padded past N, each one contiguous block that a
+    GEMM streams: float32 [ceil(N / 32), K, 32] (panel p holds W[:, 32p : 32p + 32]), or bfloat16
+    [ceil(N / 32), ceil(K / 2), 64] (row i of a panel: its columns' weights of inputs 2i and 2i + 1 interleaved,
+    input K zero when K is odd), for the bf16 dot products (cpu_ops.cpp)."""
+    if dtype not in PANEL_DTYPES:
+        raise ValueError(f"panels are float32 or bfloat16, not {dtype}")
     k, n = w.shape
     num_panels = -(-n // PANEL_WIDTH)
-    padded = torch.zeros(k, num_panels * PANEL_WIDTH, dtype=torch.float32, device=w.device)
-    padded[:, :n] = w
-    return padded.view(k, num_panels, PANEL_WIDTH).transpose(0, 1).contiguous()
+    num_rows = k if dtype == torch.float32 else -(-k // 2) * 2
+    padded = torch.zeros(num_rows, num_panels * PANEL_WIDTH, dtype=dtype, device=w.device)
+    padded[:k, :n] = w
+    panels = padded.view(num_rows, num_panels, PANEL_WIDTH).transpose(0, 1)  # [P, rows, 32]
+    if dtype == torch.bfloat16:  # [P, rows / 2, 2, 32] -> [P, rows / 2, 32, 2]: the pairs adjacent
+        panels = panels.reshape(num_panels, num_rows // 2, 2, PANEL_WIDTH).transpose(2, 3)
+        return panels.reshape(num_panels, num_rows // 2, 2 * PANEL_WIDTH).contiguous()
+    return panels.contiguous()
 
 
 class PanelLinear(torch.nn.Module):
-    """x @ W (+ bias) for inference (float32 CPU) on the native panel GEMM, W [K, N] packed once: an nn.Linear's
-    forward (`PanelLinear.of(linear, ops)`) or a bare matrix's."""
+    """x @ W (+ bias) for inference (float32 x on a CPU) on the native panel GEMM, W [K, N] packed once as
+    `weight_dtype` panels (float32, or bfloat16: weight-only): an nn.Linear's forward (`PanelLinear.of(linear,
+    ops)`) or a bare matrix's."""
 
-    def __init__(self, weight_in_out: torch.Tensor, bias: torch.Tensor | None, ops):
+    def __init__(self, weight_in_out: torch.Tensor, bias: torch.Tensor | None, ops,
+                 weight_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.ops = ops
         self.in_features, self.out_features = weight_in_out.shape
-        self.register_buffer("panels", pack_panels(weight_in_out.detach()), persistent=False)
-        self.register_buffer("bias", NO_TENSOR if bias is None else bias.detach().contiguous(), persistent=False)
+        self.register_buffer("panels", pack_panels(weight_in_out.detach(), weight_dtype), persistent=False)
+        self.register_buffer("bias", NO_TENSOR if bias is None else bias.detach().float().contiguous(),
+                             persistent=False)
 
     @classmethod
-    def of(cls, linear: torch.nn.Linear, ops) -> "PanelLinear":
-        return cls(linear.weight.t(), linear.bias, ops)
+    def of(cls, linear: torch.nn.Linear, ops, weight_dtype: torch.dtype = torch.float32) -> "PanelLinear":
+        return cls(linear.weight.t(), linear.bias, ops, weight_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).contiguous()
@@ -84,18 +102,19 @@ class PanelLinear(torch.nn.Module):
         return out.view(*x.shape[:-1], self.out_features)
 
 
-def use_panel_linears(module, ops) -> int:
-    """Replace every nn.Linear inside `module` by a PanelLinear (float32 CPU inference); returns how many."""
+def use_panel_linears(module, ops, weight_dtype: torch.dtype = torch.float32) -> int:
+    """Replace every nn.Linear inside `module` (float32 CPU, inference) by a PanelLinear with `weight_dtype`
+    panels; returns how many."""
     count = 0
     for name, child in list(module.named_children()):
         if isinstance(child, torch.nn.Linear):
             if child.weight.dtype != torch.float32 or child.weight.device.type != "cpu":
                 raise ValueError(f"{name}: panel linears are float32 CPU only, got {child.weight.dtype} on "
                                  f"{child.weight.device}")
-            setattr(module, name, PanelLinear.of(child, ops))
+            setattr(module, name, PanelLinear.of(child, ops, weight_dtype))
             count += 1
         else:
-            count += use_panel_linears(child, ops)
+            count += use_panel_linears(child, ops, weight_dtype)
     return count
 
 
@@ -122,7 +141,7 @@ def _compile_flags() -> list[str]:
     flags = ["-O3", "-march=native", "-fopenmp", "-fno-trapping-math"]
     if platform.machine().lower() in ("x86_64", "amd64"):
         flags.append("-mprefer-vector-width=512")  # GCC would pick 256-bit vectors on some AVX-512 CPUs
-    return flags
+    return flags + os.environ.get("DDTREE_KERNEL_CFLAGS", "").split()
 
 
 def _build_error(error: Exception) -> str:

@@ -14,6 +14,12 @@
 //     panel p holds W[:, 32p : 32p + 32], zero-padded past n), each panel one contiguous [K, 32] block. Each
 //     panel is read once and stays in cache while every block of up to 8 rows of x runs over it; threads (torch's
 //     intra-op pool) take disjoint ranges of panels.
+//   With bfloat16 panels [P, ceil(K / 2), 64] (`pack_panels(w, torch.bfloat16)`: row i of a panel holds its 32
+//     columns' weights of inputs 2i and 2i + 1, interleaved in pairs) x is rounded to bfloat16 (nearest even) and
+//     each pair of products is summed into float32 as AVX-512's bf16 dot product does (`vdpbf16ps`, where the CPU
+//     has it; the same sums with float32 FMAs elsewhere: a product of two bf16 values is exact in float32). Half
+//     the weight bytes of float32 panels and, with vdpbf16ps, half the instructions per product: for the drafter,
+//     whose results only shape the proposals (the target's verify decides every token).
 //
 //   gemv(x [K], w [N, K] contiguous, add [N] or empty) -> y [N] = w x (+ add): one dot product per output, for the
 //     LM head's one-row logits over the (shared, [V, H]) embedding matrix. Threads split the N outputs.
@@ -44,6 +50,10 @@
 #include <cstring>
 #include <memory>
 #include <vector>
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -92,36 +102,96 @@ __attribute__((always_inline)) inline void panel_rows(const float* x, int64_t ld
   }
 }
 
-torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t n, const torch::Tensor& bias,
-                           const torch::Tensor& residual) {
-  TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu(), "panel_linear: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && panels.scalar_type() == torch::kFloat, "panel_linear: float32 only");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "panel_linear: x must be a contiguous [M, K]");
-  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanelWidth && panels.is_contiguous(),
-              "panel_linear: panels must be a contiguous [P, K, 32] (pack_panels)");
-  const int64_t m_rows = x.size(0), k = x.size(1), num_panels = panels.size(0);
-  TORCH_CHECK(panels.size(1) == k, "panel_linear: x has ", k, " columns, the panels ", panels.size(1), " rows");
-  TORCH_CHECK(n > (num_panels - 1) * kPanelWidth && n <= num_panels * kPanelWidth,
-              "panel_linear: n = ", n, " does not match ", num_panels, " panels");
-  const bool has_bias = bias.defined() && bias.numel() > 0;
-  const bool has_residual = residual.defined() && residual.numel() > 0;
-  TORCH_CHECK((!has_bias || bias.device().is_cpu()) && (!has_residual || residual.device().is_cpu()),
-              "panel_linear: CPU tensors only");
-  TORCH_CHECK(!has_bias || (bias.scalar_type() == torch::kFloat && bias.is_contiguous() && bias.numel() == n),
-              "panel_linear: bias must be a contiguous float32 [n]");
-  TORCH_CHECK(!has_residual || (residual.scalar_type() == torch::kFloat && residual.is_contiguous() &&
-                                residual.dim() == 2 && residual.size(0) == m_rows && residual.size(1) == n),
-              "panel_linear: residual must be a contiguous float32 [M, n]");
-  auto y = torch::empty({m_rows, n}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* pp = panels.data_ptr<float>();
-  const float* bp = has_bias ? bias.data_ptr<float>() : nullptr;
-  const float* rp = has_residual ? residual.data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
+// ---- bfloat16 panels ----------------------------------------------------------------------------------------
+
+// float32 -> bfloat16 bits, round to nearest even (NaN stays a NaN).
+inline uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof(u));
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// out[m, 0:32] = x[m] . w over ceil(k / 2) input pairs for m < MB: x rows as bf16 pairs (low half input 2i, high
+// half 2i + 1), `ldx` pairs apart; w a bf16 panel, 64 values per pair (column c's two weights at 2c and 2c + 1).
+// Each pair's two products are added to the float32 sum, the odd input's first (vdpbf16ps's order).
+template <int MB>
+__attribute__((always_inline)) inline void panel_tile_bf16(const uint32_t* x, int64_t ldx, int64_t pairs,
+                                                           const uint16_t* w, float* out, int64_t ldo) {
+#if defined(__AVX512BF16__)
+  __m512 lo[MB], hi[MB];
+  for (int m = 0; m < MB; ++m) lo[m] = hi[m] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < pairs; ++i, w += 2 * kPanelWidth) {
+    const __m512bh w_lo = (__m512bh)_mm512_loadu_si512(w), w_hi = (__m512bh)_mm512_loadu_si512(w + kPanelWidth);
+    for (int m = 0; m < MB; ++m) {
+      const __m512bh xm = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m * ldx + i]));
+      lo[m] = _mm512_dpbf16_ps(lo[m], xm, w_lo);
+      hi[m] = _mm512_dpbf16_ps(hi[m], xm, w_hi);
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    _mm512_storeu_ps(out + m * ldo, lo[m]);
+    _mm512_storeu_ps(out + m * ldo + 16, hi[m]);
+  }
+#else
+  typedef uint32_t v16u __attribute__((vector_size(64)));
+  v16 lo[MB], hi[MB];
+  for (int m = 0; m < MB; ++m) lo[m] = hi[m] = v16{};
+  const v16u high_half = (v16u{} + 0xffff0000u);
+  for (int64_t i = 0; i < pairs; ++i, w += 2 * kPanelWidth) {
+    v16u u_lo, u_hi;  // lane c: column c's pair of weights
+    std::memcpy(&u_lo, w, sizeof(u_lo));
+    std::memcpy(&u_hi, w + kPanelWidth, sizeof(u_hi));
+    v16 w_lo_even, w_lo_odd, w_hi_even, w_hi_odd;
+    const v16u a = u_lo << 16, b = u_lo & high_half, c = u_hi << 16, d = u_hi & high_half;
+    std::memcpy(&w_lo_even, &a, sizeof(a));
+    std::memcpy(&w_lo_odd, &b, sizeof(b));
+    std::memcpy(&w_hi_even, &c, sizeof(c));
+    std::memcpy(&w_hi_odd, &d, sizeof(d));
+    for (int m = 0; m < MB; ++m) {
+      const uint32_t pair = x[m * ldx + i], even_bits = pair << 16, odd_bits = pair & 0xffff0000u;
+      float x_even, x_odd;
+      std::memcpy(&x_even, &even_bits, sizeof(x_even));
+      std::memcpy(&x_odd, &odd_bits, sizeof(x_odd));
+      lo[m] += x_odd * w_lo_odd;
+      lo[m] += x_even * w_lo_even;
+      hi[m] += x_odd * w_hi_odd;
+      hi[m] += x_even * w_hi_even;
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    std::memcpy(out + m * ldo, &lo[m], sizeof(v16));
+    std::memcpy(out + m * ldo + 16, &hi[m], sizeof(v16));
+  }
+#endif
+}
+
+__attribute__((always_inline)) inline void panel_rows(const uint32_t* x, int64_t ldx, int rows, int64_t pairs,
+                                                     const uint16_t* w, int64_t /*ldw: always 64*/, float* out,
+                                                     int64_t ldo) {
+  switch (rows) {
+    case 8: return panel_tile_bf16<8>(x, ldx, pairs, w, out, ldo);
+    case 7: return panel_tile_bf16<7>(x, ldx, pairs, w, out, ldo);
+    case 6: return panel_tile_bf16<6>(x, ldx, pairs, w, out, ldo);
+    case 5: return panel_tile_bf16<5>(x, ldx, pairs, w, out, ldo);
+    case 4: return panel_tile_bf16<4>(x, ldx, pairs, w, out, ldo);
+    case 3: return panel_tile_bf16<3>(x, ldx, pairs, w, out, ldo);
+    case 2: return panel_tile_bf16<2>(x, ldx, pairs, w, out, ldo);
+    default: return panel_tile_bf16<1>(x, ldx, pairs, w, out, ldo);
+  }
+}
+
+// y rows [0, m_rows) = x @ panels (+ bias) (+ residual): the loop of panel_linear for either panel dtype. `k` is
+// x's row stride in X elements (floats, or bf16 pairs) and a panel's rows; a panel holds k * 32 weights.
+template <typename X, typename W>
+void panel_linear_into(const X* xp, int64_t m_rows, int64_t k, const W* pp, int64_t num_panels, int64_t n,
+                       const float* bp, const float* rp, float* yp) {
+  const bool has_bias = bp != nullptr, has_residual = rp != nullptr;
   at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
     float tile[kMaxRowsPerTile * kPanelWidth];
     for (int64_t p = begin; p < end; ++p) {
-      const float* panel = pp + p * k * kPanelWidth;
+      const W* panel = pp + p * k * (kPanelWidth * (sizeof(X) / sizeof(W)));  // 32 floats or 32 bf16 pairs a row
       const int64_t j0 = p * kPanelWidth;
       const int64_t width = std::min(kPanelWidth, n - j0);
       for (int64_t m0 = 0; m0 < m_rows; m0 += kMaxRowsPerTile) {
@@ -141,6 +211,52 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, 
       }
     }
   });
+}
+
+torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t n, const torch::Tensor& bias,
+                           const torch::Tensor& residual) {
+  TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu(), "panel_linear: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat, "panel_linear: x must be float32");
+  TORCH_CHECK(panels.scalar_type() == torch::kFloat || panels.scalar_type() == torch::kBFloat16,
+              "panel_linear: panels must be float32 or bfloat16");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "panel_linear: x must be a contiguous [M, K]");
+  const bool is_float = panels.scalar_type() == torch::kFloat;
+  const int64_t row_width = is_float ? kPanelWidth : 2 * kPanelWidth;
+  TORCH_CHECK(panels.dim() == 3 && panels.size(2) == row_width && panels.is_contiguous(),
+              "panel_linear: panels must be a contiguous [P, K, 32] float32 or [P, ceil(K / 2), 64] bfloat16 "
+              "(pack_panels)");
+  const int64_t m_rows = x.size(0), k = x.size(1), num_panels = panels.size(0);
+  TORCH_CHECK(panels.size(1) == (is_float ? k : (k + 1) / 2), "panel_linear: x has ", k, " columns, the ",
+              is_float ? "float32" : "bfloat16", " panels ", panels.size(1), " rows");
+  TORCH_CHECK(n > (num_panels - 1) * kPanelWidth && n <= num_panels * kPanelWidth,
+              "panel_linear: n = ", n, " does not match ", num_panels, " panels");
+  const bool has_bias = bias.defined() && bias.numel() > 0;
+  const bool has_residual = residual.defined() && residual.numel() > 0;
+  TORCH_CHECK((!has_bias || bias.device().is_cpu()) && (!has_residual || residual.device().is_cpu()),
+              "panel_linear: CPU tensors only");
+  TORCH_CHECK(!has_bias || (bias.scalar_type() == torch::kFloat && bias.is_contiguous() && bias.numel() == n),
+              "panel_linear: bias must be a contiguous float32 [n]");
+  TORCH_CHECK(!has_residual || (residual.scalar_type() == torch::kFloat && residual.is_contiguous() &&
+                                residual.dim() == 2 && residual.size(0) == m_rows && residual.size(1) == n),
+              "panel_linear: residual must be a contiguous float32 [M, n]");
+  auto y = torch::empty({m_rows, n}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* bp = has_bias ? bias.data_ptr<float>() : nullptr;
+  const float* rp = has_residual ? residual.data_ptr<float>() : nullptr;
+  float* yp = y.data_ptr<float>();
+  if (is_float) {
+    panel_linear_into(xp, m_rows, k, panels.data_ptr<float>(), num_panels, n, bp, rp, yp);
+  } else {  // x rounded to bf16 pairs once, zero-padded to whole pairs
+    const int64_t pairs = panels.size(1);
+    std::vector<uint32_t> x_pairs(m_rows * pairs, 0u);
+    for (int64_t m = 0; m < m_rows; ++m) {
+      for (int64_t i = 0; i < k; ++i) {
+        x_pairs[m * pairs + i / 2] |= static_cast<uint32_t>(to_bf16(xp[m * k + i])) << (16 * (i % 2));
+      }
+    }
+    const auto* pp = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
+    panel_linear_into(x_pairs.data(), m_rows, pairs, pp, num_panels, n, bp, rp, yp);
+  }
   return y;
 }
 
@@ -397,7 +513,8 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
 // The GIL is released while an op runs (as torch's own ops do): the Serve replica's event loop shares the process.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release_gil = py::call_guard<py::gil_scoped_release>;
-  m.def("panel_linear", &panel_linear, release_gil(), "y = x @ W (+ bias) (+ residual), W as [P, K, 32] panels");
+  m.def("panel_linear", &panel_linear, release_gil(),
+        "y = x @ W (+ bias) (+ residual), W as [P, K, 32] float32 or bfloat16 panels");
   m.def("gemv", &gemv, release_gil(), "y = w x (+ add) for one float32 row x and a contiguous w [N, K]");
   m.def("rms_norm", &rms_norm, release_gil(), "RMSNorm of float32 rows x [R, D] with weight [D]");
   m.def("attention_block", &attention_block, release_gil(), "one request's rotary + KV write + attention");
