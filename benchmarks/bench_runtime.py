@@ -2,6 +2,7 @@
 
     python benchmarks/bench_runtime.py                      # SmolLM2-135M float32, 1 and 2 threads
     python benchmarks/bench_runtime.py --threads 1 --dtype bfloat16 --skip-hf
+    python benchmarks/bench_runtime.py --threads 2 --kernel-weight-dtype bfloat16   # bf16 panels, float32 activations
 
 Prints one table per thread count (bandwidth measured in the same run, model bytes / read bandwidth = bound; targets:
 decode step <= bound / 0.7, verify of 32 packed tree tokens <= 2.5 decode steps, 16-request decode <= 3 steps)
@@ -189,15 +190,19 @@ def main():
     parser.add_argument("--skip-hf", action="store_true", help="skip the Hugging Face comparison")
     parser.add_argument("--skip-torch-kernels", action="store_true",
                         help="skip the decode step on torch's kernels (cpu_kernels=False)")
+    parser.add_argument("--kernel-weight-dtype", default="float32", choices=sorted(DTYPES),
+                        help="the native ops' panels (float32 runner only): bfloat16 = bf16 weights and products")
     parser.add_argument("--cache-dir", default=str(REPO / ".cache" / "ddtree"))
     args = parser.parse_args()
-    runner = TargetModel.load(args.model, dtype=DTYPES[args.dtype], max_kv_bytes=2**30, cache_dir=args.cache_dir)
+    runner = TargetModel.load(args.model, dtype=DTYPES[args.dtype], max_kv_bytes=2**30, cache_dir=args.cache_dir,
+                              kernel_weight_dtype=DTYPES[args.kernel_weight_dtype])
     torch_kernels_runner = None
     if runner.uses_cpu_kernels and not args.skip_torch_kernels:  # the same model on torch's kernels, side by side
         torch_kernels_runner = TargetModel.load(args.model, dtype=DTYPES[args.dtype], max_kv_bytes=2**24,
                                                 cache_dir=args.cache_dir, cpu_kernels=False)
     print(f"model {runner.source_path}, {runner.config.num_hidden_layers} layers, torch {torch.__version__}, "
-          f"native one-token ops: {'yes' if runner.uses_cpu_kernels else 'no'}")
+          f"native one-token ops: {'yes' if runner.uses_cpu_kernels else 'no'}, their weights: "
+          f"{str(runner.kernel_weight_dtype).removeprefix('torch.')}")
     for n in args.threads:
         run(runner, torch_kernels_runner, args, n)
 

@@ -220,8 +220,10 @@ def run(args) -> int:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     base = Engine(EngineConfig(speculation="off", max_num_seqs=args.concurrency), target, None, tokenizer)
     cost = base.budget.cost
+    model = target.model
+    weights = "" if model.kernel_weight_dtype == model.dtype else f", {model.kernel_weight_dtype} weights"
     print(f"{len(prompts)} prompts, max_tokens={args.max_tokens}, concurrency={args.concurrency}, "
-          f"{torch.get_num_threads()} torch thread(s)", flush=True)
+          f"{torch.get_num_threads()} torch thread(s), {model.dtype}{weights}".replace("torch.", ""), flush=True)
 
     configs: list[tuple[str, EngineConfig]] = []
     if "off" in modes:

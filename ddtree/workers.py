@@ -367,6 +367,22 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
     return DTYPES[dtype]
 
 
+def compute_and_kernel_dtypes(dtype: torch.dtype, device: str | torch.device) -> tuple[torch.dtype, torch.dtype]:
+    """(the dtype a model computes and caches in, the native CPU kernels' weight dtype) for the `dtype` asked for.
+
+    On a CPU where the native kernels build, bfloat16 means bf16 weights on them: each matrix product takes
+    bf16-rounded inputs and weights with float32 sums (AVX-512 bf16 dot products where the CPU has them), while
+    activations, norms, attention, the KV cache and the features stay float32. That reads half the weight bytes of
+    float32 and runs 1.4-1.6x faster here (docs/runtime_benchmark.md); torch's own bfloat16 CPU kernels are slower
+    than float32 at one row. Elsewhere (a GPU, no compiler) the model computes in `dtype` itself."""
+    if torch.device(device).type == "cpu" and dtype == torch.bfloat16:
+        from ddtree.kernels import cpu_ops
+
+        if cpu_ops() is not None:
+            return torch.float32, torch.bfloat16
+    return dtype, torch.float32
+
+
 def resolve_drafter_path(model: str | None, drafter: str | None) -> Path:
     """The drafter folder: the shipped one for the embedded default target, else the one given."""
     if drafter is None:
@@ -400,10 +416,12 @@ def load_target_worker(
     if attention == "auto":
         attention = "flex" if is_cuda else "sdpa"
     sized_after_loading = kv_cache_bytes is None and is_cuda
+    compute_dtype, kernel_weight_dtype = compute_and_kernel_dtypes(resolve_dtype(dtype, device), device)
     target_model = TargetModel.load(
         model if model is not None else "default",
         device=device,
-        dtype=resolve_dtype(dtype, device),
+        dtype=compute_dtype,
+        kernel_weight_dtype=kernel_weight_dtype,
         feature_layer_ids=feature_layer_ids,
         max_kv_bytes=KV_PLACEHOLDER_BYTES if sized_after_loading else kv_cache_bytes or DEFAULT_KV_CACHE_BYTES,
         attention=attention,
@@ -430,7 +448,8 @@ def load_drafter_worker(
     from ddtree.drafter import DFlashDrafter
 
     head = head.to(device)
-    return DrafterWorker(DFlashDrafter.load(drafter_path, head, device=device, dtype=resolve_dtype(dtype, device)))
+    compute_dtype, _ = compute_and_kernel_dtypes(resolve_dtype(dtype, device), device)  # its panels: bf16 always
+    return DrafterWorker(DFlashDrafter.load(drafter_path, head, device=device, dtype=compute_dtype))
 
 
 def build_workers(

@@ -280,6 +280,47 @@ def test_one_token_forwards_on_native_ops_match_hf(tmp_path, family, ops):
         torch.testing.assert_close(results[True][0], results[False][0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+def test_a_tree_node_gets_exactly_the_logits_of_decoding_its_path(tmp_path, ops, weight_dtype):
+    """On the native ops every node of a packed batch of trees (siblings and cousins between its ancestors, several
+    requests) gets bit-identical logits and features to decoding its path token by token: T=0 speculation is then
+    exactly autoregressive decoding (with bf16 weights, whose input rounding would amplify any last-bit difference,
+    too)."""
+    from ddtree.models.testing import random_draft_tree
+    from ddtree.packing import pack
+
+    path = write_random_target(tmp_path / "t", seed=6, num_hidden_layers=2)
+    runner = TargetModel.load(path, max_kv_bytes=2**22, feature_layer_ids=[0, 1], kernel_weight_dtype=weight_dtype)
+    assert runner.uses_cpu_kernels and runner.kernel_weight_dtype == weight_dtype
+    gen = torch.Generator().manual_seed(1)
+    vocab = runner.config.vocab_size
+    contexts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (37, 50, 21)]
+    trees = [random_draft_tree(n, 4, vocab, gen) for n in (12, 7, 15)]
+    roots = [5, 9, 11]
+    for r, context in enumerate(contexts):
+        runner.kv.allocate(r, 128)
+        runner.prefill([r], [context])
+    packed = pack(trees, roots, [len(c) for c in contexts])
+    logits, features = runner.verify([0, 1, 2], packed)
+    probe = 99
+    for r, (tree, context) in enumerate(zip(trees, contexts)):
+        start = packed.query_starts[r]
+        parents, ids = tree.parents.tolist(), tree.token_ids.tolist()
+        for node in range(-1, len(ids)):  # -1: the root
+            path, i = [], node
+            while i >= 0:
+                path.append(ids[i])
+                i = parents[i]
+            runner.kv.allocate(probe, 128)
+            runner.prefill([probe], [context])
+            for token in [roots[r]] + path[::-1]:
+                decoded_logits, decoded_features = runner.decode([probe], [token])
+            runner.free(probe)
+            row = start + 1 + node
+            assert torch.equal(logits[row], decoded_logits[0]), (r, node)
+            assert torch.equal(features[row], decoded_features[0]), (r, node)
+
+
 def test_disabled_or_unbuildable_kernels_fall_back_to_torch(tmp_path, monkeypatch, caplog):
     path = write_random_target(tmp_path / "t", seed=2)
     monkeypatch.setenv("DDTREE_CPU_KERNELS", "0")

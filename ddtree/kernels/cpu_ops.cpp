@@ -326,19 +326,30 @@ inline float exp_approx(float x) {
   const bool is_tiny = x < -87.0f;
   const bool is_huge = x > 88.7228394f;  // ln(FLT_MAX)
   x = is_tiny ? -87.0f : (x > 88.0f ? 88.0f : x);
-  const float k = std::floor(x * 1.44269504088896341f + 0.5f);  // x = k ln2 + r, |r| <= ln2 / 2
-  const float r = x - k * 0.693359375f + k * 2.12194440e-4f;      // ln2 in two parts (Cody-Waite)
-  float p = 1.9875691500e-4f;                                     // exp(r): Cephes' minimax polynomial
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
+  // Explicit fused multiply-adds: a vectorised loop's body and its scalar tail then round alike, so an entry's
+  // weight does not depend on where in a row it falls.
+  const float k = std::floor(std::fma(x, 1.44269504088896341f, 0.5f));  // x = k ln2 + r, |r| <= ln2 / 2
+  const float r = std::fma(k, 2.12194440e-4f, std::fma(-k, 0.693359375f, x));  // ln2 in two parts (Cody-Waite)
+  float p = 1.9875691500e-4f;                                                   // exp(r): Cephes' minimax polynomial
+  p = std::fma(p, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  p = std::fma(p * r, r, r) + 1.0f;
   const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;  // 2^k, k in [-126, 127]
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
   return is_tiny ? 0.0f : (is_huge ? INFINITY : p * scale);
+}
+
+// The sum of x[0:n]. One function, not inlined, so that every softmax adds its weights in the same association
+// for the same n (a vectorised sum's lanes depend on the loop it is compiled in).
+__attribute__((noinline)) float sum_of(const float* x, int64_t n) {
+  float total = 0.0f;
+#pragma omp simd reduction(+ : total)
+  for (int64_t i = 0; i < n; ++i) total += x[i];
+  return total;
 }
 
 torch::Tensor attention_block(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
@@ -437,6 +448,7 @@ torch::Tensor attention_block(const torch::Tensor& qkv, const torch::Tensor& cos
   at::parallel_for(0, kv_heads * blocks, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(kMaxRowsPerTile * t_pad);
     std::vector<float> tile(kMaxRowsPerTile * d);
+    std::vector<float> visible_weights(has_mask ? t_len : 0);
     for (int64_t job = begin; job < end; ++job) {
       const int64_t g = job / blocks, row0 = job % blocks * kMaxRowsPerTile;
       const int rows = static_cast<int>(std::min<int64_t>(kMaxRowsPerTile, rows_per_kv_head - row0));
@@ -460,11 +472,20 @@ torch::Tensor attention_block(const torch::Tensor& qkv, const torch::Tensor& cos
         if (max_score == -INFINITY) {  // nothing visible (never for a valid tree): zeros, as SDPA gives
           std::fill(sc, sc + last, 0.0f);
         } else {
-          float total = 0.0f;
-#pragma omp simd reduction(+ : total)
-          for (int64_t t = 0; t < last; ++t) {
-            sc[t] = exp_approx(sc[t] - max_score);  // 0 for the invisible entries (-inf)
-            total += sc[t];
+#pragma omp simd
+          for (int64_t t = 0; t < last; ++t) sc[t] = exp_approx(sc[t] - max_score);  // 0 for the invisible (-inf)
+          // The weights summed as a causal row sums them: only the visible entries, in order, contiguous. A tree
+          // node then gets exactly the sum that decoding its path token by token gives (its siblings' and
+          // cousins' entries between its ancestors would move the others between the sum's vector lanes).
+          float total;
+          if (visible != nullptr) {
+            int64_t num_visible = 0;
+            for (int64_t t = 0; t < last; ++t) {
+              if (visible[t]) visible_weights[num_visible++] = sc[t];
+            }
+            total = sum_of(visible_weights.data(), num_visible);
+          } else {
+            total = sum_of(sc, last);
           }
           const float inv_total = 1.0f / total;
 #pragma omp simd
@@ -478,8 +499,8 @@ torch::Tensor attention_block(const torch::Tensor& qkv, const torch::Tensor& cos
       }
       for (int64_t c = d_tiled; c < d; ++c) {  // a head_dim that is not a multiple of 32
         for (int j = 0; j < rows; ++j) {
-          float s = 0.0f;
-          for (int64_t t = 0; t < seen; ++t) s += scores[j * t_pad + t] * vh[t * vs1 + c];
+          float s = 0.0f;  // fused multiply-adds, as the tiles: the compiler may not pick per loop shape
+          for (int64_t t = 0; t < seen; ++t) s = std::fma(scores[j * t_pad + t], vh[t * vs1 + c], s);
           tile[j * d + c] = s;
         }
       }

@@ -152,17 +152,22 @@ class TargetModel:
         source_path: Path | None = None,
         pack_gemm_weights: bool = True,
         cpu_kernels: bool = True,
+        kernel_weight_dtype: torch.dtype = torch.float32,
     ):
         """Build from Hugging Face-named tensors ([out, in] as in transformers).
 
         `cpu_kernels` (CPU, float32): the project's native ops (ddtree/kernels/cpu_ops.cpp, built on first use) run
         every forward: the layer matrices are stored once, as panels for a GEMM that streams the weights once per
         forward at the memory's read rate for 1-8 rows (a decode step, a small tree's verify) and stays near the
-        compute bound above; one-token logits come from a GEMV over the embedding matrix (the LM head also keeps a
-        panel copy for several rows); RMSNorm, SiLU-and-mul and the attention block of up to 16 new tokens per
-        request (decode, small trees) are native too.
+        compute bound above; the LM head is a panel copy of the embedding matrix; RMSNorm, SiLU-and-mul and each
+        request's attention block are native too. Every op computes a row the same way whatever else is in the
+        batch, so a tree node's logits are bit-identical to those of decoding its path token by token.
         Without a C++ compiler (or with DDTREE_CPU_KERNELS=0) torch's kernels run instead; results differ by float32
-        rounding only.
+        rounding only. `kernel_weight_dtype` bfloat16 (with the native ops): the matrices are stored as bf16 panels
+        (the LM head too) and every product takes bf16-rounded inputs and weights with float32 sums (bf16 dot
+        products), while activations, norms, attention, the KV cache and the features stay `dtype` (float32): half
+        the bytes a decode step reads (benchmarks/bench_runtime.py --kernel-weight-dtype bfloat16). Without the
+        native ops it is ignored (see `kernel_weight_dtype` after construction).
 
         `pack_gemm_weights` (CPU, float32, only without the native ops): also keep oneDNN-packed copies of the layer
         matrices and the LM head for forwards of several tokens. torch's default CPU GEMM (MKL) runs far below both
@@ -185,9 +190,13 @@ class TargetModel:
         self.feature_dim = len(self.feature_layer_ids) * config.hidden_size
         self._cpu_ops = None  # the native CPU ops (ddtree.kernels)
         if cpu_kernels and self.device.type == "cpu" and dtype == torch.float32:
-            from ddtree.kernels import cpu_ops
+            from ddtree.kernels import PANEL_DTYPES, cpu_ops
 
+            if kernel_weight_dtype not in PANEL_DTYPES:
+                raise ValueError(f"kernel_weight_dtype must be float32 or bfloat16, got {kernel_weight_dtype}")
             self._cpu_ops = cpu_ops()
+        # the dtype of the panels the native ops read (float32 without them: the plain matrices are `dtype`)
+        self.kernel_weight_dtype = kernel_weight_dtype if self._cpu_ops is not None else torch.float32
         self._load_weights(tensors)
         self.panel_layers: list[PanelLayerWeights] | None = None
         self.panel_lm_head: torch.Tensor | None = None
@@ -229,11 +238,12 @@ class TargetModel:
         self.panel_layers = []
         for lw in self.layers:
             matrices = {name: getattr(lw, name) for name in names}  # [in, out]
-            self.panel_layers.append(PanelLayerWeights(**{n: pack_panels(w) for n, w in matrices.items()},
-                                                       widths={n: w.shape[1] for n, w in matrices.items()}))
+            self.panel_layers.append(PanelLayerWeights(
+                **{n: pack_panels(w, self.kernel_weight_dtype) for n, w in matrices.items()},
+                widths={n: w.shape[1] for n, w in matrices.items()}))
             for name in names:
                 setattr(lw, name, None)
-        self.panel_lm_head = pack_panels(self.lm_head)
+        self.panel_lm_head = pack_panels(self.lm_head, self.kernel_weight_dtype)
 
     def _pack_gemm_weights(self) -> None:
         def pack(w_in_out: torch.Tensor) -> torch.Tensor:  # [in, out] (x @ W) -> packed [out, in] (nn.Linear)
@@ -255,6 +265,7 @@ class TargetModel:
         cache_dir: str | Path | None = None,
         pack_gemm_weights: bool = True,
         cpu_kernels: bool = True,
+        kernel_weight_dtype: torch.dtype = torch.float32,
     ) -> "TargetModel":
         """`cache_dir`: where the default model's converted copy lives (see ddtree.models.default)."""
         from ddtree.models.loader import read_checkpoint, resolve_source
@@ -267,7 +278,8 @@ class TargetModel:
             path = resolve_source(source)
         config, tensors = read_checkpoint(path)
         return cls(config, tensors, device, dtype, feature_layer_ids, max_kv_bytes, attention, source_path=path,
-                   pack_gemm_weights=pack_gemm_weights, cpu_kernels=cpu_kernels)
+                   pack_gemm_weights=pack_gemm_weights, cpu_kernels=cpu_kernels,
+                   kernel_weight_dtype=kernel_weight_dtype)
 
     def _load_weights(self, t: dict[str, torch.Tensor]) -> None:
         cfg = self.config
@@ -377,8 +389,17 @@ class TargetModel:
             tensors += [x for x in vars(lw).values() if x is not None]
         num_bytes = sum(x.numel() * x.element_size() for x in tensors)
         for pl in self.panel_layers or []:  # the matrices' own bytes, not the panels' zero padding
-            num_bytes += sum(getattr(pl, n).shape[1] * w * 4 for n, w in pl.widths.items())
+            num_bytes += sum(in_features * w * getattr(pl, n).element_size()
+                             for n, w in pl.widths.items()
+                             for in_features in [self._panel_in_features(getattr(pl, n))])
+        if self.panel_lm_head is not None:  # the LM head reads its panels, not the embedding matrix
+            num_bytes -= self.lm_head.numel() * self.lm_head.element_size()
+            num_bytes += self.lm_head.numel() * self.panel_lm_head.element_size()
         return num_bytes
+
+    def _panel_in_features(self, panels: torch.Tensor) -> int:
+        """A panel tensor's input count: its rows (float32), twice its rows of pairs (bfloat16)."""
+        return panels.shape[1] * (2 if panels.dtype == torch.bfloat16 else 1)
 
     @property
     def tokenizer(self):
@@ -604,9 +625,7 @@ class TargetModel:
     def _lm_head(self, hidden: torch.Tensor, prefer_packed: bool) -> torch.Tensor:
         """The fastest LM head kernel for M rows (`prefer_packed`: oneDNN even for one row, as the layers used)."""
         ops = self._cpu_ops
-        if ops is not None:
-            if hidden.shape[0] == 1:  # the embedding matrix [V, H] is the LM head's contiguous [out, in] form
-                return ops.gemv(hidden[0], self.lm_head.t(), NO_TENSOR).unsqueeze(0)  # [1, V]
+        if ops is not None:  # every row count on the panels: a row's logits do not depend on the others
             return ops.panel_linear(hidden, self.panel_lm_head, self.config.vocab_size, NO_TENSOR, NO_TENSOR)
         if self.packed_lm_head is not None and (hidden.shape[0] > 1 or prefer_packed):
             return _packed_linear(hidden, self.packed_lm_head)  # [M, V]
