@@ -452,3 +452,32 @@ def test_ninja_of_the_environment_is_put_on_path(monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")
     kernels._put_ninja_on_path()
     assert shutil.which("ninja") is not None and shutil.which("ninja").startswith(ninja.BIN_DIR)
+
+
+def test_bfloat16_on_a_cpu_is_bf16_panels_under_float32_activations(tmp_path, ops, monkeypatch):
+    """dtype="bfloat16" on a CPU with the native ops: the target stores its matrices as bf16 panels and computes,
+    caches and hands out features in float32; the drafter computes in float32 on its bf16 panels; the greedy output
+    of a speculative engine equals `off` on that target. Without the native ops bfloat16 is torch's bfloat16."""
+    from ddtree import LLM, SamplingParams
+    from tests.factories import make_tiny_drafter, make_tiny_target
+
+    target_dir = make_tiny_target(tmp_path / "target", num_layers=2, logit_scale=4.0)
+    drafter_dir = make_tiny_drafter(tmp_path / "drafter", target_dir)
+    spec = LLM(str(target_dir), str(drafter_dir), dtype="bfloat16", budget=6)
+    model = spec.engine.target.model
+    drafter = spec.engine.drafter.drafter
+    assert model.dtype == torch.float32 and model.kernel_weight_dtype == torch.bfloat16
+    assert model.panel_layers[0].w_qkv.dtype == torch.bfloat16 and model.panel_lm_head.dtype == torch.bfloat16
+    assert drafter.dtype == torch.float32 and drafter.uses_cpu_kernels
+    off = LLM(str(target_dir), dtype="bfloat16", speculation="off")
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    prompts = ["hello there", "abc abc abc", "the cat sat"]
+    outputs = spec.generate(prompts, params)
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in off.generate(prompts, params)]
+    assert sum(len(o.acceptance_lengths) for o in outputs) < 3 * 40  # it did speculate: fewer rounds than tokens
+
+    with pytest.raises(ValueError, match="kernel_weight_dtype must be float32 or bfloat16"):
+        TargetModel.load(target_dir, max_kv_bytes=2**20, kernel_weight_dtype=torch.float16)
+    monkeypatch.setenv("DDTREE_CPU_KERNELS", "0")
+    plain = LLM(str(target_dir), dtype="bfloat16", speculation="off").engine.target.model
+    assert plain.dtype == torch.bfloat16 and not plain.uses_cpu_kernels
