@@ -109,7 +109,7 @@ def test_verify_matches_hf_on_every_path(checkpoints, family, gemm):
             ref_logits, ref_feats = hf_logits_and_features(hf, ids)
             torch.testing.assert_close(logits[row], ref_logits[-1], rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(feats[row], ref_feats[-1], rtol=1e-4, atol=1e-4)
-    # The hidden states alone, then the LM head on chosen rows (one row: the GEMV path; several: the GEMM)
+    # The hidden states alone, then the LM head on chosen rows (one row, several, all)
     for s in seq_ids:
         runner.commit(s, [])
     hidden, hidden_feats = runner.verify(seq_ids, packed, hidden_only=True)

@@ -2,7 +2,7 @@
 
     cpu_ops() -> module | None      the target runner's float32 CPU ops (cpu_ops.cpp says why each exists):
                                     `panel_linear` (a GEMM over panel-packed weights that reads them once per
-                                    call), `gemv`, `rms_norm`, `attention_block` (rotary + KV write + attention of
+                                    call), `rms_norm`, `attention_block` (rotary + KV write + attention of
                                     a request's new tokens) and `silu_and_mul`; None where they cannot be built
     pack_panels(w [K, N], dtype)          a weight matrix in the panel layout `panel_linear` reads: float32, or
                                           bfloat16 (x rounded to bf16, bf16 dot products, float32 sums: for the

@@ -1,6 +1,7 @@
-// Native CPU ops for the target runner, float32: a GEMM for few rows on panel-packed weights, a one-row GEMV,
-// RMSNorm, a request's attention block, SiLU-and-mul. Built on first use on the machine that runs them, in plain
-// C++ (GCC/Clang vector extensions, `omp simd`): the compiler vectorises for that CPU (-march=native).
+// Native CPU ops for the target runner and the drafter, float32: a GEMM for few rows on panel-packed weights
+// (float32 or bfloat16 panels), RMSNorm, a request's attention block, SiLU-and-mul. Built on first use on the
+// machine that runs them, in plain C++ (GCC/Clang vector extensions, `omp simd`; AVX-512 bf16 intrinsics where
+// the CPU has them): the compiler vectorises for that CPU (-march=native).
 //
 // Why (benchmarks/bench_gemm.py, one core of this project's CPU): a decode step or a verify of a small tree reads
 // every weight once, so its matrix products should stream the weights at the memory's read rate (~28 GB/s on one
@@ -20,9 +21,6 @@
 //     has it; the same sums with float32 FMAs elsewhere: a product of two bf16 values is exact in float32). Half
 //     the weight bytes of float32 panels and, with vdpbf16ps, half the instructions per product: for the drafter,
 //     whose results only shape the proposals (the target's verify decides every token).
-//
-//   gemv(x [K], w [N, K] contiguous, add [N] or empty) -> y [N] = w x (+ add): one dot product per output, for the
-//     LM head's one-row logits over the (shared, [V, H]) embedding matrix. Threads split the N outputs.
 //
 //   rms_norm(x [R, D], weight [D], eps) -> x / sqrt(mean(x^2) + eps) * weight, per row. At one token torch's
 //   rms_norm costs ~30 us per call here (several small kernels), 61 calls per step; this loop costs ~1 us.
@@ -256,40 +254,6 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, 
     }
     const auto* pp = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
     panel_linear_into(x_pairs.data(), m_rows, pairs, pp, num_panels, n, bp, rp, yp);
-  }
-  return y;
-}
-
-// y[j] = dot(w[j, 0:k], x) for j in [n0, n1)  (w row-major with k columns)
-void dots(const float* x, const float* w, float* y, int64_t n0, int64_t n1, int64_t k) {
-  for (int64_t j = n0; j < n1; ++j) {
-    const float* wj = w + j * k;
-    float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-    for (int64_t i = 0; i < k; ++i) s += wj[i] * x[i];
-    y[j] = s;
-  }
-}
-
-torch::Tensor gemv(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& add) {
-  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), "gemv: CPU tensors only");
-  TORCH_CHECK(x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat, "gemv: float32 only");
-  TORCH_CHECK(w.dim() == 2 && x.dim() == 1 && x.size(0) == w.size(1), "gemv: x [K] and w [N, K] expected");
-  TORCH_CHECK(x.is_contiguous() && w.is_contiguous(), "gemv: x and w must be contiguous");
-  const int64_t n = w.size(0), k = w.size(1);
-  const bool has_add = add.defined() && add.numel() > 0;
-  TORCH_CHECK(!has_add || add.device().is_cpu(), "gemv: CPU tensors only");
-  TORCH_CHECK(!has_add || (add.scalar_type() == torch::kFloat && add.is_contiguous() && add.numel() == n),
-              "gemv: add must be a contiguous float32 [N]");
-  auto y = torch::empty({n}, x.options());
-  const float* xp = x.data_ptr<float>();
-  const float* wp = w.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, n, 256, [&](int64_t begin, int64_t end) { dots(xp, wp, yp, begin, end, k); });
-  if (has_add) {
-    const float* ap = add.data_ptr<float>();
-#pragma omp simd
-    for (int64_t j = 0; j < n; ++j) yp[j] += ap[j];
   }
   return y;
 }
@@ -536,7 +500,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release_gil = py::call_guard<py::gil_scoped_release>;
   m.def("panel_linear", &panel_linear, release_gil(),
         "y = x @ W (+ bias) (+ residual), W as [P, K, 32] float32 or bfloat16 panels");
-  m.def("gemv", &gemv, release_gil(), "y = w x (+ add) for one float32 row x and a contiguous w [N, K]");
   m.def("rms_norm", &rms_norm, release_gil(), "RMSNorm of float32 rows x [R, D] with weight [D]");
   m.def("attention_block", &attention_block, release_gil(), "one request's rotary + KV write + attention");
   m.def("silu_and_mul", &silu_and_mul, release_gil(), "silu(gate) * up of float32 rows [R, 2 I]");

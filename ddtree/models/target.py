@@ -314,8 +314,7 @@ class TargetModel:
         def in_out(*out_in: torch.Tensor) -> torch.Tensor:
             """[in, sum(out)] for `x @ W`, from [out_i, in] matrices fused along out, stored as `_is_stored_out_in`
             says (as the transposed view of a contiguous [out, in] matrix, or contiguous itself). With the native ops
-            always [out, in]: the layer matrices then become panels, and the LM head's one-row GEMV reads the
-            [V, H] embedding, the [out, in] form of the head."""
+            always the view (no copy): the layer matrices then become panels."""
             fused = torch.cat(out_in, dim=0) if len(out_in) > 1 else out_in[0]
             if self._cpu_ops is not None or _is_stored_out_in(fused.shape[0], fused.shape[1], self.dtype):
                 return fused.contiguous().t()
