@@ -221,7 +221,8 @@ def run(args) -> int:
     base = Engine(EngineConfig(speculation="off", max_num_seqs=args.concurrency), target, None, tokenizer)
     cost = base.budget.cost
     model = target.model
-    weights = "" if model.kernel_weight_dtype == model.dtype else f", {model.kernel_weight_dtype} weights"
+    is_mixed = model.uses_cpu_kernels and model.kernel_weight_dtype != model.dtype
+    weights = f", {model.kernel_weight_dtype} weights" if is_mixed else ""
     print(f"{len(prompts)} prompts, max_tokens={args.max_tokens}, concurrency={args.concurrency}, "
           f"{torch.get_num_threads()} torch thread(s), {model.dtype}{weights}".replace("torch.", ""), flush=True)
 

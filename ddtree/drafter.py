@@ -60,7 +60,7 @@ class DFlashDrafter:
         GEMM (ddtree.kernels), which reads each weight once per forward; a draft forward is a few rows per request,
         where torch's GEMMs run far below the memory's read rate. `kernel_weight_dtype` bfloat16 (the default): those
         products take bf16-rounded inputs and weights (bf16 dot products, float32 sums; the shipped drafter's
-        weights are bf16 values already), 1.3-3.6x faster than float32 panels here (benchmarks/bench_panel_dtype.py);
+        weights are bf16 values already), 1.3-2.1x faster than float32 panels here (benchmarks/bench_panel_dtype.py);
         the drafts' numbers move by that rounding, the output never does (the target's verify decides every token);
         float32: the float32 products. Without the native kernels (or no compiler) torch's kernels. The
         `model` given is converted in place (its linears replaced): the drafter owns it, for inference only."""

@@ -98,7 +98,8 @@ def test_bf16_panel_linear_sums_the_bf16_products(ops, threads, k, n):
 @pytest.mark.slow
 def test_bf16_panels_without_bf16_dot_products_sum_the_same(ops, tmp_path, monkeypatch):
     """Built for a CPU without AVX-512 bf16 dot products (DDTREE_KERNEL_CFLAGS=-mno-avx512bf16: the portable
-    loop), the bfloat16 panels give the same sums as the build for this CPU."""
+    loop), the bfloat16 panels give bit for bit the sums of the build for this CPU: the pairs' order, and
+    vdpbf16ps's flushing of subnormal inputs, products and sums to zero."""
     if "avx512_bf16" not in Path("/proc/cpuinfo").read_text():
         pytest.skip("this CPU has no AVX-512 bf16 dot products: the default build is the portable loop already")
     monkeypatch.setenv("DDTREE_KERNEL_CFLAGS", "-mno-avx512bf16")
@@ -107,11 +108,22 @@ def test_bf16_panels_without_bf16_dot_products_sum_the_same(ops, tmp_path, monke
     portable = kernels.cpu_ops()
     assert portable is not None and portable is not ops
     gen = torch.Generator().manual_seed(5)
-    for k, n, m in [(576, 1000, 8), (37, 53, 3), (1536, 576, 17)]:
-        w, x = torch.randn(k, n, generator=gen), torch.randn(m, k, generator=gen)
+
+    def wide(*shape, low=-30, high=30):  # random signs and mantissas over exponents 2^low .. 2^high
+        sign = torch.randn(*shape, generator=gen).sign()
+        return sign * (1 + torch.rand(*shape, generator=gen)) * torch.exp2(
+            torch.randint(low, high, shape, generator=gen).float())
+
+    cases = [(torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen))
+             for k, n, m in [(576, 1000, 8), (37, 53, 3), (1536, 576, 17)]]
+    cases.append((wide(9, 300), wide(300, 70)))  # cancellations across magnitudes
+    cases.append((wide(2, 64, low=-75, high=-55), wide(64, 32, low=-75, high=-55)))  # products below 2^-126
+    cases.append((torch.full((1, 2), 1e-39), torch.ones(2, 32)))  # a subnormal input
+    for x, w in cases:
         panels = kernels.pack_panels(w, torch.bfloat16)
-        torch.testing.assert_close(portable.panel_linear(x, panels, n, EMPTY, EMPTY),
-                                   ops.panel_linear(x, panels, n, EMPTY, EMPTY), rtol=1e-6, atol=1e-5)
+        n = w.shape[1]
+        assert torch.equal(portable.panel_linear(x, panels, n, EMPTY, EMPTY), ops.panel_linear(x, panels, n, EMPTY,
+                                                                                               EMPTY))
 
 
 def test_linear_ops_reject_what_they_cannot_compute(ops):
@@ -296,6 +308,32 @@ def test_a_tree_node_gets_exactly_the_logits_of_decoding_its_path(tmp_path, ops,
             row = start + 1 + node
             assert torch.equal(logits[row], decoded_logits[0]), (r, node)
             assert torch.equal(features[row], decoded_features[0]), (r, node)
+
+
+def test_kernels_are_on_by_default_only_on_avx512_cpus(monkeypatch, tmp_path):
+    """Unset or auto: on x86 CPUs with AVX-512 only (elsewhere the 512-bit tiles spill: slower than torch);
+    1 forces them, 0 turns them off."""
+    cpuinfo = tmp_path / "cpuinfo"
+    real_path = kernels.Path
+
+    def fake_path(p, *args):
+        return cpuinfo if str(p) == "/proc/cpuinfo" else real_path(p, *args)
+
+    monkeypatch.setattr(kernels, "Path", fake_path)
+    monkeypatch.setattr(kernels.platform, "machine", lambda: "x86_64")
+    cases = {"flags\t\t: fpu sse2 avx2 fma avx512f avx512bw\n": True, "flags\t\t: fpu sse2 avx2 fma\n": False}
+    for text, has_avx512 in cases.items():
+        cpuinfo.write_text("processor\t: 0\n" + text)
+        for value, enabled in ((None, has_avx512), ("auto", has_avx512), ("1", True), ("on", True), ("0", False),
+                               ("off", False)):
+            if value is None:
+                monkeypatch.delenv("DDTREE_CPU_KERNELS", raising=False)
+            else:
+                monkeypatch.setenv("DDTREE_CPU_KERNELS", value)
+            assert kernels.kernels_enabled() is enabled, (text, value)
+    monkeypatch.delenv("DDTREE_CPU_KERNELS")
+    monkeypatch.setattr(kernels.platform, "machine", lambda: "aarch64")
+    assert not kernels.kernels_enabled()
 
 
 def test_disabled_or_unbuildable_kernels_fall_back_to_torch(tmp_path, monkeypatch, caplog):

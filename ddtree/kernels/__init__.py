@@ -11,13 +11,13 @@
     use_panel_linears(module, ops, weight_dtype)     swaps every nn.Linear inside `module` for a PanelLinear
 
 Building needs a C++ compiler (g++ with the Python headers torch's extensions use) and ninja (a dependency of the
-project, put on PATH here when only the environment's bin folder has it); the first build takes ~30 s and
-is cached under ~/.cache/ddtree/kernels (or $DDTREE_KERNEL_CACHE), keyed by the source, torch, Python, the
-compile flags (`$DDTREE_KERNEL_CFLAGS` appends to them, e.g. `-march=x86-64-v3` for an image built for
-other CPUs) and the CPU; concurrent first uses (several Ray actors) build once, and a build killed half-way is
-redone by the next process. Without a compiler, or with DDTREE_CPU_KERNELS=0, callers keep torch's own kernels
-(a failed build logs the compiler's error lines once): the kernels change speed, never results beyond float32
-rounding. The ops release the GIL while they run, as torch's ops do.
+project, put on PATH here when only the environment's bin folder has it); the first build takes ~30 s and is cached
+under ~/.cache/ddtree/kernels (or $DDTREE_KERNEL_CACHE), keyed by the source, torch, Python, the compile flags
+(`$DDTREE_KERNEL_CFLAGS` appends to them, e.g. `-mno-avx512bf16`: the portable bf16 loop) and the CPU; concurrent
+first uses (several Ray actors) build once, and a build killed half-way is redone by the next process. On CPUs
+without AVX-512 (`kernels_enabled` says why), without a compiler, or with DDTREE_CPU_KERNELS=0, callers keep torch's
+own kernels (a failed build logs the compiler's error lines once): the kernels change speed, never results beyond
+float32 rounding. The ops release the GIL while they run, as torch's ops do.
 """
 
 from __future__ import annotations
@@ -42,11 +42,35 @@ _loaded: dict[str, object] = {}
 
 
 def kernels_enabled() -> bool:
-    return os.environ.get("DDTREE_CPU_KERNELS", "1").strip().lower() not in ("0", "false", "no", "off")
+    """DDTREE_CPU_KERNELS: 0 / false / no / off: never; 1 / true / yes / on: wherever they build; unset or auto:
+    on x86 CPUs with AVX-512 only. The kernels are written for 512-bit vectors (16 floats, tiles of 8 rows x 32
+    columns in registers): built for AVX2 (`DDTREE_KERNEL_CFLAGS=-march=x86-64-v3` on this project's CPU) the panel
+    GEMM ran 10-50x slower than torch's matmul (8 rows of a [576, 3072] matrix: 12.4 ms against 0.6), the tiles
+    spilling out of the 16 vector registers; on other CPUs they were never measured."""
+    value = os.environ.get("DDTREE_CPU_KERNELS", "auto").strip().lower()
+    if value in ("0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    return _has_avx512()
+
+
+def _has_avx512() -> bool:
+    """Whether this is an x86 CPU with AVX-512 Foundation (/proc/cpuinfo's flags)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    for line in text.splitlines():
+        if line.lower().startswith("flags"):
+            return "avx512f" in line.split(":", 1)[-1].split()
+    return False
 
 
 def cpu_ops():
-    """The compiled module, or None (disabled, or the build failed: logged once with the reason)."""
+    """The compiled module, or None (disabled, not this CPU's, or the build failed: logged once with the reason)."""
     if not kernels_enabled():
         return None
     return _load("cpu_ops")

@@ -18,7 +18,8 @@
 //   With bfloat16 panels [P, ceil(K / 2), 64] (`pack_panels(w, torch.bfloat16)`: row i of a panel holds its 32
 //     columns' weights of inputs 2i and 2i + 1, interleaved in pairs) x is rounded to bfloat16 (nearest even) and
 //     each pair of products is summed into float32 as AVX-512's bf16 dot product does (`vdpbf16ps`, where the CPU
-//     has it; the same sums with float32 FMAs elsewhere: a product of two bf16 values is exact in float32). Half
+//     has it; elsewhere the same sums with float32 vectors, its flushing of subnormal inputs and sums to zero
+//     included, so that both builds give the same bits). Half
 //     the weight bytes of float32 panels and, with vdpbf16ps, half the instructions per product: for the drafter,
 //     whose results only shape the proposals (the target's verify decides every token).
 //
@@ -114,6 +115,29 @@ inline uint16_t to_bf16(float f) {
 // out[m, 0:32] = x[m] . w over ceil(k / 2) input pairs for m < MB: x rows as bf16 pairs (low half input 2i, high
 // half 2i + 1), `ldx` pairs apart; w a bf16 panel, 64 values per pair (column c's two weights at 2c and 2c + 1).
 // Each pair's two products are added to the float32 sum, the odd input's first (vdpbf16ps's order).
+#if !defined(__AVX512BF16__)
+typedef uint32_t v16u __attribute__((vector_size(64)));
+
+// float32 bits -> the float, a zero or subnormal one as a zero of its sign (vdpbf16ps's DAZ and FTZ)
+inline v16 flushed(v16u bits) {
+  bits = ((bits & 0x7f800000u) == 0) ? (bits & 0x80000000u) : bits;
+  v16 v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+inline v16 flushed(v16 v) {
+  v16u bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  return flushed(bits);
+}
+inline float flushed(uint32_t bits) {
+  bits = (bits & 0x7f800000u) == 0 ? (bits & 0x80000000u) : bits;
+  float f;
+  std::memcpy(&f, &bits, sizeof(f));
+  return f;
+}
+#endif
+
 template <int MB>
 __attribute__((always_inline)) inline void panel_tile_bf16(const uint32_t* x, int64_t ldx, int64_t pairs,
                                                            const uint16_t* w, float* out, int64_t ldo) {
@@ -133,7 +157,8 @@ __attribute__((always_inline)) inline void panel_tile_bf16(const uint32_t* x, in
     _mm512_storeu_ps(out + m * ldo + 16, hi[m]);
   }
 #else
-  typedef uint32_t v16u __attribute__((vector_size(64)));
+  // vdpbf16ps's arithmetic with float32 vectors: subnormal inputs read as zero, every sum below float32's normal
+  // range flushed to a signed zero, round to nearest even
   v16 lo[MB], hi[MB];
   for (int m = 0; m < MB; ++m) lo[m] = hi[m] = v16{};
   const v16u high_half = (v16u{} + 0xffff0000u);
@@ -141,21 +166,15 @@ __attribute__((always_inline)) inline void panel_tile_bf16(const uint32_t* x, in
     v16u u_lo, u_hi;  // lane c: column c's pair of weights
     std::memcpy(&u_lo, w, sizeof(u_lo));
     std::memcpy(&u_hi, w + kPanelWidth, sizeof(u_hi));
-    v16 w_lo_even, w_lo_odd, w_hi_even, w_hi_odd;
-    const v16u a = u_lo << 16, b = u_lo & high_half, c = u_hi << 16, d = u_hi & high_half;
-    std::memcpy(&w_lo_even, &a, sizeof(a));
-    std::memcpy(&w_lo_odd, &b, sizeof(b));
-    std::memcpy(&w_hi_even, &c, sizeof(c));
-    std::memcpy(&w_hi_odd, &d, sizeof(d));
+    const v16 w_lo_even = flushed(u_lo << 16), w_lo_odd = flushed(u_lo & high_half);
+    const v16 w_hi_even = flushed(u_hi << 16), w_hi_odd = flushed(u_hi & high_half);
     for (int m = 0; m < MB; ++m) {
-      const uint32_t pair = x[m * ldx + i], even_bits = pair << 16, odd_bits = pair & 0xffff0000u;
-      float x_even, x_odd;
-      std::memcpy(&x_even, &even_bits, sizeof(x_even));
-      std::memcpy(&x_odd, &odd_bits, sizeof(x_odd));
-      lo[m] += x_odd * w_lo_odd;
-      lo[m] += x_even * w_lo_even;
-      hi[m] += x_odd * w_hi_odd;
-      hi[m] += x_even * w_hi_even;
+      const uint32_t pair = x[m * ldx + i];
+      const float x_even = flushed(pair << 16), x_odd = flushed(pair & 0xffff0000u);
+      lo[m] = flushed(lo[m] + x_odd * w_lo_odd);
+      lo[m] = flushed(lo[m] + x_even * w_lo_even);
+      hi[m] = flushed(hi[m] + x_odd * w_hi_odd);
+      hi[m] = flushed(hi[m] + x_even * w_hi_even);
     }
   }
   for (int m = 0; m < MB; ++m) {
@@ -281,6 +300,18 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& weight, doub
   return y;
 }
 
+// a * b + c in one rounding where the CPU has fused multiply-adds (std::fma: the compiler may not fuse some and not
+// others, so a vectorised loop's body and its scalar tail round alike); elsewhere two roundings (nothing is fused
+// then either, and std::fma would be a library call per element)
+#pragma omp declare simd
+inline float mul_add(float a, float b, float c) {
+#if defined(__FMA__) || defined(__aarch64__)
+  return std::fma(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
 // exp(x) within ~2 ulp for x in [-87, 88], 0 below -87 (and for -inf), exp(88) up to where float32's exp overflows,
 // inf beyond (as std::exp: SiLU of -inf is then NaN, as torch's), NaN for NaN: arithmetic only, so that `omp simd`
 // loops over it vectorise (std::exp is a scalar library call: ~20 ns each, 0.7 ms of a decode step's softmaxes,
@@ -290,17 +321,17 @@ inline float exp_approx(float x) {
   const bool is_tiny = x < -87.0f;
   const bool is_huge = x > 88.7228394f;  // ln(FLT_MAX)
   x = is_tiny ? -87.0f : (x > 88.0f ? 88.0f : x);
-  // Explicit fused multiply-adds: a vectorised loop's body and its scalar tail then round alike, so an entry's
-  // weight does not depend on where in a row it falls.
-  const float k = std::floor(std::fma(x, 1.44269504088896341f, 0.5f));  // x = k ln2 + r, |r| <= ln2 / 2
-  const float r = std::fma(k, 2.12194440e-4f, std::fma(-k, 0.693359375f, x));  // ln2 in two parts (Cody-Waite)
-  float p = 1.9875691500e-4f;                                                   // exp(r): Cephes' minimax polynomial
-  p = std::fma(p, r, 1.3981999507e-3f);
-  p = std::fma(p, r, 8.3334519073e-3f);
-  p = std::fma(p, r, 4.1665795894e-2f);
-  p = std::fma(p, r, 1.6666665459e-1f);
-  p = std::fma(p, r, 5.0000001201e-1f);
-  p = std::fma(p * r, r, r) + 1.0f;
+  // mul_add: a vectorised loop's body and its scalar tail round alike, so an entry's weight does not depend on
+  // where in a row it falls
+  const float k = std::floor(mul_add(x, 1.44269504088896341f, 0.5f));  // x = k ln2 + r, |r| <= ln2 / 2
+  const float r = mul_add(k, 2.12194440e-4f, mul_add(-k, 0.693359375f, x));  // ln2 in two parts (Cody-Waite)
+  float p = 1.9875691500e-4f;                                                 // exp(r): Cephes' minimax polynomial
+  p = mul_add(p, r, 1.3981999507e-3f);
+  p = mul_add(p, r, 8.3334519073e-3f);
+  p = mul_add(p, r, 4.1665795894e-2f);
+  p = mul_add(p, r, 1.6666665459e-1f);
+  p = mul_add(p, r, 5.0000001201e-1f);
+  p = mul_add(p * r, r, r) + 1.0f;
   const int32_t bits = (static_cast<int32_t>(k) + 127) << 23;  // 2^k, k in [-126, 127]
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
@@ -463,8 +494,8 @@ torch::Tensor attention_block(const torch::Tensor& qkv, const torch::Tensor& cos
       }
       for (int64_t c = d_tiled; c < d; ++c) {  // a head_dim that is not a multiple of 32
         for (int j = 0; j < rows; ++j) {
-          float s = 0.0f;  // fused multiply-adds, as the tiles: the compiler may not pick per loop shape
-          for (int64_t t = 0; t < seen; ++t) s = std::fma(scores[j * t_pad + t], vh[t * vs1 + c], s);
+          float s = 0.0f;  // mul_add, as the tiles: the compiler may not pick per loop shape
+          for (int64_t t = 0; t < seen; ++t) s = mul_add(scores[j * t_pad + t], vh[t * vs1 + c], s);
           tile[j * d + c] = s;
         }
       }
