@@ -14,24 +14,13 @@ round-robin with its counterpart, `--repeats` rounds; times are the minimum (med
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
+from pathlib import Path
 
 import torch
 
-
-def timed_round_robin(fns: dict, repeats: int) -> dict[str, tuple[float, float]]:
-    """{name: (min, median) seconds}, the functions run in turn so that other jobs disturb each alike."""
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: (min(t), statistics.median(t)) for name, t in times.items()}
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from benchmarks.bench_runtime import timed_interleaved  # noqa: E402  (round-robin timing: min and median)
 
 
 def ms(x: tuple[float, float]) -> str:
@@ -50,7 +39,7 @@ def gemm_table(ops, repeats: int) -> None:
         panels = {dtype: pack_panels(w, dtype) for dtype in (torch.float32, torch.bfloat16)}
         for rows in (1, 8, 16):
             x = torch.randn(rows, k, generator=gen)
-            t = timed_round_robin({dtype: (lambda p=p: ops.panel_linear(x, p, n, NO_TENSOR, NO_TENSOR))
+            t = timed_interleaved({dtype: (lambda p=p: ops.panel_linear(x, p, n, NO_TENSOR, NO_TENSOR))
                                    for dtype, p in panels.items()}, repeats)
             f32, bf16 = t[torch.float32], t[torch.bfloat16]
             print(f"| {name} [{k}, {n}] | {rows} | {ms(f32)} | {ms(bf16)} | {f32[0] / bf16[0]:.2f} |")
@@ -87,7 +76,7 @@ def runner_table(args) -> None:
         fns[("decode 1 request", dtype)] = lambda decode=decode: decode([0])
         fns[("verify 32 tree tokens", dtype)] = verify32
         fns[("decode 16 requests", dtype)] = lambda decode=decode, ids=seq_ids: decode(ids)
-    t = timed_round_robin(fns, args.repeats)
+    t = timed_interleaved(fns, args.repeats)
     weight_mb = {dtype: runner.num_weight_bytes / 1e6 for dtype, runner in runners.items()}
     print(f"\nrunner, {args.context} cached tokens; weight bytes read per step: float32 {weight_mb[torch.float32]:.0f} "
           f"MB, bfloat16 panels {weight_mb[torch.bfloat16]:.0f} MB\n")
