@@ -374,7 +374,8 @@ def compute_and_kernel_dtypes(dtype: torch.dtype, device: str | torch.device) ->
     bf16-rounded inputs and weights with float32 sums (AVX-512 bf16 dot products where the CPU has them), while
     activations, norms, attention, the KV cache and the features stay float32. That reads half the weight bytes of
     float32: a decode step 1.85x faster here, a 32-token verify 1.49x (docs/runtime_benchmark.md); torch's own
-    bfloat16 CPU kernels are slower than float32 at one row. Elsewhere (a GPU, no compiler) the model computes in `dtype` itself."""
+    bfloat16 CPU kernels are slower than float32 at one row. Elsewhere (a GPU, a CPU without AVX-512, no compiler)
+    the model computes in `dtype` itself."""
     if torch.device(device).type == "cpu" and dtype == torch.bfloat16:
         from ddtree.kernels import cpu_ops
 
