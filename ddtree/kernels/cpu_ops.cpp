@@ -19,9 +19,9 @@
 //     columns' weights of inputs 2i and 2i + 1, interleaved in pairs) x is rounded to bfloat16 (nearest even) and
 //     each pair of products is summed into float32 as AVX-512's bf16 dot product does (`vdpbf16ps`, where the CPU
 //     has it; elsewhere the same sums with float32 vectors, its flushing of subnormal inputs and sums to zero
-//     included, so that both builds give the same bits). Half
-//     the weight bytes of float32 panels and, with vdpbf16ps, half the instructions per product: for the drafter,
-//     whose results only shape the proposals (the target's verify decides every token).
+//     included, so that both builds give the same bits). Half the weight bytes of float32 panels and, with
+//     vdpbf16ps, half the instructions per product: for the drafter, whose results only shape the proposals (the
+//     target's verify decides every token), and for a target asked for bfloat16 on a CPU.
 //
 //   rms_norm(x [R, D], weight [D], eps) -> x / sqrt(mean(x^2) + eps) * weight, per row. At one token torch's
 //   rms_norm costs ~30 us per call here (several small kernels), 61 calls per step; this loop costs ~1 us.
@@ -112,9 +112,6 @@ inline uint16_t to_bf16(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
-// out[m, 0:32] = x[m] . w over ceil(k / 2) input pairs for m < MB: x rows as bf16 pairs (low half input 2i, high
-// half 2i + 1), `ldx` pairs apart; w a bf16 panel, 64 values per pair (column c's two weights at 2c and 2c + 1).
-// Each pair's two products are added to the float32 sum, the odd input's first (vdpbf16ps's order).
 #if !defined(__AVX512BF16__)
 typedef uint32_t v16u __attribute__((vector_size(64)));
 
@@ -138,6 +135,9 @@ inline float flushed(uint32_t bits) {
 }
 #endif
 
+// out[m, 0:32] = x[m] . w over ceil(k / 2) input pairs for m < MB: x rows as bf16 pairs (low half input 2i, high
+// half 2i + 1), `ldx` pairs apart; w a bf16 panel, 64 values per pair (column c's two weights at 2c and 2c + 1).
+// Each pair's two products are added to the float32 sum, the odd input's first (vdpbf16ps's order).
 template <int MB>
 __attribute__((always_inline)) inline void panel_tile_bf16(const uint32_t* x, int64_t ldx, int64_t pairs,
                                                            const uint16_t* w, float* out, int64_t ldo) {
@@ -200,7 +200,7 @@ __attribute__((always_inline)) inline void panel_rows(const uint32_t* x, int64_t
 }
 
 // y rows [0, m_rows) = x @ panels (+ bias) (+ residual): the loop of panel_linear for either panel dtype. `k` is
-// x's row stride in X elements (floats, or bf16 pairs) and a panel's rows; a panel holds k * 32 weights.
+// x's row stride in X elements (floats, or bf16 pairs) and a panel's rows (32 floats, or 32 bf16 pairs, each).
 template <typename X, typename W>
 void panel_linear_into(const X* xp, int64_t m_rows, int64_t k, const W* pp, int64_t num_panels, int64_t n,
                        const float* bp, const float* rp, float* yp) {
