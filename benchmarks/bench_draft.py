@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     drafters = {"full vocab, torch": DFlashDrafter.load(path, head, use_draft_vocab=False, cpu_kernels=False),
                 "draft vocab, torch": DFlashDrafter.load(path, head, cpu_kernels=False),
                 "draft vocab, native f32": DFlashDrafter.load(path, head, kernel_weight_dtype=torch.float32),
-                "draft vocab, native bf16": DFlashDrafter.load(path, head)}
+                "draft vocab, native bf16": DFlashDrafter.load(path, head, kernel_weight_dtype=torch.bfloat16)}
     if drafters["draft vocab, torch"].draft_token_ids is None:
         raise ValueError(f"{path} has no draft_vocab.json")
     if not drafters["draft vocab, native bf16"].uses_cpu_kernels:  # no compiler here: torch's kernels only

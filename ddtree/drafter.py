@@ -55,14 +55,15 @@ class _Context:
 class DFlashDrafter:
     def __init__(self, config: DFlashConfig, model: DFlashDraftModel, target, device=None, dtype=None,
                  draft_token_ids: list[int] | None = None, cpu_kernels: bool = True,
-                 kernel_weight_dtype: torch.dtype = torch.bfloat16):
+                 kernel_weight_dtype: torch.dtype | None = None):
         """`cpu_kernels` (CPU, float32): the drafter's linears and its draft-vocabulary head run on the native panel
         GEMM (ddtree.kernels), which reads each weight once per forward; a draft forward is a few rows per request,
-        where torch's GEMMs run far below the memory's read rate. `kernel_weight_dtype` bfloat16 (the default): those
-        products take bf16-rounded inputs and weights (bf16 dot products, float32 sums; the shipped drafter's
-        weights are bf16 values already), 1.3-2.1x faster than float32 panels here (benchmarks/bench_panel_dtype.py);
-        the drafts' numbers move by that rounding, the output never does (the target's verify decides every token);
-        float32: the float32 products. Without the native kernels (or no compiler) torch's kernels. The
+        where torch's GEMMs run far below the memory's read rate. `kernel_weight_dtype` bfloat16 (the default where
+        the CPU has AVX-512 bf16 dot products): those products take bf16-rounded inputs and weights (float32 sums;
+        the shipped drafter's weights are bf16 values already), 1.3-2.1x faster than float32 panels here
+        (benchmarks/bench_panel_dtype.py); the drafts' numbers move by that rounding, the output never does (the
+        target's verify decides every token); float32 (the default elsewhere, where bf16 panels run a slower
+        portable loop): the float32 products. Without the native kernels (or no compiler) torch's kernels. The
         `model` given is converted in place (its linears replaced): the drafter owns it, for inference only."""
         device = torch.device(device) if device is not None else target.device
         dtype = dtype or target.dtype
@@ -111,6 +112,9 @@ class DFlashDrafter:
 
             self._cpu_ops = cpu_ops()
             if self._cpu_ops is not None:
+                if kernel_weight_dtype is None:
+                    has_dot = self._cpu_ops.has_bf16_dot_products()
+                    kernel_weight_dtype = torch.bfloat16 if has_dot else torch.float32
                 use_panel_linears(self.model, self._cpu_ops, kernel_weight_dtype)
                 if self._draft_lm_head is not None:
                     self._draft_lm_head = PanelLinear(self._draft_lm_head, None, self._cpu_ops, kernel_weight_dtype)
@@ -121,7 +125,7 @@ class DFlashDrafter:
 
     @classmethod
     def load(cls, path: str | Path, target, device=None, dtype=None, use_draft_vocab: bool = True,
-             cpu_kernels: bool = True, kernel_weight_dtype: torch.dtype = torch.bfloat16) -> "DFlashDrafter":
+             cpu_kernels: bool = True, kernel_weight_dtype: torch.dtype | None = None) -> "DFlashDrafter":
         """`use_draft_vocab=False` ignores the folder's draft vocabulary (drafts over the full vocabulary)."""
         device = torch.device(device) if device is not None else target.device
         dtype = dtype or target.dtype

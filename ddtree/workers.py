@@ -370,16 +370,17 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
 def compute_and_kernel_dtypes(dtype: torch.dtype, device: str | torch.device) -> tuple[torch.dtype, torch.dtype]:
     """(the dtype a model computes and caches in, the native CPU kernels' weight dtype) for the `dtype` asked for.
 
-    On a CPU where the native kernels build, bfloat16 means bf16 weights on them: each matrix product takes
-    bf16-rounded inputs and weights with float32 sums (AVX-512 bf16 dot products where the CPU has them), while
+    On a CPU whose native kernels have AVX-512 bf16 dot products, bfloat16 means bf16 weights on them: each matrix
+    product takes bf16-rounded inputs and weights with float32 sums, while
     activations, norms, attention, the KV cache and the features stay float32. That reads half the weight bytes of
     float32: a decode step 1.85x faster here, a 32-token verify 1.49x (docs/runtime_benchmark.md); torch's own
-    bfloat16 CPU kernels are slower than float32 at one row. Elsewhere (a GPU, a CPU without AVX-512, no compiler)
-    the model computes in `dtype` itself."""
+    bfloat16 CPU kernels are slower than float32 at one row. Elsewhere (a GPU, a CPU without those dot products,
+    where bf16 panels run slower than float32 ones, no compiler) the model computes in `dtype` itself."""
     if torch.device(device).type == "cpu" and dtype == torch.bfloat16:
         from ddtree.kernels import cpu_ops
 
-        if cpu_ops() is not None:
+        ops = cpu_ops()
+        if ops is not None and ops.has_bf16_dot_products():
             return torch.float32, torch.bfloat16
     return dtype, torch.float32
 
@@ -449,7 +450,7 @@ def load_drafter_worker(
     from ddtree.drafter import DFlashDrafter
 
     head = head.to(device)
-    compute_dtype, _ = compute_and_kernel_dtypes(resolve_dtype(dtype, device), device)  # its panels: bf16 always
+    compute_dtype, _ = compute_and_kernel_dtypes(resolve_dtype(dtype, device), device)  # its panels: its own choice
     return DrafterWorker(DFlashDrafter.load(drafter_path, head, device=device, dtype=compute_dtype))
 
 

@@ -38,7 +38,7 @@ class AppArgs(BaseModel):
         "'cuda' otherwise (each actor sees only the GPU Ray gave it).")
     dtype: str | None = Field(
         None, description="Weights dtype (float32, bfloat16, float16, float64). None: float32 on CPU, bfloat16 on "
-                          "CUDA. bfloat16 on a CPU with the native kernels: bf16 weights, float32 activations and KV.")
+                          "CUDA. bfloat16 on a CPU with bf16 dot products: bf16 weights, float32 activations and KV.")
     speculation: Literal["ddtree", "dflash", "off"] = Field(
         "ddtree", description="'ddtree': draft trees; 'dflash': the drafter's argmax chain; 'off': autoregressive.")
     budget: Literal["auto"] | PositiveInt = Field(

@@ -310,8 +310,8 @@ def test_a_tree_node_gets_exactly_the_logits_of_decoding_its_path(tmp_path, ops,
             assert torch.equal(features[row], decoded_features[0]), (r, node)
 
 
-def test_kernels_are_on_by_default_only_on_avx512_cpus(monkeypatch, tmp_path):
-    """Unset or auto: on x86 CPUs with AVX-512 only (elsewhere the 512-bit tiles spill: slower than torch);
+def test_kernels_are_on_by_default_only_on_x86_cpus_with_avx512_or_avx2(monkeypatch, tmp_path):
+    """Unset or auto: on x86 CPUs with AVX-512, or AVX2 and FMA (the vector registers the tiles are sized for);
     1 forces them, 0 turns them off."""
     cpuinfo = tmp_path / "cpuinfo"
     real_path = kernels.Path
@@ -321,7 +321,8 @@ def test_kernels_are_on_by_default_only_on_avx512_cpus(monkeypatch, tmp_path):
 
     monkeypatch.setattr(kernels, "Path", fake_path)
     monkeypatch.setattr(kernels.platform, "machine", lambda: "x86_64")
-    cases = {"flags\t\t: fpu sse2 avx2 fma avx512f avx512bw\n": True, "flags\t\t: fpu sse2 avx2 fma\n": False}
+    cases = {"flags\t\t: fpu sse2 avx2 fma avx512f avx512bw\n": True, "flags\t\t: fpu sse2 avx2 fma\n": True,
+             "flags\t\t: fpu sse2 avx2\n": False, "flags\t\t: fpu sse2 sse4_2\n": False}
     for text, has_avx512 in cases.items():
         cpuinfo.write_text("processor\t: 0\n" + text)
         for value, enabled in ((None, has_avx512), ("auto", has_avx512), ("1", True), ("on", True), ("0", False),
@@ -391,12 +392,15 @@ def test_drafter_on_native_ops_drafts_what_torch_drafts(tmp_path, ops):
     save_draft_vocab(drafter_dir, list(range(3, 90, 2)), source="test")
     drafters = {
         "f32": DFlashDrafter.load(drafter_dir, target, kernel_weight_dtype=torch.float32),
-        "bf16": DFlashDrafter.load(drafter_dir, target),
+        "bf16": DFlashDrafter.load(drafter_dir, target, kernel_weight_dtype=torch.bfloat16),
         "torch": DFlashDrafter.load(drafter_dir, target, cpu_kernels=False),
         "torch bf16": DFlashDrafter.load(drafter_dir, target, cpu_kernels=False),
     }
     assert drafters["f32"].uses_cpu_kernels and drafters["bf16"].uses_cpu_kernels
     assert not drafters["torch"].uses_cpu_kernels
+    # the default: bf16 panels where they run on bf16 dot products, float32 ones where they would be slower
+    default_panels = DFlashDrafter.load(drafter_dir, target)._draft_lm_head.panels.dtype
+    assert default_panels == (torch.bfloat16 if ops.has_bf16_dot_products() else torch.float32)
     reference = drafters["torch bf16"]
     round_linears_to_bf16(reference.model)
     head = reference._draft_lm_head  # [H, Vd]: as a linear whose products are rounded to bf16, as its panels do
@@ -476,6 +480,8 @@ def test_bfloat16_on_a_cpu_is_bf16_panels_under_float32_activations(tmp_path, op
     from ddtree import LLM, SamplingParams
     from tests.factories import make_tiny_drafter, make_tiny_target
 
+    if not ops.has_bf16_dot_products():
+        pytest.skip("this build has no bf16 dot products: bfloat16 stays torch's (bf16 panels would be slower)")
     target_dir = make_tiny_target(tmp_path / "target", num_layers=2, logit_scale=4.0)
     drafter_dir = make_tiny_drafter(tmp_path / "drafter", target_dir)
     spec = LLM(str(target_dir), str(drafter_dir), dtype="bfloat16", budget=6)
@@ -496,3 +502,24 @@ def test_bfloat16_on_a_cpu_is_bf16_panels_under_float32_activations(tmp_path, op
     monkeypatch.setenv("DDTREE_CPU_KERNELS", "0")
     plain = LLM(str(target_dir), dtype="bfloat16", speculation="off").engine.target.model
     assert plain.dtype == torch.bfloat16 and not plain.uses_cpu_kernels
+
+
+@pytest.mark.slow
+def test_the_avx2_build_passes_the_kernel_tests(tmp_path):
+    """The kernels built for AVX2 (`-march=x86-64-v3`: 8-float vectors, tiles of 3 rows x 4 vectors; no bf16 dot
+    products): the GEMM, attention, exactness and drafter tests of this file, run in a child pytest on that build
+    (where the drafter defaults to float32 panels)."""
+    import os
+    import subprocess
+    import sys
+
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    if not ({"avx2", "fma"} <= set(flags.split())):
+        pytest.skip("this CPU cannot run AVX2 code")
+    env = dict(os.environ, DDTREE_CPU_KERNELS="1", DDTREE_KERNEL_CFLAGS="-march=x86-64-v3",
+               DDTREE_KERNEL_CACHE=str(tmp_path / "cache"))
+    selected = "panel_linear or attention_block or exactly_the_logits or native_ops_drafts"
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k",
+                             selected], env=env, capture_output=True, text=True, cwd=Path(__file__).parent.parent)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
+    assert " passed" in result.stdout and "skipped" not in result.stdout.splitlines()[-1]

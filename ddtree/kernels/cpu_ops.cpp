@@ -56,13 +56,24 @@
 
 namespace {
 
-constexpr int64_t kPanelWidth = 32;  // output columns per panel: two 16-float vectors
-constexpr int kMaxRowsPerTile = 8;   // rows of x per pass over a panel: 16 accumulator vectors
+constexpr int64_t kPanelWidth = 32;  // output columns per panel
+// The tiles keep their rows' sums in vector registers: with AVX-512 (32 registers of 16 floats) 8 rows x 2 vectors;
+// with AVX2 (16 registers of 8 floats) 3 rows x 4 vectors. Vectors wider than the CPU's are not an option: GCC
+// lowers a scalar times such a vector through the stack, element by element (10x slower than torch, measured).
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+constexpr int kMaxRowsPerTile = 8;
+#else
+constexpr int kLanes = 8;
+constexpr int kMaxRowsPerTile = 3;
+#endif
+constexpr int kVectorsPerRow = kPanelWidth / kLanes;
 
-typedef float v16 __attribute__((vector_size(64)));
+typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
+typedef uint32_t vu __attribute__((vector_size(kLanes * sizeof(uint32_t))));
 
-inline v16 load16(const float* p) {
-  v16 v;
+inline vf load_vector(const float* p) {
+  vf v;
   std::memcpy(&v, p, sizeof(v));
   return v;
 }
@@ -71,19 +82,20 @@ inline v16 load16(const float* p) {
 // out rows `ldo` apart. Inlined into its callers, so that a panel's constant strides are the compiler's.
 template <int MB>
 __attribute__((always_inline)) inline void panel_tile(const float* x, int64_t ldx, int64_t k, const float* w, int64_t ldw, float* out, int64_t ldo) {
-  v16 lo[MB], hi[MB];
-  for (int m = 0; m < MB; ++m) lo[m] = hi[m] = v16{};
+  vf sums[MB][kVectorsPerRow];
+  for (int m = 0; m < MB; ++m) {
+    for (int v = 0; v < kVectorsPerRow; ++v) sums[m][v] = vf{};
+  }
   for (int64_t i = 0; i < k; ++i, w += ldw) {
-    const v16 w_lo = load16(w), w_hi = load16(w + 16);
+    vf wv[kVectorsPerRow];
+    for (int v = 0; v < kVectorsPerRow; ++v) wv[v] = load_vector(w + v * kLanes);
     for (int m = 0; m < MB; ++m) {
       const float xm = x[m * ldx + i];
-      lo[m] += xm * w_lo;
-      hi[m] += xm * w_hi;
+      for (int v = 0; v < kVectorsPerRow; ++v) sums[m][v] += xm * wv[v];
     }
   }
   for (int m = 0; m < MB; ++m) {
-    std::memcpy(out + m * ldo, &lo[m], sizeof(v16));
-    std::memcpy(out + m * ldo + 16, &hi[m], sizeof(v16));
+    for (int v = 0; v < kVectorsPerRow; ++v) std::memcpy(out + m * ldo + v * kLanes, &sums[m][v], sizeof(vf));
   }
 }
 
@@ -113,17 +125,15 @@ inline uint16_t to_bf16(float f) {
 }
 
 #if !defined(__AVX512BF16__)
-typedef uint32_t v16u __attribute__((vector_size(64)));
-
 // float32 bits -> the float, a zero or subnormal one as a zero of its sign (vdpbf16ps's DAZ and FTZ)
-inline v16 flushed(v16u bits) {
+inline vf flushed(vu bits) {
   bits = ((bits & 0x7f800000u) == 0) ? (bits & 0x80000000u) : bits;
-  v16 v;
+  vf v;
   std::memcpy(&v, &bits, sizeof(v));
   return v;
 }
-inline v16 flushed(v16 v) {
-  v16u bits;
+inline vf flushed(vf v) {
+  vu bits;
   std::memcpy(&bits, &v, sizeof(bits));
   return flushed(bits);
 }
@@ -159,27 +169,30 @@ __attribute__((always_inline)) inline void panel_tile_bf16(const uint32_t* x, in
 #else
   // vdpbf16ps's arithmetic with float32 vectors: subnormal inputs read as zero, every sum below float32's normal
   // range flushed to a signed zero, round to nearest even
-  v16 lo[MB], hi[MB];
-  for (int m = 0; m < MB; ++m) lo[m] = hi[m] = v16{};
-  const v16u high_half = (v16u{} + 0xffff0000u);
+  vf sums[MB][kVectorsPerRow];
+  for (int m = 0; m < MB; ++m) {
+    for (int v = 0; v < kVectorsPerRow; ++v) sums[m][v] = vf{};
+  }
+  const vu high_half = (vu{} + 0xffff0000u);
   for (int64_t i = 0; i < pairs; ++i, w += 2 * kPanelWidth) {
-    v16u u_lo, u_hi;  // lane c: column c's pair of weights
-    std::memcpy(&u_lo, w, sizeof(u_lo));
-    std::memcpy(&u_hi, w + kPanelWidth, sizeof(u_hi));
-    const v16 w_lo_even = flushed(u_lo << 16), w_lo_odd = flushed(u_lo & high_half);
-    const v16 w_hi_even = flushed(u_hi << 16), w_hi_odd = flushed(u_hi & high_half);
+    vf even[kVectorsPerRow], odd[kVectorsPerRow];  // lane c of vector v: column v * kLanes + c's two weights
+    for (int v = 0; v < kVectorsPerRow; ++v) {
+      vu pair_bits;
+      std::memcpy(&pair_bits, w + 2 * v * kLanes, sizeof(pair_bits));
+      even[v] = flushed(pair_bits << 16);
+      odd[v] = flushed(pair_bits & high_half);
+    }
     for (int m = 0; m < MB; ++m) {
       const uint32_t pair = x[m * ldx + i];
       const float x_even = flushed(pair << 16), x_odd = flushed(pair & 0xffff0000u);
-      lo[m] = flushed(lo[m] + x_odd * w_lo_odd);
-      lo[m] = flushed(lo[m] + x_even * w_lo_even);
-      hi[m] = flushed(hi[m] + x_odd * w_hi_odd);
-      hi[m] = flushed(hi[m] + x_even * w_hi_even);
+      for (int v = 0; v < kVectorsPerRow; ++v) {
+        sums[m][v] = flushed(sums[m][v] + x_odd * odd[v]);
+        sums[m][v] = flushed(sums[m][v] + x_even * even[v]);
+      }
     }
   }
   for (int m = 0; m < MB; ++m) {
-    std::memcpy(out + m * ldo, &lo[m], sizeof(v16));
-    std::memcpy(out + m * ldo + 16, &hi[m], sizeof(v16));
+    for (int v = 0; v < kVectorsPerRow; ++v) std::memcpy(out + m * ldo + v * kLanes, &sums[m][v], sizeof(vf));
   }
 #endif
 }
@@ -527,10 +540,21 @@ torch::Tensor silu_and_mul(const torch::Tensor& gate_up) {
 }  // namespace
 
 // The GIL is released while an op runs (as torch's own ops do): the Serve replica's event loop shares the process.
+// Whether bfloat16 panels run on vdpbf16ps in this build; the portable loop is several times slower than float32
+// panels (AVX2: 0.23-0.47x at 8-16 rows, benchmarks/bench_panel_dtype.py), so callers choose float32 panels then.
+bool has_bf16_dot_products() {
+#if defined(__AVX512BF16__)
+  return true;
+#else
+  return false;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release_gil = py::call_guard<py::gil_scoped_release>;
   m.def("panel_linear", &panel_linear, release_gil(),
         "y = x @ W (+ bias) (+ residual), W as [P, K, 32] float32 or bfloat16 panels");
+  m.def("has_bf16_dot_products", &has_bf16_dot_products, "whether bf16 panels run on vdpbf16ps in this build");
   m.def("rms_norm", &rms_norm, release_gil(), "RMSNorm of float32 rows x [R, D] with weight [D]");
   m.def("attention_block", &attention_block, release_gil(), "one request's rotary + KV write + attention");
   m.def("silu_and_mul", &silu_and_mul, release_gil(), "silu(gate) * up of float32 rows [R, 2 I]");

@@ -162,7 +162,7 @@ class TargetModel:
         compute bound above; the LM head is a panel copy of the embedding matrix; RMSNorm, SiLU-and-mul and each
         request's attention block are native too. Every op computes a row the same way whatever else is in the
         batch, so a tree node's logits are bit-identical to those of decoding its path token by token.
-        Without them (a CPU without AVX-512, no C++ compiler, DDTREE_CPU_KERNELS=0) torch's kernels run; results
+        Without them (a CPU without AVX2, no C++ compiler, DDTREE_CPU_KERNELS=0) torch's kernels run; results
         differ by float32 rounding only. `kernel_weight_dtype` bfloat16 (with the native ops): the matrices are
         stored as bf16 panels (the LM head too) and every product takes bf16-rounded inputs and weights with float32
         sums (bf16 dot products), while activations, norms, attention, the KV cache and the features stay `dtype`
