@@ -108,13 +108,12 @@ class DFlashDrafter:
             self._draft_lm_head = target.lm_head[:, self.draft_token_ids].contiguous()
         self._cpu_ops = None
         if cpu_kernels and device.type == "cpu" and dtype == torch.float32 and target.dtype == torch.float32:
-            from ddtree.kernels import PanelLinear, cpu_ops, use_panel_linears
+            from ddtree.kernels import PanelLinear, bf16_panels_pay, cpu_ops, use_panel_linears
 
             self._cpu_ops = cpu_ops()
             if self._cpu_ops is not None:
                 if kernel_weight_dtype is None:
-                    has_dot = self._cpu_ops.has_bf16_dot_products()
-                    kernel_weight_dtype = torch.bfloat16 if has_dot else torch.float32
+                    kernel_weight_dtype = torch.bfloat16 if bf16_panels_pay() else torch.float32
                 use_panel_linears(self.model, self._cpu_ops, kernel_weight_dtype)
                 if self._draft_lm_head is not None:
                     self._draft_lm_head = PanelLinear(self._draft_lm_head, None, self._cpu_ops, kernel_weight_dtype)

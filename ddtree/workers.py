@@ -370,17 +370,16 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: str) -> torch.dtype:
 def compute_and_kernel_dtypes(dtype: torch.dtype, device: str | torch.device) -> tuple[torch.dtype, torch.dtype]:
     """(the dtype a model computes and caches in, the native CPU kernels' weight dtype) for the `dtype` asked for.
 
-    On a CPU whose native kernels have AVX-512 bf16 dot products, bfloat16 means bf16 weights on them: each matrix
-    product takes bf16-rounded inputs and weights with float32 sums, while
+    On a CPU whose native kernels have AVX-512 bf16 dot products (`ddtree.kernels.bf16_panels_pay`), bfloat16 means
+    bf16 weights on them: each matrix product takes bf16-rounded inputs and weights with float32 sums, while
     activations, norms, attention, the KV cache and the features stay float32. That reads half the weight bytes of
     float32: a decode step 1.85x faster here, a 32-token verify 1.49x (docs/runtime_benchmark.md); torch's own
     bfloat16 CPU kernels are slower than float32 at one row. Elsewhere (a GPU, a CPU without those dot products,
     where bf16 panels run slower than float32 ones, no compiler) the model computes in `dtype` itself."""
     if torch.device(device).type == "cpu" and dtype == torch.bfloat16:
-        from ddtree.kernels import cpu_ops
+        from ddtree.kernels import bf16_panels_pay
 
-        ops = cpu_ops()
-        if ops is not None and ops.has_bf16_dot_products():
+        if bf16_panels_pay():
             return torch.float32, torch.bfloat16
     return dtype, torch.float32
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from ddtree import LLM, SamplingParams
-from ddtree.kernels import cpu_ops
+from ddtree.kernels import bf16_panels_pay
 
 PROMPTS = [
     "Write a Python function that checks whether a string is a palindrome.",
@@ -46,8 +46,7 @@ def first_difference_report(off: LLM, conversation, expected: list[int], got: li
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_every_speculative_mode_gives_offs_tokens_on_the_embedded_pair(dtype):
-    ops = cpu_ops()
-    if dtype == "bfloat16" and (ops is None or not ops.has_bf16_dot_products()):
+    if dtype == "bfloat16" and not bf16_panels_pay():
         pytest.skip("bf16 weights on a CPU need the native kernels with bf16 dot products (else torch's bfloat16, "
                     "whose logits depend on a forward's shape)")
     previous = torch.get_num_threads()

@@ -4,6 +4,7 @@
                                     `panel_linear` (a GEMM over panel-packed weights that reads them once per
                                     call), `rms_norm`, `attention_block` (rotary + KV write + attention of
                                     a request's new tokens) and `silu_and_mul`; None where they cannot be built
+    bf16_panels_pay() -> bool             whether bfloat16 panels run on bf16 dot products here (else float32 ones)
     pack_panels(w [K, N], dtype)          a weight matrix in the panel layout `panel_linear` reads: float32, or
                                           bfloat16 (x rounded to bf16, bf16 dot products, float32 sums: for the
                                           drafter, whose numbers only shape proposals)
@@ -81,6 +82,13 @@ NO_TENSOR = torch.empty(0)  # the native ops' "no bias / residual / add / mask"
 
 
 PANEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def bf16_panels_pay() -> bool:
+    """Whether bfloat16 panels are the faster ones here: the native ops build with AVX-512 bf16 dot products
+    (without them the portable loop runs 0.23-0.47x float32 panels at 8-16 rows, docs/runtime_benchmark.md)."""
+    ops = cpu_ops()
+    return ops is not None and ops.has_bf16_dot_products()
 
 
 def pack_panels(w: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
