@@ -312,12 +312,12 @@ class Engine:
         """pipeline=True: always; "auto": while the cost model predicts two groups faster than one, with a margin
         to enter (it ignores the actor hops and the second verify pass's fixed costs: in benchmarks/bench_pipeline.py
         runs its predictions were 0-7% above the measured ratio), staying while above 1x, and only when the workers
-        can work at the same time (actors, `is_remote`)."""
+        can work at the same time (`can_overlap`: actors on cores or devices of their own)."""
         if self.drafter is None or self.config.pipeline is False:
             return False
         if self.config.pipeline is True:
             return True
-        if not (getattr(self.target, "is_remote", False) and getattr(self.drafter, "is_remote", False)):
+        if not (self.target.can_overlap and self.drafter.can_overlap):
             return False
         threshold = 1.0 if self._is_pipelining else PIPELINE_ENTER_SPEEDUP
         return self.budget.pipeline_speedup(self.scheduler.running) > threshold

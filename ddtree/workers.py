@@ -136,7 +136,7 @@ def _tokenizer_eos_id(model) -> int | None:
 class TargetWorker:
     """The target model, its KV cache, per-request sampling state, and features waiting for the drafter."""
 
-    is_remote = False  # in the engine's process: its calls cannot overlap the drafter's (the actor proxies can)
+    can_overlap = False  # in the engine's process: its calls cannot run while the drafter's do
 
     def __init__(self, model, keep_features: bool) -> None:
         self.model = model
@@ -264,6 +264,12 @@ class TargetWorker:
             self._pending_features[rid] = []
         return out
 
+    def has_new_features(self, request_id: str) -> bool:
+        return bool(self._pending_features.get(request_id))
+
+    def num_new_features(self, request_id: str) -> int:
+        return sum(f.shape[0] for f in self._pending_features.get(request_id, ()))
+
     def free(self, request_id: str) -> None:
         seq_id = self._seq_ids.pop(request_id, None)
         if seq_id is not None:
@@ -299,27 +305,32 @@ class TargetWorker:
 class DrafterWorker:
     """The DFlash drafter and its per-request context caches."""
 
-    is_remote = False
+    can_overlap = False
 
     def __init__(self, drafter) -> None:
         self.drafter = drafter
         self.block_len = int(drafter.block_len)
         self._known: set[str] = set()
 
-    def draft(
-        self,
-        request_ids: list[str],
-        root_token_ids: list[int],
-        new_features: list[torch.Tensor],
-        max_k: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Extend each request's context with `new_features`, then ONE forward for all of them:
-        (top-K log-probs [R, L, K], token ids [R, L, K]) for block positions 1..L."""
+    def add_contexts(self, request_ids: list[str], new_features: list[torch.Tensor]) -> None:
+        """Extend each request's context cache with its new target features [n_i, F] (n_i may be 0)."""
         for rid in request_ids:
             if rid not in self._known:
                 self.drafter.add_request(rid)
                 self._known.add(rid)
         self.drafter.add_contexts(request_ids, new_features)
+
+    def draft(
+        self,
+        request_ids: list[str],
+        root_token_ids: list[int],
+        new_features: list[torch.Tensor] | None,
+        max_k: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Extend each request's context with `new_features` (None: already extended, `add_contexts`), then ONE
+        forward for all of them: (top-K log-probs [R, L, K], token ids [R, L, K]) for block positions 1..L."""
+        if new_features is not None:
+            self.add_contexts(request_ids, new_features)
         out = self.drafter.draft(request_ids, root_token_ids, max_k)
         wait_for_device(self.drafter.device)  # the call's time is the drafter's, not its kernel launches'
         return out

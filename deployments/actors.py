@@ -1,39 +1,38 @@
 """The target and drafter workers on their own Ray actors, and the thin proxies the Engine calls.
 
-The engine calls its workers only through a handful of methods (allocate, prefill, verify, take_features, free,
-measure_verify_cost / draft, free, measure_draft_cost), so each proxy method is at most one plain actor call:
-`ray.get(actor.method.remote(...))` (`take_features` usually none: it hands over references). Serve handles never appear in the per-round loop. The round's two big calls
-also come as `verify_async` / `draft_async`, which submit and return a `PendingCall`: with `pipeline=True` the
-engine keeps two request groups in flight and the drafter actor drafts one while the target actor verifies the
-other (ddtree/engine.py `_pipelined_step`).
+The engine replica reaches each worker actor through a channel (deployments/channel.py: a Unix socket, blocking
+reads, no Ray task per call), and the target reaches the drafter through one more:
 
-Target features go from the target actor to the drafter actor by object reference, with no call of their own in a
-round: a prefill or verify call returns them as a second object (the features of the tokens it committed: a
-prefill's for all its requests, a verify's for those drafting, which draft again next), which the engine never fetches. `TargetProxy` keeps, per
-request, the references holding its features since it last drafted; `take_features` hands them over (a
-`FeatureRefs`) and `DrafterProxy.draft` passes them as arguments of the drafter's call, so Ray resolves them on the
-drafter's side (large objects move between the two actors' object stores; Ray inlines objects under ~100 KB into
-the reply to the caller, so small feature sets do pass by the engine process, still without being deserialised
-there), and the drafter copies only its requests' rows. A request decoding without a draft (fallback) leaves its
-features in the target actor (where the KV cache's budget counts them per token), so that the rounds it rests add no
-reference to whole batches' feature objects (it holds at most the one from its last drafting round, or its
-prefill's); when it drafts again one `take_features` actor call fetches them (by reference too). A `take_features` actor call that
-every draft waited for used to do this every round.
+    engine replica ──TargetOp──> TargetActor     ──FeatureBatch (one-way)──> DrafterActor
+                   <──Reply──                                                    │
+                   ──DrafterOp──────────────────────────────────────────────> ───┘
+                   <──Reply──
 
-Each timed actor method returns (result, seconds spent inside the actor); the proxies keep the difference from the
-wall time of the call: the cost of the actor hop itself (see `HopTimes`, reported as a metric and by
-benchmarks/bench_actors.py).
+Operations are typed (`Allocate`, `Prefill`, `Verify`, `Free`, `SendFeatures`, `MeasureVerifyCost`; `Draft`,
+`FreeDraft`, `MeasureDraftCost`). A round costs two calls (draft, verify), each a few process wake-ups; plain Ray
+actor calls remain for what is not on the round's path: loading, the health check's ping, the KV usage metric.
 
-What crosses between processes in the round is numpy arrays and lists, never torch tensors: Ray pickles a torch
-tensor through torch's own reducer, ~0.3 ms apiece on this project's CPU, where a numpy array travels as one buffer
-(~0.05 ms). A verify call carried four tensors per request's tree, so its hop grew with the batch (`trees_to_wire`,
-`tensor_to_wire`).
+Target features go from the target to the drafter directly, never through the engine replica: after a prefill
+(every prefilled request's) and a verify (the requests that drafted: they draft again next) the target pushes them
+as a numbered `FeatureBatch`, and its reply names the number. A request decoding without a draft (fallback) leaves
+its features in the target actor (the KV cache's budget counts them per token); when it drafts again, one
+`SendFeatures` call pushes them. Each `Draft` and `FreeDraft` names the last batch pushed before it; the drafter
+extends its context caches with every batch up to that one first (a thread of its own receives the batches, so
+the target never waits for the drafter). Two calls in flight overlap (`pipeline`): a draft on the drafter while
+the target verifies the other group.
+
+Each operation reports the seconds spent inside the worker; the proxies keep the difference from the call's wall
+time: the cost of the hops themselves (`HopTimes`, reported as a metric and by benchmarks/bench_serving.py).
+
+What crosses between processes is numpy arrays and lists, never torch tensors (`trees_to_wire`, `tensor_to_wire`):
+numpy arrays pickle as single buffers, torch tensors through torch's own reducer (~0.3 ms apiece here).
 """
 
 from __future__ import annotations
 
-import itertools
+import collections
 import os
+import threading
 import time
 from dataclasses import dataclass
 
@@ -41,6 +40,7 @@ import numpy as np
 import ray
 import torch
 
+from deployments.channel import ChannelAddress, ChannelClient, ChannelClosedError, ChannelServer
 from deployments.config import ActorPlace, WorkerSpec
 
 
@@ -51,11 +51,21 @@ from deployments.config import ActorPlace, WorkerSpec
 OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
 
 
-def _set_torch_threads(spec: WorkerSpec) -> None:
-    if spec.device.startswith("cpu"):
-        import torch
+_thread_state = threading.local()
 
-        torch.set_num_threads(spec.torch_threads or len(os.sched_getaffinity(0)))
+
+def _set_torch_threads(spec: WorkerSpec) -> None:
+    """torch's CPU threads for the calling OS thread (OpenMP keeps the count per thread, and the compiled graph
+    runs the steps on a thread of its own): the spec's count, at most the cores this process may use."""
+    if spec.device.startswith("cpu") and getattr(_thread_state, "threads", None) is None:
+        _thread_state.threads = min(spec.torch_threads, len(os.sched_getaffinity(0)))
+        torch.set_num_threads(_thread_state.threads)
+
+
+def worker_env(spec: WorkerSpec) -> dict[str, str]:
+    """A worker actor's environment: passive OpenMP waits, and OpenMP's thread count set to the spec's (Ray would
+    set it to the actor's whole CPUs, 1 for a fraction), so that every library starts with the same count."""
+    return {**OPENMP_ENV, "OMP_NUM_THREADS": str(spec.torch_threads)}
 
 
 def tensor_to_wire(t: torch.Tensor) -> tuple[np.ndarray, str]:
@@ -100,6 +110,96 @@ def trees_from_wire(wire: tuple[list[int], np.ndarray, np.ndarray]) -> list:
     return trees
 
 
+# ---- the operations ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Allocate:
+    request_id: str
+    capacity: int
+    params: object  # SamplingParams
+
+
+@dataclass(frozen=True)
+class Prefill:
+    request_ids: list[str]
+    prompts: list[list[int]]
+
+
+@dataclass(frozen=True)
+class Verify:
+    request_ids: list[str]
+    trees: tuple  # trees_to_wire
+    roots: list[int]
+    feature_request_ids: list[str]  # those that drafted: their new features go on to the drafter
+
+
+@dataclass(frozen=True)
+class Free:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class SendFeatures:
+    """Push the features waiting in the target for these requests (back from fallback) to the drafter."""
+
+    request_ids: list[str]
+
+
+@dataclass(frozen=True)
+class MeasureVerifyCost:
+    token_counts: list[int]
+
+
+@dataclass(frozen=True)
+class Draft:
+    request_ids: list[str]
+    roots: list[int]
+    max_k: int
+    after_batch: int  # the drafter first takes in every FeatureBatch up to this number
+
+
+@dataclass(frozen=True)
+class FreeDraft:
+    request_id: str
+    after_batch: int
+
+
+@dataclass(frozen=True)
+class MeasureDraftCost:
+    batch_sizes: list[int]
+    max_k: int
+
+
+TargetOp = Allocate | Prefill | Verify | Free | SendFeatures | MeasureVerifyCost
+DrafterOp = Draft | FreeDraft | MeasureDraftCost
+
+
+@dataclass
+class FeatureBatch:
+    """Target features on their way to the drafter: rows of `request_ids[i]` are the next `counts[i]` rows."""
+
+    number: int  # 1, 2, ... in the order the target sends them
+    request_ids: list[str]
+    counts: list[int]
+    wire: tuple  # tensor_to_wire of [sum(counts), F]
+
+
+@dataclass
+class Reply:
+    result: object
+    seconds: float  # inside the worker
+    feature_batch: int = 0  # (target) the last FeatureBatch sent so far
+    started_at: float = 0.0  # time.perf_counter() in the worker when the operation began (one clock per node)
+
+
+# ---- the actors -------------------------------------------------------------------------------------------------
+
+
+def _node_id() -> str:
+    return ray.get_runtime_context().get_node_id()
+
+
 class TargetActor:
     """Owns the target model and its KV cache."""
 
@@ -112,17 +212,21 @@ class TargetActor:
             spec.model, drafter_path, device=spec.device, dtype=spec.dtype, kv_cache_bytes=spec.kv_cache_bytes,
             attention=spec.attention)
         self.tokenizer = self.worker.model.tokenizer
+        self._spec = spec
+        self._to_drafter = None  # ChannelClient to the drafter's feature channel
+        self._num_batches = 0
+        self.channel = ChannelServer(_node_id(), "target", handle=self.handle)
 
     def ping(self) -> bool:
         """Answers when the actor is alive (the engine replica's health check)."""
         return True
 
     def describe(self) -> dict:
-        """What the engine reads from the worker once, and the tokenizer it detokenizes with."""
+        """What the engine reads from the worker once, the tokenizer it detokenizes with, and the channel."""
         w = self.worker
         return {"max_model_len": w.max_model_len, "max_request_tokens": w.max_request_tokens,
                 "eos_token_ids": list(w.eos_token_ids), "keeps_features": w.keep_features,
-                "vocab_size": w.vocab_size, "tokenizer": self.tokenizer}
+                "vocab_size": w.vocab_size, "tokenizer": self.tokenizer, "channel": self.channel.address}
 
     def head(self):
         """The target's embedding and LM head (ddtree.models.target.TargetHead) for the drafter actor, on the CPU:
@@ -130,46 +234,76 @@ class TargetActor:
         drafter moves it to its own device)."""
         return self.worker.model.head().to("cpu")
 
-    def allocate(self, request_id, capacity, params):
-        return _timed(self.worker.allocate, request_id, capacity, params)
+    def connect_drafter(self, address: ChannelAddress) -> None:
+        self._to_drafter = ChannelClient(address, "drafter worker (features)")
 
-    def prefill(self, request_ids, prompts):
-        """(result, seconds) and, where a drafter reads features, the prompts' features (a second return)."""
-        return self._with_features(request_ids, _timed(self.worker.prefill, request_ids, prompts))
-
-    def verify(self, request_ids, trees_wire, roots, feature_request_ids):
-        """(result, seconds) and, where a drafter reads features, the features of `feature_request_ids` (those
-        drafting: they draft again next) committed since they were last taken (a second return); the other
-        requests' stay here until `take_features`."""
-        timed = _timed(lambda: self.worker.verify(request_ids, trees_from_wire(trees_wire), roots))
-        return self._with_features(feature_request_ids, timed)
-
-    def take_features(self, request_ids):
-        """The features waiting here for requests back from fallback (the rare path: no other call takes them)."""
-        return self._features_wire(request_ids)
-
-    def _with_features(self, request_ids, timed):
-        if not self.worker.keep_features:
-            return timed
-        return timed, self._features_wire(request_ids)
-
-    def _features_wire(self, request_ids):
-        """(row counts per request, features wire); None when there are no requests. On the host, as numpy (module
-        docstring): they leave this process serialised anyway, and a CUDA tensor would be unpickled onto the
-        receiver's GPU of the same index, not the drafter's device."""
-        if not request_ids:
-            return None
-        features = self.worker.take_features(request_ids)
-        return [f.shape[0] for f in features], tensor_to_wire(torch.cat(features))
-
-    def free(self, request_id):
-        return _timed(self.worker.free, request_id)
-
-    def measure_verify_cost(self, token_counts):
-        return self.worker.measure_verify_cost(token_counts)
+    def handle(self, op: TargetOp) -> Reply:
+        """One operation from the engine replica (on the channel's thread)."""
+        _set_torch_threads(self._spec)
+        w = self.worker
+        t0 = time.perf_counter()
+        result, feature_ids = None, []
+        if isinstance(op, Allocate):
+            result = w.allocate(op.request_id, op.capacity, op.params)
+        elif isinstance(op, Prefill):
+            result, feature_ids = w.prefill(op.request_ids, op.prompts), op.request_ids
+        elif isinstance(op, Verify):
+            result = w.verify(op.request_ids, trees_from_wire(op.trees), op.roots)
+            feature_ids = op.feature_request_ids
+        elif isinstance(op, Free):
+            w.free(op.request_id)
+        elif isinstance(op, SendFeatures):
+            feature_ids = [r for r in op.request_ids if w.has_new_features(r)]
+        elif isinstance(op, MeasureVerifyCost):
+            result = w.measure_verify_cost(op.token_counts)
+        else:
+            raise TypeError(f"not a target operation: {op!r}")
+        if w.keep_features and feature_ids and self._to_drafter is not None:
+            taken = w.take_features(feature_ids)
+            self._num_batches += 1
+            self._to_drafter.send(FeatureBatch(self._num_batches, list(feature_ids), [f.shape[0] for f in taken],
+                                               tensor_to_wire(torch.cat(taken))))
+        return Reply(result, time.perf_counter() - t0, self._num_batches, t0)
 
     def kv_cache_stats(self) -> dict:
         return {"bytes_used": self.worker.num_kv_bytes_used}
+
+    def num_new_features(self, request_id: str) -> int:
+        """Feature rows waiting here for `request_id` (not sent to the drafter yet)."""
+        return self.worker.num_new_features(request_id)
+
+
+class _FeatureInbox:
+    """Feature batches received from the target, in order, until the drafter takes them in."""
+
+    def __init__(self) -> None:
+        self._batches: collections.deque[FeatureBatch] = collections.deque()
+        self._num_received = 0
+        self._is_closed = False
+        self._cond = threading.Condition()
+
+    def put(self, batch: FeatureBatch) -> None:
+        with self._cond:
+            self._batches.append(batch)
+            self._num_received = batch.number
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._is_closed = True
+            self._cond.notify_all()
+
+    def take_until(self, number: int) -> list[FeatureBatch]:
+        """Every batch up to `number`, waiting for the ones still on their way."""
+        with self._cond:
+            while self._num_received < number:
+                if self._is_closed:
+                    raise ChannelClosedError(f"the target's feature channel closed before batch {number} came")
+                self._cond.wait()
+            taken = []
+            while self._batches and self._batches[0].number <= number:
+                taken.append(self._batches.popleft())
+            return taken
 
 
 class DrafterActor:
@@ -181,135 +315,127 @@ class DrafterActor:
         _set_torch_threads(spec)
         path = resolve_drafter_path(spec.model, spec.drafter)
         self.worker = load_drafter_worker(path, head, device=spec.device, dtype=spec.dtype)
+        self._spec = spec
+        self._inbox = _FeatureInbox()
+        self.channel = ChannelServer(_node_id(), "drafter", handle=self.handle)
+        self.features = ChannelServer(_node_id(), "features", on_message=self._inbox.put, on_close=self._inbox.close)
 
     def ping(self) -> bool:
         return True
 
-    def block_len(self) -> int:
-        return self.worker.block_len
+    def describe(self) -> dict:
+        return {"block_len": self.worker.block_len, "channel": self.channel.address,
+                "features": self.features.address}
 
-    def draft(self, request_ids, roots, picks, max_k, *feature_objects):
-        """The top-K draft log-probs and token ids, on the host as numpy: the engine replica that builds the trees
-        from them holds no GPU (unpickling a CUDA tensor there would open a context on a GPU Ray never gave it).
-        Request i's new features are its rows in the prefill / verify results `feature_objects` that `picks[i]`
-        names (`FeatureRefs`), in order."""
-        starts = [[0, *itertools.accumulate(lengths)] for lengths, _ in feature_objects]  # row offsets per object
+    def handle(self, op: DrafterOp) -> Reply:
+        """One operation from the engine replica. The draft leaves as numpy on the host: the engine replica that
+        builds the trees holds no GPU (unpickling a CUDA tensor there would open a context on a GPU Ray never gave
+        it)."""
+        _set_torch_threads(self._spec)
+        w = self.worker
+        t0 = time.perf_counter()
+        result = None
+        if isinstance(op, (Draft, FreeDraft)):
+            for batch in self._inbox.take_until(op.after_batch):
+                rows = tensor_from_wire(batch.wire)
+                w.add_contexts(batch.request_ids, list(rows.split(batch.counts)))
+        if isinstance(op, Draft):
+            logprobs, token_ids = w.draft(op.request_ids, op.roots, None, op.max_k)
+            result = tensor_to_wire(logprobs), tensor_to_wire(token_ids)
+        elif isinstance(op, FreeDraft):
+            w.free(op.request_id)
+        elif isinstance(op, MeasureDraftCost):
+            result = w.measure_draft_cost(op.batch_sizes, op.max_k)
+        else:
+            raise TypeError(f"not a drafter operation: {op!r}")
+        return Reply(result, time.perf_counter() - t0, started_at=t0)
 
-        def rows(o: int, r: int) -> torch.Tensor:  # copies request r's rows of object o only (the object is
-            array, dtype = feature_objects[o][1]  # a whole batch's, a read-only view of the object store)
-            return tensor_from_wire((array[starts[o][r] : starts[o][r + 1]], dtype))
-
-        def draft_to_host():
-            features = [_joined([rows(o, r) for o, r in pick]) for pick in picks]
-            logprobs, token_ids = self.worker.draft(request_ids, roots, features, max_k)
-            return tensor_to_wire(logprobs), tensor_to_wire(token_ids)
-
-        return _timed(draft_to_host)
-
-    def free(self, request_id):
-        return _timed(self.worker.free, request_id)
-
-    def measure_draft_cost(self, batch_sizes, max_k):
-        return self.worker.measure_draft_cost(batch_sizes, max_k)
-
-
-def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
-    if not parts:
-        return torch.zeros(0, 0)
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    def context_len(self, request_id: str) -> int:
+        """Tokens in the drafter's context cache for `request_id` (0: none)."""
+        return self.worker.drafter.context_len(request_id)
 
 
-def _timed(fn, *args):
-    t0 = time.perf_counter()
-    result = fn(*args)
-    return result, time.perf_counter() - t0
+# ---- the proxies --------------------------------------------------------------------------------------------------
 
 
 @dataclass
 class HopTimes:
-    """Seconds the proxies spent in actor calls beyond what the actors spent working (summed)."""
+    """Seconds the proxies spent in worker calls beyond what the workers spent working (summed), split into the
+    way there (submission until the worker began) and back (the worker's end until the result was read)."""
 
     seconds: float = 0.0
     num_calls: int = 0
+    there_seconds: float = 0.0
 
-    def add(self, wall_seconds: float, inside_seconds: float) -> None:
+    def add(self, wall_seconds: float, inside_seconds: float, there_seconds: float = 0.0) -> None:
         self.seconds += max(0.0, wall_seconds - inside_seconds)
+        self.there_seconds += max(0.0, there_seconds)
         self.num_calls += 1
 
 
 class PendingCall:
-    """An actor call in flight (the engine's draft and verify, submitted so that they can overlap); `.result()`
-    waits for it. The hop time booked is the wall time from submission to result minus the time inside the actor,
-    so it is an upper bound when the caller reads the result late."""
+    """A worker call in flight (the engine's draft and verify are submitted so that they can overlap); `.result()`
+    waits for it. The hop time booked is the wall time from submission to result minus the time inside the
+    worker, so it is an upper bound when the caller reads the result late."""
 
-    def __init__(self, hops: HopTimes, method, *args, convert=None, with_features: bool = False) -> None:
+    def __init__(self, channel: ChannelClient, hops: HopTimes, op, convert=None, on_reply=None) -> None:
         self.hops = hops
-        self.convert = convert  # applied to the actor's result (e.g. numpy arrays back into tensors)
+        self.convert = convert  # applied to the worker's result (e.g. numpy arrays back into tensors)
+        self.on_reply = on_reply  # called with the Reply (the target proxy reads its feature batch number)
         self.start = time.perf_counter()
-        # with_features: the method returns a second object, the features, left un-fetched in `features_ref`
-        self.ref, self.features_ref = method.options(num_returns=2).remote(*args) if with_features else (
-            method.remote(*args), None)
-        self.seconds = 0.0  # inside the actor, known after result()
+        self.channel = channel
+        self.ticket = channel.send(op)
+        self.seconds = 0.0  # inside the worker, known after result()
         self.wall_seconds = 0.0  # submission to result: the hops included, known after result()
         self._value = None
         self._is_done = False
 
     def result(self):
         if not self._is_done:
-            self._value, self.seconds = ray.get(self.ref)
-            if self.convert is not None:
-                self._value = self.convert(self._value)
+            reply = self.channel.receive(self.ticket)
             self.wall_seconds = time.perf_counter() - self.start
-            self.hops.add(self.wall_seconds, self.seconds)
+            self.seconds = reply.seconds
+            self.hops.add(self.wall_seconds, reply.seconds, reply.started_at - self.start)
+            if self.on_reply is not None:
+                self.on_reply(reply)
+            self._value = reply.result if self.convert is None else self.convert(reply.result)
             self._is_done = True
         return self._value
 
 
-def _call(hops: HopTimes, method, *args):
-    t0 = time.perf_counter()
-    result, inside = ray.get(method.remote(*args))
-    hops.add(time.perf_counter() - t0, inside)
-    return result
-
-
-@dataclass
-class FeatureRefs:
-    """Requests' new target features in transit: `picks[i]` lists (index into `refs`, row group) for request i; each
-    referenced object is a prefill or verify call's (row counts per request, features wire)."""
-
-    picks: list[list[tuple[int, int]]]
-    refs: list
-
-
 class TargetProxy:
-    """Looks like a TargetWorker to the Engine; every method is one actor call."""
+    """Looks like a TargetWorker to the Engine; every method is one call on the target's channel."""
 
-    is_remote = True  # its calls run on the actor, concurrently with the drafter actor's (pipeline="auto")
-
-    def __init__(self, actor, hops: HopTimes) -> None:
+    def __init__(self, actor, info: dict, hops: HopTimes, can_overlap: bool) -> None:
         self.actor = actor
+        self.channel = ChannelClient(info["channel"], "target worker")
         self.hops = hops
-        info = ray.get(actor.describe.remote())
+        self.can_overlap = can_overlap  # its calls run on other cores or devices than the drafter's
         self.max_model_len = info["max_model_len"]
         self.max_request_tokens = info["max_request_tokens"]
         self.eos_token_ids = info["eos_token_ids"]
         self.vocab_size = info["vocab_size"]
         self.tokenizer = info["tokenizer"]
         self.keeps_features = info["keeps_features"]
-        # per request: (features object of a prefill / verify call, the request's index in that call), oldest first
-        self._feature_refs: dict[str, list[tuple[ray.ObjectRef, int]]] = {}
-        # Requests that took their features to draft and have not been verified since: their next verify returns
-        # their new features. The others' (requests in fallback) wait in the target actor, so that no reference
-        # pins a whole batch's features object for the many rounds a request may rest in fallback.
+        self.num_feature_batches = 0  # the last FeatureBatch the target has sent the drafter
+        # Requests that drafted and have not been verified since: their verify sends their new features on to the
+        # drafter. Those in `_waiting_in_actor` (fallback rounds) left theirs in the target actor.
         self._drafting: set[str] = set()
         self._waiting_in_actor: set[str] = set()
 
+    def _on_reply(self, reply: Reply) -> None:
+        self.num_feature_batches = max(self.num_feature_batches, reply.feature_batch)
+
+    def _submit(self, op: TargetOp) -> PendingCall:
+        return PendingCall(self.channel, self.hops, op, on_reply=self._on_reply)
+
     def allocate(self, request_id, capacity, params):
-        return _call(self.hops, self.actor.allocate, request_id, capacity, params)
+        return self._submit(Allocate(request_id, capacity, params)).result()
 
     def prefill(self, request_ids, prompts):
-        # (a new request drafts next, unless it starts in fallback: one prefill object, pinned until it probes)
-        return self._submit(self.actor.prefill, request_ids, request_ids, prompts).result()
+        # (every prefilled request's features go to the drafter: a new request drafts next, unless it starts in
+        # fallback)
+        return self._submit(Prefill(list(request_ids), [list(p) for p in prompts])).result()
 
     def verify(self, request_ids, trees, roots):
         return self.verify_async(request_ids, trees, roots).result()
@@ -319,47 +445,26 @@ class TargetProxy:
         self._drafting.difference_update(request_ids)
         if self.keeps_features:
             self._waiting_in_actor.update(r for r in request_ids if r not in drafting)
-        return self._submit(self.actor.verify, request_ids, drafting, trees_to_wire(trees), roots, drafting)
+        return self._submit(Verify(list(request_ids), trees_to_wire(trees), list(roots), drafting))
 
-    def _submit(self, method, request_ids, feature_request_ids, *args) -> PendingCall:
-        call = PendingCall(self.hops, method, request_ids, *args, with_features=self.keeps_features)
-        if call.features_ref is not None:
-            for i, rid in enumerate(feature_request_ids):
-                self._feature_refs.setdefault(rid, []).append((call.features_ref, i))
-        return call
-
-    def take_features(self, request_ids) -> "FeatureRefs":
-        """The features committed for each request since it last drafted, as references for the drafter's call
-        (un-fetched on purpose: the drafter actor resolves them, see the module docstring): those its verifies
-        returned, then, for a request back from fallback, those waiting in the target actor (one call for all)."""
-        refs: list[ray.ObjectRef] = []
-        position: dict[ray.ObjectRef, int] = {}
-        picks = []
-        for rid in request_ids:
-            pick = []
-            for ref, row in self._feature_refs.pop(rid, ()):
-                if ref not in position:
-                    position[ref] = len(refs)
-                    refs.append(ref)
-                pick.append((position[ref], row))
-            picks.append(pick)
-        back = [i for i, rid in enumerate(request_ids) if rid in self._waiting_in_actor]
+    def take_features(self, request_ids) -> None:
+        """The target sends the drafter what it needs itself (module docstring): here only requests back from
+        fallback cost a call, which pushes the features they left in the target actor. They count as drafting
+        until their next verify."""
+        back = [r for r in request_ids if r in self._waiting_in_actor]
         if back:
-            refs.append(self.actor.take_features.remote([request_ids[i] for i in back]))
-            for row, i in enumerate(back):
-                picks[i].append((len(refs) - 1, row))
-            self._waiting_in_actor.difference_update(request_ids)
+            self._submit(SendFeatures(back)).result()
+            self._waiting_in_actor.difference_update(back)
         self._drafting.update(request_ids)
-        return FeatureRefs(picks, refs)
+        return None
 
     def free(self, request_id):
-        self._feature_refs.pop(request_id, None)
         self._drafting.discard(request_id)
         self._waiting_in_actor.discard(request_id)
-        return _call(self.hops, self.actor.free, request_id)
+        return self._submit(Free(request_id)).result()
 
     def measure_verify_cost(self, token_counts):
-        return ray.get(self.actor.measure_verify_cost.remote(token_counts))
+        return self._submit(MeasureVerifyCost(list(token_counts))).result()
 
     def kv_cache_stats(self) -> dict:
         return ray.get(self.actor.kv_cache_stats.remote())
@@ -368,26 +473,27 @@ class TargetProxy:
 class DrafterProxy:
     """Looks like a DrafterWorker to the Engine."""
 
-    is_remote = True
-
-    def __init__(self, actor, hops: HopTimes) -> None:
+    def __init__(self, actor, info: dict, target: TargetProxy, hops: HopTimes, can_overlap: bool) -> None:
         self.actor = actor
+        self.channel = ChannelClient(info["channel"], "drafter worker")
+        self.target = target  # (the number of the last feature batch it sent the drafter)
         self.hops = hops
-        self.block_len = ray.get(actor.block_len.remote())
+        self.block_len = info["block_len"]
+        self.can_overlap = can_overlap
 
-    def draft(self, request_ids, roots, features: FeatureRefs, max_k):
+    def draft(self, request_ids, roots, features, max_k):
         return self.draft_async(request_ids, roots, features, max_k).result()
 
-    def draft_async(self, request_ids, roots, features: FeatureRefs, max_k) -> PendingCall:
-        # the references as top-level arguments: Ray resolves those (and only those) before the call runs
-        return PendingCall(self.hops, self.actor.draft, request_ids, roots, features.picks, max_k, *features.refs,
-                           convert=_draft_from_wire)
+    def draft_async(self, request_ids, roots, features, max_k) -> PendingCall:
+        # (features: None, from TargetProxy.take_features: the target sends them to the drafter itself)
+        op = Draft(list(request_ids), list(roots), max_k, self.target.num_feature_batches)
+        return PendingCall(self.channel, self.hops, op, convert=_draft_from_wire)
 
     def free(self, request_id):
-        return _call(self.hops, self.actor.free, request_id)
+        return PendingCall(self.channel, self.hops, FreeDraft(request_id, self.target.num_feature_batches)).result()
 
     def measure_draft_cost(self, batch_sizes, max_k):
-        return ray.get(self.actor.measure_draft_cost.remote(batch_sizes, max_k))
+        return PendingCall(self.channel, self.hops, MeasureDraftCost(list(batch_sizes), max_k)).result()
 
 
 def _draft_from_wire(wire) -> tuple[torch.Tensor, torch.Tensor]:
@@ -404,6 +510,9 @@ class WorkerActors:
     hops: HopTimes
 
     def kill(self) -> None:
+        for proxy in (self.target_proxy, self.drafter_proxy):
+            if proxy is not None:
+                proxy.channel.close()
         for actor in (self.target, self.drafter):
             if actor is not None:
                 ray.kill(actor)
@@ -437,18 +546,30 @@ def start_worker_actors(spec: WorkerSpec, target_place: ActorPlace, drafter_plac
 
     def options(place: ActorPlace) -> dict:
         opts = {"num_cpus": place.num_cpus, "num_gpus": place.num_gpus, "max_restarts": 0,
-                "runtime_env": {"env_vars": dict(OPENMP_ENV)}}
+                "runtime_env": {"env_vars": worker_env(spec)}}
         if pg is not None:
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group=pg, placement_group_bundle_index=place.bundle_index)
         return opts
 
     target = ray.remote(TargetActor).options(**options(target_place)).remote(spec, drafter_place is not None)
+    info = ray.get(target.describe.remote())  # waits for the target to load
+    _check_same_node(info["channel"], "target")
     hops = HopTimes()
-    target_proxy = TargetProxy(target, hops)  # waits for the target to load
+    target_proxy = TargetProxy(target, info, hops, spec.workers_overlap)
     drafter = drafter_proxy = None
     if drafter_place is not None:
         head = target.head.remote()  # by reference: target actor -> drafter actor
         drafter = ray.remote(DrafterActor).options(**options(drafter_place)).remote(spec, head)
-        drafter_proxy = DrafterProxy(drafter, hops)
+        drafter_info = ray.get(drafter.describe.remote())
+        _check_same_node(drafter_info["channel"], "drafter")
+        ray.get(target.connect_drafter.remote(drafter_info["features"]))
+        drafter_proxy = DrafterProxy(drafter, drafter_info, target_proxy, hops, spec.workers_overlap)
     return WorkerActors(target, drafter, target_proxy, drafter_proxy, hops)
+
+
+def _check_same_node(address: ChannelAddress, name: str) -> None:
+    if address.node_id != _node_id():
+        raise RuntimeError(f"the {name} actor runs on another node ({address.node_id}) than its engine replica "
+                           f"({_node_id()}): a replica and its workers share one node (its placement group is "
+                           f"STRICT_PACK; give start_worker_actors that placement group)")

@@ -2,11 +2,18 @@
 
 Placement of one engine replica (Ray placement group bundles; bundle 0 holds the replica itself):
 
-    cpu             [engine CPUs] [target CPUs] [drafter CPUs]        everything on CPUs
+    cpu             [engine CPUs] [target+drafter CPUs]                 both actors share the bundle's cores
     gpu-per-worker  [engine CPUs] [target CPUs + 1 GPU] [drafter CPUs + 1 GPU]   STRICT_PACK: one node
     shared-gpu      [engine CPUs] [target+drafter CPUs + 1 GPU]        both actors on one GPU (half each)
 
-With speculation "off" there is no drafter actor and no drafter bundle.
+Every placement is STRICT_PACK: a replica talks to its workers over Unix sockets (deployments/channel.py), and the
+features that go from target to drafter every round stay on the node. With speculation "off" there is no drafter actor and no drafter bundle (on `cpu`, the target takes the whole
+bundle: the replica holds the same CPUs in every mode).
+
+Threads follow the placement. On `cpu` the drafter and the target run one after the other (each round drafts, then
+verifies), so each uses every core the replica holds (engine + workers, e.g. 0.5 + 2 x 0.75 = 2), and idle OpenMP
+threads wait passively; two request groups are kept in flight (`pipeline`) only where the workers have cores or
+devices of their own (`gpu-per-worker`). On GPUs each worker's CPU threads are its own bundle's CPUs.
 """
 
 from __future__ import annotations
@@ -77,12 +84,13 @@ class AppArgs(BaseModel):
     placement: Literal["cpu", "gpu-per-worker", "shared-gpu"] = Field(
         "cpu", description="Where an engine replica's target and drafter actors run (see module docstring).")
     engine_num_cpus: float = Field(0.5, gt=0, description="CPUs reserved for the engine replica (scheduler loop).")
-    worker_num_cpus: float = Field(0.5, gt=0, description="CPUs reserved for each worker actor.")
+    worker_num_cpus: float = Field(
+        0.75, gt=0, description="CPUs reserved for each worker actor. On placement 'cpu' the two share one bundle "
+        "of twice this, and each runs as many threads as the replica holds CPUs (they take turns).")
     worker_torch_threads: PositiveInt | None = Field(
-        None, description="torch threads in each worker actor. None: every core of its node. Target and drafter "
-        "then share the cores: on CPUs they mostly run one after the other, except in pipelined phases (two request "
-        "groups in flight), where they compete; several engine replicas on one node compete too: give each actor "
-        "its share of the node's cores then.")
+        None, description="torch threads in each worker actor. None: what the placement gives it: on 'cpu' every "
+        "CPU the replica holds (engine + workers, rounded down; the target and the drafter take turns on them), on "
+        "GPUs its own bundle's CPUs. Capped at the cores the actor's process may use.")
     num_replicas: PositiveInt | None = Field(
         None, description="Fixed number of engine replicas. Give this or `autoscaling_config`, not both.")
     autoscaling_config: dict[str, Any] | None = Field(
@@ -171,9 +179,10 @@ class AppArgs(BaseModel):
         cpu = self.worker_num_cpus
         engine_bundle = {"CPU": self.engine_num_cpus}
         if self.placement == "cpu":
-            bundles = [engine_bundle, {"CPU": cpu}] + ([{"CPU": cpu}] if self.needs_drafter else [])
-            return WorkerLayout(bundles, "PACK", target=ActorPlace(1, 0.0, cpu),
-                                drafter=ActorPlace(2, 0.0, cpu) if self.needs_drafter else None)
+            # one bundle for both workers: they take turns on its cores (without a drafter the target takes it all)
+            share = cpu if self.needs_drafter else 2 * cpu
+            return WorkerLayout([engine_bundle, {"CPU": 2 * cpu}], "STRICT_PACK", target=ActorPlace(1, 0.0, share),
+                                drafter=ActorPlace(1, 0.0, share) if self.needs_drafter else None)
         if self.placement == "gpu-per-worker":
             bundles = [engine_bundle, {"CPU": cpu, "GPU": 1.0}]
             if self.needs_drafter:
@@ -185,6 +194,21 @@ class AppArgs(BaseModel):
         bundles = [engine_bundle, {"CPU": cpu * (2 if self.needs_drafter else 1), "GPU": 1.0}]
         return WorkerLayout(bundles, "STRICT_PACK", target=ActorPlace(1, share, cpu),
                             drafter=ActorPlace(1, share, cpu) if self.needs_drafter else None)
+
+    @property
+    def workers_overlap(self) -> bool:
+        """Whether the target and the drafter have cores or devices of their own, so that their calls can run at
+        the same time (two request groups in flight pay only then)."""
+        return self.placement == "gpu-per-worker"
+
+    @property
+    def worker_threads(self) -> int:
+        """torch CPU threads of each worker actor (see `worker_torch_threads`)."""
+        if self.worker_torch_threads is not None:
+            return self.worker_torch_threads
+        if self.placement == "cpu":
+            return max(1, int(sum(b["CPU"] for b in self.worker_layout().bundles) + 1e-9))
+        return max(1, int(self.worker_num_cpus + 1e-9))
 
 
 @dataclass(frozen=True)
@@ -213,12 +237,13 @@ class WorkerSpec:
     max_num_seqs: int
     kv_cache_bytes: int | None
     attention: str
-    torch_threads: int | None
+    torch_threads: int
+    workers_overlap: bool = False  # the two workers have cores or devices of their own
 
     @classmethod
     def from_args(cls, args: AppArgs) -> "WorkerSpec":
         return cls(args.model, args.drafter, args.worker_device, args.dtype, args.max_num_seqs,
-                   args.kv_cache_bytes, args.attention, args.worker_torch_threads)
+                   args.kv_cache_bytes, args.attention, args.worker_threads, args.workers_overlap)
 
 
 class IngressSettings(BaseModel):

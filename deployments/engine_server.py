@@ -132,6 +132,7 @@ class DDTreeEngine:
                 "timings": engine.timings.as_dict(),
                 "actor_hop_seconds": self.actors.hops.seconds,
                 "actor_hop_calls": self.actors.hops.num_calls,
+                "actor_hop_there_seconds": self.actors.hops.there_seconds,
                 "num_metrics_errors": self.loop.num_callback_errors,
             }
 

@@ -658,7 +658,7 @@ def test_pipeline_and_probe_config_are_validated():
 
 def test_pipeline_auto_follows_the_cost_model_and_needs_concurrent_workers(workers):
     """pipeline="auto": never in one process (the calls could not overlap); with workers that run concurrently
-    (actor proxies say is_remote) it pipelines while the cost model predicts a gain, and goes back to one group
+    (the actor proxies say can_overlap where they have cores or devices of their own) it pipelines while the cost model predicts a gain, and goes back to one group
     (verifying the group in flight first) when it does not. Outputs stay exactly `off`'s throughout."""
     target, drafter, tok = workers
     compute_bound = CostModel([(1, 0.01), (1000, 1.0)], [(1, 0.05), (16, 0.8)])
@@ -672,10 +672,10 @@ def test_pipeline_auto_follows_the_cost_model_and_needs_concurrent_workers(worke
     assert local._drafted_group is None and local.timings.num_pipelined_phases == 0
 
     class RemoteTarget(type(target)):  # the same worker, declared concurrent as the actor proxies are
-        is_remote = True
+        can_overlap = True
 
     class RemoteDrafter(type(drafter)):
-        is_remote = True
+        can_overlap = True
 
     target.__class__, drafter.__class__ = RemoteTarget, RemoteDrafter
     try:

@@ -625,8 +625,8 @@ def test_engine_reports_timings_and_metrics_without_errors(served):
 
 
 def test_pipelined_engine_on_worker_actors_equals_offline_off(served, app_args, checkpoints):
-    """pipeline=True through the actor proxies (draft_async / verify_async as pending actor calls, features taken
-    before the verify is queued): T=0 outputs equal the offline engine with speculation off."""
+    """pipeline=True through the actor proxies (draft_async / verify_async as calls in flight on the two workers'
+    channels, features sent target -> drafter): T=0 outputs equal the offline engine with speculation off."""
     from ddtree import LLM, SamplingParams
     from ddtree.budget import CostModel
     from ddtree.engine import Engine, EngineConfig
@@ -653,9 +653,9 @@ def test_pipelined_engine_on_worker_actors_equals_offline_off(served, app_args, 
 
 
 def test_features_reach_the_drafter_through_fallback_and_back(served, app_args):
-    """On the worker actors, a drafting request's features ride its verify's reply; a request decoding without a
-    draft (fallback) leaves its features in the target actor, pinning no reply, and gets them all when it drafts
-    again: the drafter's context always holds every token the target has run for it, once."""
+    """On the worker actors, a drafting request's features go from the target to the drafter after its verify; a
+    request decoding without a draft (fallback) leaves its features in the target actor and gets them all when it
+    drafts again: the drafter's context always holds every token the target has run for it, once."""
     from deployments.actors import start_worker_actors
     from deployments.config import ActorPlace, WorkerSpec, parse_args
 
@@ -671,8 +671,10 @@ def test_features_reach_the_drafter_through_fallback_and_back(served, app_args):
         num_run = {rid: len(p) for rid, p in prompts.items()}  # tokens the target has run (features made)
 
         def context_len(rid: str) -> int:
-            return ray.get(actors.drafter.__ray_call__.remote(lambda actor, r: actor.worker.drafter.context_len(r),
-                                                              rid))
+            return ray.get(actors.drafter.context_len.remote(rid))
+
+        def waiting_in_target(rid: str) -> int:
+            return ray.get(actors.target.num_new_features.remote(rid))
 
         for round_index in range(5):
             drafting = ["a", "b"] if round_index in (0, 4) else ["a"]  # b rests in fallback for rounds 1-3
@@ -682,9 +684,11 @@ def test_features_reach_the_drafter_through_fallback_and_back(served, app_args):
             for i, rid in enumerate(["a", "b"]):
                 num_run[rid] += 1 + len(result.accepted_token_ids[i])
                 roots[rid] = result.bonus_token_ids[i]
-            if 1 <= round_index <= 3:  # the verify of round 0 (b drafting) holds b's features since; no more
-                assert len(target._feature_refs.get("b", [])) == 1  # its new ones wait in the actor
-        assert context_len("b") == num_run["b"] - 1  # (the last verify's token not taken yet)
+            assert waiting_in_target("a") == 0  # a drafted: its features went on to the drafter
+            if 1 <= round_index <= 3:  # b's features of the rounds it rests wait in the target actor
+                assert waiting_in_target("b") == round_index
+        assert waiting_in_target("b") == 0  # b drafted in round 4: sent with that verify
+        assert context_len("b") == num_run["b"] - 1  # (the last verify's token not taken in yet)
     finally:
         actors.kill()
 
@@ -714,5 +718,37 @@ def test_a_dead_worker_actor_is_found_by_the_health_check(served, app_args):
         while found is None and time.monotonic() < deadline:
             found = asyncio.run(actors.find_dead())
         assert found is not None and found.startswith("the drafter actor died")
+    finally:
+        actors.kill()
+
+
+def test_a_dead_worker_fails_its_call_at_once(served, app_args):
+    """A worker actor that dies closes its channel: the engine's call in flight, or its next one, raises at once
+    (the engine loop then fails its requests and the health check replaces the replica) instead of waiting."""
+    from deployments.actors import start_worker_actors
+    from deployments.channel import ChannelClosedError
+    from deployments.config import ActorPlace, WorkerSpec, parse_args
+
+    place = ActorPlace(0, 0.0, 0.0)  # the app holds the CPUs
+    actors = start_worker_actors(WorkerSpec.from_args(parse_args(app_args)), place, place)
+    target, drafter = actors.target_proxy, actors.drafter_proxy
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+        assert target.allocate("a", 64, params)
+        (root,) = target.prefill(["a"], [[5, 6, 7]]).token_ids
+        target.take_features(["a"])
+        drafter.draft(["a"], [root], None, 4)
+        ray.kill(actors.target)
+        t0 = time.monotonic()
+        with pytest.raises(ChannelClosedError, match="target"):
+            for _ in range(50):  # (the kill is asynchronous: a call may still be answered just before)
+                target.verify(["a"], [None], [root])
+                time.sleep(0.1)
+        ray.kill(actors.drafter)
+        with pytest.raises(ChannelClosedError, match="drafter"):
+            for _ in range(50):
+                drafter.draft(["a"], [root], None, 4)
+                time.sleep(0.1)
+        assert time.monotonic() - t0 < 20
     finally:
         actors.kill()

@@ -7,7 +7,7 @@ import pickle
 import pytest
 from pydantic import ValidationError
 
-from deployments.config import parse_args
+from deployments.config import WorkerSpec, parse_args
 from deployments.errors import APIError
 from deployments.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 
@@ -20,8 +20,30 @@ def test_default_args_serve_the_embedded_model_on_cpu():
     assert args.model is None and args.model_name == "SmolLM2-135M-Instruct"
     assert args.worker_device == "cpu"
     layout = args.worker_layout()
-    assert [b.get("GPU", 0) for b in layout.bundles] == [0, 0, 0]
-    assert (layout.target.bundle_index, layout.drafter.bundle_index) == (1, 2)
+    # the replica (0.5 CPU) and one bundle that the target and the drafter share, taking turns on its cores
+    assert layout.bundles == [{"CPU": 0.5}, {"CPU": 1.5}] and layout.strategy == "STRICT_PACK"
+    assert (layout.target.bundle_index, layout.drafter.bundle_index) == (1, 1)
+    assert layout.target.num_cpus + layout.drafter.num_cpus == 1.5
+
+
+def test_worker_threads_follow_the_placement():
+    """On placement cpu each worker runs as many threads as the replica holds CPUs (they take turns), with or
+    without a drafter; on GPUs a worker's own bundle's CPUs; an explicit count wins. Only where the workers have
+    devices of their own do their calls overlap (two request groups in flight)."""
+    default = parse_args({})
+    assert default.worker_threads == 2 and not default.workers_overlap
+    off = parse_args({"speculation": "off"})
+    assert off.worker_layout().bundles == default.worker_layout().bundles and off.worker_threads == 2
+    assert off.worker_layout().target.num_cpus == 1.5
+    assert parse_args({"engine_num_cpus": 1, "worker_num_cpus": 3.5}).worker_threads == 8
+    assert parse_args({"worker_num_cpus": 0.25}).worker_threads == 1
+    gpu = parse_args({"placement": "gpu-per-worker", "worker_num_cpus": 4})
+    assert gpu.worker_threads == 4 and gpu.workers_overlap
+    shared = parse_args({"placement": "shared-gpu", "device": "cuda", "worker_num_cpus": 2})
+    assert shared.worker_threads == 2 and not shared.workers_overlap
+    assert parse_args({"worker_torch_threads": 3}).worker_threads == 3
+    spec = WorkerSpec.from_args(parse_args({"placement": "gpu-per-worker"}))
+    assert spec.torch_threads == 1 and spec.workers_overlap
 
 
 @pytest.mark.parametrize(
@@ -322,8 +344,8 @@ def test_build_app_sets_placement_and_autoscaling_of_the_engine():
     assert engine.max_ongoing_requests >= 32 + 64
     assert engine.ray_actor_options["num_cpus"] == 0.5
     # Ray Serve keeps these in private fields; they are what the cluster will be asked for.
-    assert engine._replica_config.placement_group_bundles == [{"CPU": 0.5}, {"CPU": 0.5, "GPU": 1.0},
-                                                              {"CPU": 0.5, "GPU": 1.0}]
+    assert engine._replica_config.placement_group_bundles == [{"CPU": 0.5}, {"CPU": 0.75, "GPU": 1.0},
+                                                              {"CPU": 0.75, "GPU": 1.0}]
     assert engine._replica_config.placement_group_strategy == "STRICT_PACK"
     assert engine._deployment_config.autoscaling_config.max_replicas == 3
 
