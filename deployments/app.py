@@ -21,6 +21,7 @@ from deployments.ingress import OpenAIIngress
 
 ENGINE_DEPLOYMENT = "DDTreeEngine"
 INGRESS_DEPLOYMENT = "OpenAIIngress"
+SERVER_DEPLOYMENT = "DDTreeServer"  # ingress "engine": the API and the engine in one deployment
 # On a downscale or a redeploy a replica stops receiving new requests and finishes those it holds (an engine replica:
 # running and queued, up to max_num_seqs + max_waiting) for up to this long before it is stopped; Serve's default
 # (20 s) would cut long answers and whole queues. Override per deployment in ray_config.yaml.
@@ -31,7 +32,7 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
     parsed = parse_args(args)
     layout = parsed.worker_layout()
     engine_options = {
-        "name": ENGINE_DEPLOYMENT,
+        "name": SERVER_DEPLOYMENT if parsed.ingress == "engine" else ENGINE_DEPLOYMENT,
         # Bundle 0 holds the replica itself; its actors go in the next bundles (deployments/actors.py).
         # The replica builds trees with torch on the same cores as its worker actors: no spinning OpenMP threads.
         "ray_actor_options": {"num_cpus": parsed.engine_num_cpus, "runtime_env": {"env_vars": dict(OPENMP_ENV)}},
@@ -53,6 +54,12 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
                                                 **parsed.autoscaling_config}
     else:
         engine_options["num_replicas"] = parsed.num_replicas or 1
+    if parsed.ingress == "engine":
+        from deployments.server import DDTreeServer
+
+        # the served name, API key and default_max_tokens change in place (OpenAIIngress.reconfigure)
+        engine_options["user_config"] = IngressSettings.of(parsed).user_config()
+        return serve.deployment(DDTreeServer).options(**engine_options).bind(parsed)
     engine = serve.deployment(DDTreeEngine).options(**engine_options).bind(parsed)
     ingress = serve.deployment(OpenAIIngress).options(
         name=INGRESS_DEPLOYMENT,

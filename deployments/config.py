@@ -78,6 +78,11 @@ class AppArgs(BaseModel):
                            "verifies the other. Pays when the drafter has its own device and verify passes are "
                            "compute-bound (large batches); 'auto' decides each phase from the cost model; see "
                            "docs/serving.md.")
+    stream_interval_ms: float = Field(
+        0.0, ge=0, description="A streamed request gets a chunk at most this often; the rounds' tokens in between go "
+        "out together in the next one (the first and the last chunk are never held back). Every chunk crosses the "
+        "engine replica, the ingress and Serve's proxy, a few ms of CPU each (docs/serving.md): fewer chunks leave "
+        "that CPU to the model. 0: a chunk every round.")
     max_round_seconds: float = Field(
         600.0, gt=0, description="An engine round running longer than this fails the replica's health check (a hung "
         "worker actor answers nothing and raises nothing), so that Serve replaces the replica.")
@@ -96,7 +101,12 @@ class AppArgs(BaseModel):
     autoscaling_config: dict[str, Any] | None = Field(
         None, description="Ray Serve autoscaling of the engine replicas on ongoing requests, e.g. "
         "{min_replicas: 1, max_replicas: 4, target_ongoing_requests: 16}.")
-    num_ingress_replicas: PositiveInt = Field(1, description="Replicas of the HTTP ingress deployment.")
+    ingress: Literal["engine", "separate"] = Field(
+        "engine", description="Where the OpenAI API runs: 'engine', in each engine replica (one deployment: a "
+        "streamed chunk crosses one Ray hop, replica -> Serve's proxy); 'separate', an ingress deployment of its own "
+        "in front of the engine replicas (two hops per chunk; its replicas scale apart, num_ingress_replicas).")
+    num_ingress_replicas: PositiveInt = Field(
+        1, description="Replicas of the HTTP ingress deployment (ingress 'separate' only).")
     api_key: SecretStr | None = Field(
         None, description="If set, every /v1 request needs `Authorization: Bearer <api_key>`.")
 

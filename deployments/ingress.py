@@ -335,6 +335,10 @@ class OpenAIIngress:
     # ------------------------------------------------------------------------------------------------------------
     # Python handle API
 
+    async def info(self) -> dict:
+        """The engine replica's settings and cumulative timings (`DDTreeEngine.info`), from one replica."""
+        return await _engine_call(self.engine.info.remote())
+
     async def generate(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None, *,
                        messages: list[dict] | None = None):
         """The finished `ddtree.RequestOutput` for a prompt (text or token ids) or chat `messages`."""

@@ -89,6 +89,9 @@ def _tiny_overrides(checkpoints: dict) -> dict:
         "max_budget": 16,
         "worker_torch_threads": 1,  # tiny models: threads cost more than they give
         "default_max_tokens": DEFAULT_MAX_TOKENS,
+        # a quarter of the 2-CPU test cluster per replica, so that a second app (another topology) fits beside it
+        "engine_num_cpus": 0.25,
+        "worker_num_cpus": 0.125,
     }
 
 
@@ -145,7 +148,7 @@ def offline(checkpoints, app_args):
 def _engine_info(served) -> dict:
     from ray import serve
 
-    return serve.get_deployment_handle("DDTreeEngine", APP_NAME).info.remote().result()
+    return serve.get_app_handle(APP_NAME).info.remote().result()
 
 
 def _post(served, path: str, body, key: str | None = API_KEY, **kw) -> requests.Response:
@@ -172,7 +175,7 @@ def test_cluster_guide_runtime_env_passes_serve_deploy_schema():
 
 
 def test_ray_config_yaml_builds_the_app(app_args):
-    from deployments.app import ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT, build_app
+    from deployments.app import SERVER_DEPLOYMENT, build_app
     from deployments.config import parse_args
 
     app = _config_app(REPO / "ray_config.yaml")
@@ -180,25 +183,31 @@ def test_ray_config_yaml_builds_the_app(app_args):
     assert parse_args(app["args"]).model is None  # the embedded default
     assert parse_args(app_args).model_name == MODEL_NAME
     # The overrides name deployments the builder really makes.
-    assert {d["name"] for d in app.get("deployments", [])} <= {ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT}
+    assert parse_args(app["args"]).ingress == "engine"
+    assert {d["name"] for d in app.get("deployments", [])} <= {SERVER_DEPLOYMENT}
+    assert build_app(app["args"])._bound_deployment.name == SERVER_DEPLOYMENT
     with pytest.raises(ValueError):
         build_app({**app_args, "max_budgt": 8})
 
 
 def test_replicas_drain_on_shutdown_and_a_dead_engine_is_replaced_soon(app_args):
-    from deployments.app import ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT, build_app
+    from deployments.app import ENGINE_DEPLOYMENT, INGRESS_DEPLOYMENT, SERVER_DEPLOYMENT, build_app
 
-    ingress = build_app(app_args)._bound_deployment
+    server = build_app(app_args)._bound_deployment  # ingress "engine": one deployment
+    assert server.name == SERVER_DEPLOYMENT
+    ingress = build_app({**app_args, "ingress": "separate"})._bound_deployment
     engine = ingress.init_args[0]._bound_deployment
-    assert ingress._deployment_config.graceful_shutdown_timeout_s >= 600
-    assert engine._deployment_config.graceful_shutdown_timeout_s >= 600
-    assert engine._deployment_config.health_check_period_s <= 2
+    assert (ingress.name, engine.name) == (INGRESS_DEPLOYMENT, ENGINE_DEPLOYMENT)
+    for deployment in (server, ingress, engine):
+        assert deployment._deployment_config.graceful_shutdown_timeout_s >= 600
+    for deployment in (server, engine):
+        assert deployment._deployment_config.health_check_period_s <= 2
+    assert server._replica_config.placement_group_bundles == engine._replica_config.placement_group_bundles
     # ray_config.yaml's per-deployment overrides (applied by Serve on top) keep these
     overrides = {d["name"]: d for d in _config_app(REPO / "ray_config.yaml")["deployments"]}
-    for name, deployment in ((INGRESS_DEPLOYMENT, ingress), (ENGINE_DEPLOYMENT, engine)):
-        for key, value in overrides[name].items():
-            if key != "name":
-                assert getattr(deployment._deployment_config, key) == value, (name, key)
+    for key, value in overrides[SERVER_DEPLOYMENT].items():
+        if key != "name":
+            assert getattr(server._deployment_config, key) == value, key
 
 
 # ---- OpenAI API through the official client ------------------------------------------------------------------
@@ -691,6 +700,33 @@ def test_features_reach_the_drafter_through_fallback_and_back(served, app_args):
         assert context_len("b") == num_run["b"] - 1  # (the last verify's token not taken in yet)
     finally:
         actors.kill()
+
+
+def test_a_separate_ingress_serves_the_same_answers(served, app_args, offline):
+    """ingress "separate": an OpenAIIngress deployment in front of DDTreeEngine replicas, the same API and the same
+    T=0 answers as the one-deployment default; stream chunks merged by stream_interval_ms carry the same text."""
+    from ray import serve
+
+    from deployments.app import build_app
+
+    name = "ddtree-separate"
+    serve.run(build_app({**app_args, "ingress": "separate", "stream_interval_ms": 200}), name=name,
+              route_prefix="/separate")
+    try:
+        client = openai.OpenAI(base_url=served["base_url"] + "/separate/v1", api_key=API_KEY, max_retries=0,
+                               timeout=60)
+        params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+        expected = offline.chat([{"role": "user", "content": "hello there"}], params)[0]
+        out = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hello there"}],
+                                             temperature=0, max_tokens=16, extra_body={"ignore_eos": True})
+        assert out.choices[0].message.content == expected.text
+        chunks = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "hello there"}], temperature=0, max_tokens=16,
+            stream=True, extra_body={"ignore_eos": True}) if c.choices]
+        assert "".join(chunks) == expected.text
+        assert serve.get_app_handle(name).info.remote().result()["num_running"] == 0
+    finally:
+        serve.delete(name)
 
 
 def test_chat_without_max_tokens_gets_the_servers_default(client):

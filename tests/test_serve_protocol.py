@@ -329,7 +329,10 @@ def test_api_error_survives_pickling():
 
 
 def _engine_deployment(app):
+    """(the deployment serving HTTP, the one running the engine): the same with ingress "engine"."""
     ingress = app._bound_deployment
+    if ingress.name == "DDTreeServer":
+        return ingress, ingress
     return ingress, ingress.init_args[0]._bound_deployment
 
 
@@ -337,7 +340,7 @@ def test_build_app_sets_placement_and_autoscaling_of_the_engine():
     from deployments.app import build_app
 
     ingress, engine = _engine_deployment(build_app({
-        "placement": "gpu-per-worker", "max_num_seqs": 32, "max_waiting": 64,
+        "placement": "gpu-per-worker", "max_num_seqs": 32, "max_waiting": 64, "ingress": "separate",
         "autoscaling_config": {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 32}}))
     assert (ingress.name, engine.name) == ("OpenAIIngress", "DDTreeEngine")
     # Serve must pass every request to the engine, whose own queue answers 429.
@@ -349,8 +352,15 @@ def test_build_app_sets_placement_and_autoscaling_of_the_engine():
     assert engine._replica_config.placement_group_strategy == "STRICT_PACK"
     assert engine._deployment_config.autoscaling_config.max_replicas == 3
 
-    _, fixed = _engine_deployment(build_app({"num_replicas": 2, "speculation": "off"}))
+    _, fixed = _engine_deployment(build_app({"num_replicas": 2, "speculation": "off", "ingress": "separate"}))
     assert fixed.num_replicas == 2 and len(fixed._replica_config.placement_group_bundles) == 2
+    # ingress "engine" (the default): the same engine options on the one deployment that serves HTTP too
+    server = build_app({"placement": "gpu-per-worker", "autoscaling_config": {"min_replicas": 1, "max_replicas": 3}}
+                       )._bound_deployment
+    assert server.name == "DDTreeServer" and server.ray_actor_options["num_cpus"] == 0.5
+    assert server._replica_config.placement_group_bundles == engine._replica_config.placement_group_bundles
+    assert server._deployment_config.autoscaling_config.target_ongoing_requests == 16  # max_num_seqs
+    assert server._deployment_config.user_config == {"served_model_name": None, "default_max_tokens": None}
 
 
 def test_a_chat_template_that_refuses_the_messages_is_a_client_error():
