@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass
@@ -75,6 +75,15 @@ class RequestOutput:
     @property
     def acceptance_lengths(self) -> list[int]:
         return self.stats.acceptance_lengths
+
+    def following(self, earlier: "RequestOutput") -> "RequestOutput":
+        """This output with `earlier`'s increment in front of its own: one output for two steps (a stream that
+        sends fewer, larger chunks)."""
+        new_logprobs = None
+        if earlier.new_logprobs is not None or self.new_logprobs is not None:
+            new_logprobs = (earlier.new_logprobs or []) + (self.new_logprobs or [])
+        return replace(self, new_text=earlier.new_text + self.new_text,
+                       new_token_ids=earlier.new_token_ids + self.new_token_ids, new_logprobs=new_logprobs)
 
     def increment(self) -> "RequestOutput":
         """This step's part only (`new_text`, `new_token_ids`), without the cumulative fields: what a stream sends

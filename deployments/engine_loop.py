@@ -127,23 +127,39 @@ class EngineLoop:
     # asyncio side
 
     async def stream(
-        self, prompt: object, params: SamplingParams, request_id: str | None = None
+        self, prompt: object, params: SamplingParams, request_id: str | None = None, interval_s: float = 0.0
     ) -> AsyncIterator[RequestOutput]:
         """The request's incremental outputs, the last one `finished`. Raises the engine's admission error (ValueError,
-        PromptTooLongError, EngineFullError) before the first output. Leaving early aborts the request."""
+        PromptTooLongError, EngineFullError) before the first output. Leaving early aborts the request.
+
+        With `interval_s`, outputs come at most that often: the steps' outputs in between are merged into one
+        (`RequestOutput.following`). The first output and the last are never held back."""
         loop = asyncio.get_running_loop()
         request_id = request_id or f"loop-{next(self._ids)}"
         add = _Add(prompt, params, request_id, loop, loop.create_future(), asyncio.Queue())
         self._put(add)
         finished = False
+        held: RequestOutput | None = None  # merged outputs not sent yet
+        next_send = 0.0  # loop.time() from which the next output may go
         try:
             await add.admitted  # raises the admission error
             while True:
-                item = await add.outputs.get()
+                if held is None:
+                    item = await add.outputs.get()
+                else:
+                    try:
+                        item = await asyncio.wait_for(add.outputs.get(), max(0.0, next_send - loop.time()))
+                    except asyncio.TimeoutError:
+                        item = None
                 if isinstance(item, BaseException):
                     raise item
-                finished = item.finished
-                yield item
+                if item is not None:
+                    held = item if held is None else item.following(held)
+                    finished = item.finished
+                if held is not None and (finished or loop.time() >= next_send):
+                    output, held = held, None
+                    next_send = loop.time() + interval_s
+                    yield output
                 if finished:
                     return
         finally:

@@ -110,7 +110,8 @@ class DDTreeEngine:
         are answers, not failures of the replica (Serve would log a traceback for each)."""
         try:
             prompt_token_ids = await self._prompt_token_ids(request)
-            async for output in self.loop.stream(prompt_token_ids, request.params, request.request_id):
+            async for output in self.loop.stream(prompt_token_ids, request.params, request.request_id,
+                                                 interval_s=self.args.stream_interval_ms / 1000):
                 yield output if output.finished else output.increment()
         except Exception as exc:  # noqa: BLE001 - sorted into client errors and engine failures below
             error = _as_api_error(exc, request)

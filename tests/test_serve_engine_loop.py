@@ -69,6 +69,29 @@ def test_stream_is_incremental_and_complete(workers):
     assert "".join(o.new_text for o in outputs) == outputs[-1].text
 
 
+def test_a_stream_interval_merges_rounds_but_never_holds_the_first_or_last(workers):
+    """interval_s: outputs come at most that often, the rounds in between merged into one (text, tokens and
+    log-probabilities in order); the first comes at once, the last (finished) at once too."""
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, logprobs=1)
+
+    async def body(loop):
+        every = [out async for out in loop.stream("hello world", params)]
+        t0 = asyncio.get_running_loop().time()
+        merged = []
+        async for out in loop.stream("hello world", params, interval_s=10.0):
+            merged.append((out, asyncio.get_running_loop().time() - t0))
+        return every, merged
+
+    every, merged = run_loop(make_engine(workers), body)
+    final = every[-1]
+    assert len(every) > 3 and len(merged) == 2  # the first round's output, then everything else with the last
+    (first, _), (last, waited) = merged
+    assert first.new_token_ids == every[0].new_token_ids and last.finished and waited < 10.0
+    assert first.new_token_ids + last.new_token_ids == final.token_ids
+    assert first.new_text + last.new_text == final.text
+    assert [lp.token_id for lp in first.new_logprobs + last.new_logprobs] == final.token_ids
+
+
 def test_admission_errors_reach_the_caller(workers):
     engine = make_engine(workers, max_num_seqs=1, max_waiting=1)
     long_params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
