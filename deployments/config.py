@@ -79,7 +79,7 @@ class AppArgs(BaseModel):
                            "compute-bound (large batches); 'auto' decides each phase from the cost model; see "
                            "docs/serving.md.")
     stream_interval_ms: float = Field(
-        0.0, ge=0, description="A streamed request gets a chunk at most this often; the rounds' tokens in between go "
+        100.0, ge=0, description="A streamed request gets a chunk at most this often; the rounds' tokens in between go "
         "out together in the next one (the first and the last chunk are never held back). Every chunk crosses the "
         "engine replica, the ingress and Serve's proxy, a few ms of CPU each (docs/serving.md): fewer chunks leave "
         "that CPU to the model. 0: a chunk every round.")
