@@ -1,0 +1,282 @@
+"""Served against offline: the same prompts through the offline engine and through the Ray Serve app's HTTP API.
+
+    python benchmarks/bench_serving.py                                   # off and auto at concurrency 1, 8, 16
+    python benchmarks/bench_serving.py --modes off --concurrency 1 --num-prompts 2 --max-tokens 32
+
+Each mode is served by its own app (`build_app`, the args of ray_config.yaml with `speculation` / `budget` set), all
+deployed at once on one Ray instance, so the runs can alternate without restarting anything. A closed loop of C
+clients sends streaming chat completions (`stream_options.include_usage`) until every prompt is answered; the
+offline runs keep C requests in the engine the same way (a finished request is replaced at once). For each
+concurrency the order is: offline mode 1, served mode 1, offline mode 2, served mode 2, ..., repeated `--passes`
+times, so that the machine's drift hits every row alike; tokens/s is the median over passes.
+
+The table gives output tokens/s (completion tokens over the wall time of the whole run), the served/offline ratio,
+and a served round broken down, per engine round, into compute (inside the worker actors, plus the engine's own
+work between calls), actor hops (the actor calls' wall time minus the time inside the actors) and the rest of a
+served round's wall time beyond those (serving: HTTP, the ingress, streaming, the loop's wake-ups). T=0 outputs
+are compared token for token between offline and served.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# Passive OpenMP waits, as in the served actors (deployments/actors.py OPENMP_ENV): set before torch loads.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+os.environ.setdefault("KMP_BLOCKTIME", "0")
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+MODES = {"off": {"speculation": "off"}, "auto": {"speculation": "ddtree", "budget": "auto"},
+         "dflash": {"speculation": "dflash"}}
+
+
+@dataclass
+class Run:
+    tokens_per_second: list[float] = field(default_factory=list)
+    outputs: dict[int, str] = field(default_factory=dict)  # prompt index -> text (T=0: the same every pass)
+    ttft: list[float] = field(default_factory=list)
+    per_round: dict[str, float] = field(default_factory=dict)  # ms per engine round, served runs
+    num_rounds: int = 0
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.tokens_per_second) if self.tokens_per_second else 0.0
+
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--modes", default="off,auto", help=f"comma-separated, from {', '.join(MODES)}")
+    p.add_argument("--concurrency", default="1,8,16", help="comma-separated client counts")
+    p.add_argument("--num-prompts", type=int, default=8, help="prompts per category (code, math, chat)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--passes", type=int, default=2)
+    p.add_argument("--config", default=str(REPO / "ray_config.yaml"), help="the app args come from this file")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override an app arg of the served runs (YAML value), e.g. --set stream_interval_ms=50")
+    p.add_argument("--out", default=None, help="write the results as JSON here")
+    args = p.parse_args(argv)
+    args.modes = args.modes.split(",")
+    unknown = sorted(set(args.modes) - set(MODES))
+    if unknown:
+        p.error(f"--modes: unknown {', '.join(unknown)}; choose from {', '.join(MODES)}")
+    try:
+        args.concurrency = [int(c) for c in args.concurrency.split(",")]
+    except ValueError:
+        p.error(f"--concurrency must be integers separated by commas, got {args.concurrency!r}")
+    for flag, value in (("--num-prompts", args.num_prompts), ("--max-tokens", args.max_tokens),
+                        ("--passes", args.passes), ("--concurrency", min(args.concurrency))):
+        if value < 1:
+            p.error(f"{flag} must be >= 1, got {value}")
+    return args
+
+
+def load_messages(num_prompts: int) -> list[list[dict]]:
+    from ddtree.training.prompts import load_eval_prompts
+
+    return [[{"role": "user", "content": text}]
+            for category in ("code", "math", "chat") for text in load_eval_prompts(category)[:num_prompts]]
+
+
+def run_offline(engine, prompts: list[list[int]], params, concurrency: int) -> tuple[float, dict[int, str]]:
+    """Closed loop in the engine: `concurrency` requests in flight, a finished one replaced at once."""
+    ids: dict[str, int] = {}
+    outputs: dict[int, list[int]] = {}
+    num_tokens, pending = 0, list(enumerate(prompts))
+    t0 = time.perf_counter()
+    while pending or engine.has_unfinished_requests():
+        while pending and engine.num_running + engine.num_waiting < concurrency:
+            i, prompt = pending.pop(0)
+            ids[engine.add_request(prompt, params)] = i
+        for out in engine.step():
+            if out.finished:
+                outputs[ids[out.request_id]] = out.text
+                num_tokens += len(out.token_ids)
+    return num_tokens / (time.perf_counter() - t0), outputs
+
+
+async def run_served(url: str, model: str, messages: list[list[dict]], max_tokens: int,
+                     concurrency: int) -> tuple[float, dict[int, str], list[float]]:
+    """Closed loop of `concurrency` streaming clients; returns tokens/s, text per prompt, TTFTs."""
+    import aiohttp
+
+    queue: asyncio.Queue = asyncio.Queue()
+    for item in enumerate(messages):
+        queue.put_nowait(item)
+    outputs: dict[int, str] = {}
+    ttfts: list[float] = []
+    num_tokens = 0
+
+    async def client(http: aiohttp.ClientSession) -> None:
+        nonlocal num_tokens
+        while not queue.empty():
+            i, msgs = queue.get_nowait()
+            body = {"model": model, "messages": msgs, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+                    "stream_options": {"include_usage": True}}
+            t0 = time.perf_counter()
+            first = None
+            texts: list[str] = []
+            async with http.post(f"{url}/v1/chat/completions", json=body) as response:
+                if response.status != 200:
+                    raise RuntimeError(f"HTTP {response.status}: {(await response.read())[:300]!r}")
+                async for raw in response.content:
+                    line = raw.decode().strip()
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        num_tokens += chunk["usage"]["completion_tokens"]
+                    for choice in chunk.get("choices", ()):
+                        content = (choice.get("delta") or {}).get("content")
+                        if content and first is None:
+                            first = time.perf_counter() - t0
+                        texts.append(content or "")
+            outputs[i] = "".join(texts)
+            if first is not None:
+                ttfts.append(first)
+
+    connector = aiohttp.TCPConnector(limit=concurrency + 4)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as http:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client(http) for _ in range(concurrency)))
+        seconds = time.perf_counter() - t0
+    return num_tokens / seconds, outputs, ttfts
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    import ray
+    import yaml
+    from ray import serve
+
+    from ddtree.engine import Engine, EngineConfig
+    from ddtree.sampling_params import SamplingParams
+    from ddtree.workers import build_workers
+    from deployments.app import build_app
+    from deployments.config import parse_args
+
+    app = yaml.safe_load(Path(args.config).read_text())["applications"][0]
+    base_args = dict(app["args"])
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--set {item!r}: expected KEY=VALUE")
+        base_args[key] = yaml.safe_load(value)
+    messages = load_messages(args.num_prompts)
+    max_c = max(args.concurrency)
+
+    # Offline: one set of workers in this process, an engine per mode (as `ddtree bench`).
+    parsed = parse_args({**base_args, **MODES[args.modes[0]]})
+    target, drafter, tokenizer = build_workers(parsed.model, parsed.drafter, device="cpu", dtype=parsed.dtype,
+                                               need_drafter=any(MODES[m]["speculation"] != "off" for m in args.modes))
+    prompts = [list(tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False))
+               for m in messages]
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    engines = {}
+    for mode in args.modes:
+        mode_args = parse_args({**base_args, **MODES[mode], "max_num_seqs": max(max_c, parsed.max_num_seqs)})
+        config = EngineConfig(speculation=mode_args.speculation, budget=mode_args.budget,
+                              max_budget=mode_args.max_budget, max_num_seqs=mode_args.max_num_seqs,
+                              ngram_tokens=mode_args.ngram_tokens, pipeline=False,
+                              max_explore_share=mode_args.max_explore_share)
+        engines[mode] = Engine(config, target, drafter if mode_args.speculation != "off" else None, tokenizer)
+
+    # Served: every mode's app at once (Ray's logical CPUs sized so that all their placement groups fit; each
+    # replica's threads follow its own placement, not this count).
+    num_cpus = 0.0
+    for mode in args.modes:
+        layout = parse_args({**base_args, **MODES[mode]}).worker_layout()
+        num_cpus += sum(b.get("CPU", 0.0) for b in layout.bundles)
+    ray.init(num_cpus=int(num_cpus) + 2, include_dashboard=False, log_to_driver=False)
+    serve.start(http_options={"host": "127.0.0.1", "port": 8123})
+    for mode in args.modes:
+        mode_args = {**base_args, **MODES[mode], "max_num_seqs": max(max_c, base_args.get("max_num_seqs") or 1)}
+        serve.run(build_app(mode_args), name=mode, route_prefix=f"/{mode}")
+        print(f"served {mode} at /{mode}", flush=True)
+    model_name = parsed.model_name
+
+    results: dict[tuple[str, str, int], Run] = {}
+    try:
+        for c in args.concurrency:
+            for p in range(args.passes):
+                for mode in args.modes:
+                    off_run = results.setdefault(("offline", mode, c), Run())
+                    rate, outs = run_offline(engines[mode], prompts, params, c)
+                    off_run.tokens_per_second.append(rate)
+                    off_run.outputs = outs
+                    served_run = results.setdefault(("served", mode, c), Run())
+                    handle = serve.get_app_handle(mode)
+                    before = handle.info.remote().result()
+                    t0 = time.perf_counter()
+                    rate, outs, ttfts = asyncio.run(run_served(f"http://127.0.0.1:8123/{mode}", model_name,
+                                                               messages, args.max_tokens, c))
+                    wall = time.perf_counter() - t0
+                    after = handle.info.remote().result()
+                    served_run.tokens_per_second.append(rate)
+                    served_run.outputs = outs
+                    served_run.ttft += ttfts
+                    _add_breakdown(served_run, before, after, wall)
+                    print(f"  c={c} pass {p + 1} {mode}: offline {off_run.tokens_per_second[-1]:.1f}, "
+                          f"served {rate:.1f} tok/s", flush=True)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+    print_table(args, results)
+    if args.out:
+        Path(args.out).write_text(json.dumps(
+            [{"where": w, "mode": m, "concurrency": c, "tokens_per_second": r.tokens_per_second,
+              "per_round_ms": r.per_round, "ttft_p50_s": statistics.median(r.ttft) if r.ttft else None}
+             for (w, m, c), r in results.items()], indent=2))
+    return 0
+
+
+def _add_breakdown(run: Run, before: dict, after: dict, wall: float) -> None:
+    """Per-round ms of the served run, summed over passes: compute (stage timings), hops, and the rest."""
+    t0, t1 = before["timings"], after["timings"]
+    rounds = t1["num_rounds"] - t0["num_rounds"]
+    compute = sum(t1[k] - t0[k] for k in ("prefill", "draft", "tree", "verify", "accept", "emit"))
+    hops = after["actor_hop_seconds"] - before["actor_hop_seconds"]
+    draft_hops = 0.0  # (draft time is measured around the drafter call: its hop is in it and in `hops`)
+    there = after["actor_hop_there_seconds"] - before["actor_hop_there_seconds"]
+    request_rounds = sum(t1[k] - t0[k] for k in ("num_speculative_request_rounds", "num_autoregressive_request_rounds"))
+    total = {"compute": compute - draft_hops, "hops": hops, "hops_there": there, "wall": wall,
+             "request_rounds": request_rounds}
+    for k, v in total.items():
+        run.per_round[k] = run.per_round.get(k, 0.0) + v
+    run.num_rounds += rounds
+
+
+def print_table(args, results: dict) -> None:
+    print(f"\n{len(args.modes)} mode(s), {3 * args.num_prompts} prompts, max_tokens={args.max_tokens}, T=0, "
+          f"{args.passes} pass(es); tokens/s: median over passes\n")
+    print("| mode | concurrency | offline tok/s | served tok/s | served / offline | served x off | batch | round ms "
+          "| compute ms | hops ms (there) | serving ms | T=0 equal |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for c in args.concurrency:
+        for mode in args.modes:
+            off, srv = results[("offline", mode, c)], results[("served", mode, c)]
+            base = results.get(("served", "off", c))
+            rounds = max(srv.num_rounds, 1)
+            wall = 1000 * srv.per_round["wall"] / rounds
+            compute = 1000 * srv.per_round["compute"] / rounds
+            hops = 1000 * srv.per_round["hops"] / rounds
+            there = 1000 * srv.per_round["hops_there"] / rounds
+            equal = off.outputs == srv.outputs
+            x_off = f"{srv.median / base.median:.2f}" if base and base.median else "-"
+            batch = srv.per_round["request_rounds"] / rounds
+            print(f"| {mode} | {c} | {off.median:.1f} | {srv.median:.1f} | {srv.median / off.median:.2f} | {x_off} "
+                  f"| {batch:.1f} "
+                  f"| {wall:.1f} | {compute:.1f} | {hops:.2f} ({there:.2f}) | {wall - compute - hops:.1f} | {equal} |")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
