@@ -30,6 +30,7 @@ import torch
 from ddtree.budget import (BudgetConfig, BudgetPolicy, CostModel, ProposedTree, RoundPlan,
                            check_max_probe_overhead)
 from ddtree.detokenizer import Detokenizer, OutputState
+from ddtree.guard import POLICY, ThroughputGuard
 from ddtree.ngram import NgramIndex
 from ddtree.outputs import RequestOutput, RequestStats, TokenLogprobs
 from ddtree.sampling_params import SamplingParams
@@ -72,6 +73,9 @@ class EngineConfig:
     # own device and the verify pass is compute-bound; docs/serving.md has measurements). "auto": when the cost
     # model predicts it faster and the workers run concurrently (on actors).
     pipeline: bool | str = False
+    # auto mode: the closed loop over the policy (guard.py) runs the faster of "as the policy plans" and plain
+    # decoding per batch size, as measured, and the other in at most this share of rounds. 0: the policy alone.
+    max_explore_share: float = 0.03
 
     def __post_init__(self) -> None:
         if self.speculation not in SPECULATION_MODES:
@@ -90,6 +94,9 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        if isinstance(self.max_explore_share, bool) or not isinstance(self.max_explore_share, (int, float)) or not (
+                0 <= self.max_explore_share <= 0.5):
+            raise ValueError(f"max_explore_share must be a number in [0, 0.5], got {self.max_explore_share!r}")
 
     @property
     def fixed_budget(self) -> int | None:
@@ -109,6 +116,7 @@ class RoundTimings:
     num_rounds: int = 0  # verify passes
     num_draft_calls: int = 0  # drafter forwards
     num_pipelined_phases: int = 0  # steps run with two request groups in flight (pipeline=True or "auto")
+    num_plain_rounds: int = 0  # rounds the guard ran as plain decoding (no draft, no n-gram chain)
     num_speculative_request_rounds: int = 0
     num_autoregressive_request_rounds: int = 0
     num_ngram_tokens: int = 0  # accepted from the n-gram chains of requests in fallback
@@ -202,6 +210,8 @@ class Engine:
             cost,
         )
         self.scheduler = Scheduler(config.max_num_seqs, config.max_waiting)
+        # the closed loop over the budget policy (auto mode only: a fixed budget or dflash is the user's choice)
+        self.guard = ThroughputGuard(config.max_explore_share) if is_auto and config.max_explore_share > 0 else None
         self.requests: dict[str, _Request] = {}
         self.timings = RoundTimings()
         self._ids = itertools.count()
@@ -302,11 +312,21 @@ class Engine:
         running = self._ready_requests(busy=set())
         if not running:
             return outputs
-        plan = self._plan(running)
-        drafted = self._collect_draft(plan, self._submit_draft(plan), plan.autoregressive_ids)
+        t0 = time.perf_counter()
+        arm = self.guard.choose(len(running)) if self.guard is not None else POLICY
+        if arm == POLICY:
+            plan = self._plan(running)
+            drafted = self._collect_draft(plan, self._submit_draft(plan), plan.autoregressive_ids)
+        else:  # plain decoding, as speculation "off" does
+            plan, drafted = RoundPlan([], list(running), []), _DraftedTrees()
+            self.timings.num_plain_rounds += 1
         result = self._collect_verify(plan, self._submit_verify(plan, drafted))
         self._observe(plan, drafted, result)
-        return outputs + self._emit(plan, result)
+        emitted = self._emit(plan, result)
+        if self.guard is not None:
+            num_tokens = sum(1 + len(a) for a in result.accepted_token_ids)  # (tokens past a stop included)
+            self.guard.observe(len(running), arm, num_tokens, time.perf_counter() - t0)
+        return outputs + emitted
 
     def _should_pipeline(self) -> bool:
         """pipeline=True: always; "auto": while the cost model predicts two groups faster than one, with a margin

@@ -22,7 +22,9 @@ class LLM:
     `allow_fallback` (auto budget): requests whose drafts do not pay decode autoregressively, probed again at most
     `max_probe_overhead` of their time (docs/engine.md, "Budgets and fallback"). `ngram_tokens` (auto budget): up
     to this many tokens proposed from the request's own history (prompt lookup) join its tree, or are verified
-    alone by a request in fallback; 0 turns them off.
+    alone by a request in fallback; 0 turns them off. `max_explore_share` (auto budget): the engine runs, per batch
+    size, the faster of "as the policy plans" and plain decoding, as measured, and the other in at most this share
+    of the time (docs/engine.md, "The closed loop"); 0: the policy alone.
     """
 
     def __init__(
@@ -42,6 +44,7 @@ class LLM:
         allow_fallback: bool = True,
         max_probe_overhead: float = 0.03,
         ngram_tokens: int = 3,
+        max_explore_share: float = 0.03,
     ) -> None:
         from ddtree.workers import build_workers
 
@@ -54,6 +57,7 @@ class LLM:
             allow_fallback=allow_fallback,
             max_probe_overhead=max_probe_overhead,
             ngram_tokens=ngram_tokens,
+            max_explore_share=max_explore_share,
         )
         target, drafter_worker, tokenizer = build_workers(
             model,

@@ -70,6 +70,10 @@ class AppArgs(BaseModel):
         True, description="In 'auto' budget mode, requests whose drafts do not pay decode autoregressively.")
     max_probe_overhead: float = Field(
         0.03, gt=0, le=1, description="Fallback probes may cost at most this fraction of a request's time.")
+    max_explore_share: float = Field(
+        0.03, ge=0, le=0.5, description="In 'auto' budget mode, the engine measures the tokens/s of rounds run as the "
+        "policy plans them and of plain decoding, per batch size, runs the faster, and the other in at most this "
+        "share of the time (so that a change of load is seen). 0: the policy alone (docs/engine.md).")
     ngram_tokens: int = Field(
         3, ge=0, description="In 'auto' budget mode, up to this many tokens proposed from the request's own history "
         "(prompt lookup) join its draft tree, or are verified alone by a request in fallback. 0: none.")

@@ -41,6 +41,7 @@ class DDTreeEngine:
             max_probe_overhead=self.args.max_probe_overhead,
             ngram_tokens=self.args.ngram_tokens,
             pipeline=self.args.pipeline,
+            max_explore_share=self.args.max_explore_share,
         )
         target = self.actors.target_proxy
         self.engine = Engine(config, target, self.actors.drafter_proxy, target.tokenizer)

@@ -394,7 +394,9 @@ def test_fallback_skips_the_drafter_and_recovers(workers):
     # no drafter call at all, and within 3% of their time (BudgetConfig.max_probe_overhead) not even a probe fits.
     expensive = CostModel([(1, 0.010), (2, 0.030), (64, 1.0)], [(1, 0.050), (16, 0.060)])
     target, drafter, tok = workers
-    engine = Engine(EngineConfig(speculation="ddtree", budget="auto"), target, drafter, tok, cost=expensive)
+    # (the policy alone: the closed loop would measure this machine's real costs, not the scripted ones)
+    engine = Engine(EngineConfig(speculation="ddtree", budget="auto", max_explore_share=0.0), target, drafter, tok,
+                    cost=expensive)
     reference = make_llm(workers, speculation="off").generate(PROMPTS[:2], greedy(60))
     ids = [engine.add_request(p, greedy(60)) for p in PROMPTS[:2]]
     finals = {}

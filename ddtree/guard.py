@@ -1,0 +1,114 @@
+"""The closed loop over the budget policy: realised throughput decides whether a round speculates at all.
+
+The budget policy (budget.py) prices trees with a cost model and calibrated draft probabilities. When either is
+wrong (a loaded machine, a drafter whose probabilities flatter it), it may speculate where plain decoding is faster.
+The guard does not second-guess the policy's decisions; it measures what they deliver. For each batch size (in
+buckets: 1, 2, 3-4, 5-8, ...) it keeps the committed tokens per second of the rounds run as the policy planned them
+("policy" arm) and of rounds run as plain decoding (no draft, no n-gram chain: what `speculation: off` does), each as
+a ratio of exponential moving averages (tokens and seconds apart, so that a round's size weighs as it should). It
+runs the arm that measures faster, and the other in a bounded share of the time (`max_explore_share` of the
+bucket's round seconds), so that a change of load or of text brings the other arm back when it pays again.
+Exploring thus costs at most that share of the difference between the two arms' speeds, plus each arm's first
+`min_rounds` rounds per bucket.
+
+Policy only: integers and floats, no tensors (the engine times the rounds and counts their tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+POLICY, PLAIN = "policy", "plain"
+
+
+@dataclass
+class _Arm:
+    tokens: float = 0.0  # EMA of committed tokens per round
+    seconds: float = 0.0  # EMA of round seconds
+    num_rounds: int = 0
+
+    def observe(self, num_tokens: int, seconds: float, weight: float) -> None:
+        if self.num_rounds == 0:
+            self.tokens, self.seconds = float(num_tokens), seconds
+        else:
+            w = max(weight, 1.0 / (self.num_rounds + 1))  # the first rounds: their plain mean
+            self.tokens += w * (num_tokens - self.tokens)
+            self.seconds += w * (seconds - self.seconds)
+        self.num_rounds += 1
+
+    @property
+    def rate(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+@dataclass
+class _Bucket:
+    arms: dict[str, _Arm] = field(default_factory=lambda: {POLICY: _Arm(), PLAIN: _Arm()})
+    num_rounds: int = 0
+    seconds: float = 0.0  # of every round once both arms were measured
+    explored_seconds: float = 0.0  # of those, on the arm that measured slower
+
+
+@dataclass
+class ThroughputGuard:
+    max_explore_share: float = 0.03  # at most this share of a bucket's time on the arm measured slower
+    weight: float = 0.1  # EMA weight of a new round
+    min_rounds: int = 4  # rounds of an arm before its measurement is trusted
+    buckets: dict[int, _Bucket] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.max_explore_share <= 0.5:
+            raise ValueError(f"max_explore_share must be in [0, 0.5], got {self.max_explore_share!r}")
+
+    @staticmethod
+    def bucket_of(num_requests: int) -> int:
+        return max(0, num_requests - 1).bit_length()  # 1 -> 0, 2 -> 1, 3-4 -> 2, 5-8 -> 3, ...
+
+    def best(self, num_requests: int) -> str:
+        """The arm measured faster at this batch size (the policy's while either is not measured enough)."""
+        bucket = self.buckets.get(self.bucket_of(num_requests))
+        if bucket is None:
+            return POLICY
+        policy, plain = bucket.arms[POLICY], bucket.arms[PLAIN]
+        if min(policy.num_rounds, plain.num_rounds) < self.min_rounds:
+            return POLICY
+        return PLAIN if plain.rate > policy.rate else POLICY
+
+    def choose(self, num_requests: int) -> str:
+        """The arm of the next round of `num_requests` requests: the faster, or the other while the time spent
+        exploring stays within the share. An arm not yet measured `min_rounds` times is run first, once per bucket
+        (a bounded, one-off cost)."""
+        bucket = self.buckets.setdefault(self.bucket_of(num_requests), _Bucket())
+        for arm in (POLICY, PLAIN):
+            if bucket.arms[arm].num_rounds < self.min_rounds:
+                return arm
+        best = self.best(num_requests)
+        other = PLAIN if best == POLICY else POLICY
+        expected = bucket.arms[other].seconds  # what an exploring round would add (its arm's EMA)
+        if bucket.explored_seconds + expected <= self.max_explore_share * (bucket.seconds + expected):
+            return other
+        return best
+
+    def observe(self, num_requests: int, arm: str, num_tokens: int, seconds: float) -> None:
+        """A round of `num_requests` requests ran on `arm`, committing `num_tokens` tokens in `seconds`."""
+        if seconds <= 0:
+            return
+        bucket = self.buckets.setdefault(self.bucket_of(num_requests), _Bucket())
+        if min(a.num_rounds for a in bucket.arms.values()) >= self.min_rounds:
+            bucket.seconds += seconds
+            if arm != self.best(num_requests):
+                bucket.explored_seconds += seconds
+        bucket.num_rounds += 1
+        bucket.arms[arm].observe(num_tokens, seconds, self.weight)
+
+    def describe(self) -> list[dict]:
+        """Per bucket: batch sizes, rounds, the share of time explored, each arm's measured tokens/s and rounds."""
+        rows = []
+        for b in sorted(self.buckets):
+            bucket = self.buckets[b]
+            low, high = (1, 1) if b == 0 else (2 ** (b - 1) + 1, 2**b)
+            rows.append({"batch_sizes": [low, high], "num_rounds": bucket.num_rounds,
+                         "explored_share": bucket.explored_seconds / bucket.seconds if bucket.seconds else 0.0,
+                         **{f"{name}_tokens_per_second": arm.rate for name, arm in bucket.arms.items()},
+                         **{f"{name}_rounds": arm.num_rounds for name, arm in bucket.arms.items()}})
+        return rows

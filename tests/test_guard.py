@@ -1,0 +1,126 @@
+"""The closed loop over the budget policy (ddtree/guard.py): scripted rounds whose true speeds the policy gets wrong,
+and the engine running plain rounds where the guard says so."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from ddtree.guard import PLAIN, POLICY, ThroughputGuard
+
+
+def run(guard: ThroughputGuard | None, rates, num_rounds: int, num_requests: int = 8, seed: int = 0) -> float:
+    """Tokens/s over `num_rounds` rounds whose true tokens/s per arm is `rates(round)[arm]` (each round's time
+    jittered +-20%, as on a noisy machine); without a guard every round follows the policy."""
+    rng = random.Random(seed)
+    tokens = seconds = 0.0
+    for i in range(num_rounds):
+        arm = guard.choose(num_requests) if guard is not None else POLICY
+        round_tokens = num_requests * (1.5 if arm == POLICY else 1.0)
+        round_seconds = round_tokens / rates(i)[arm] * rng.uniform(0.8, 1.2)
+        if guard is not None:
+            guard.observe(num_requests, arm, round(round_tokens), round_seconds)
+        tokens += round_tokens
+        seconds += round_seconds
+    return tokens / seconds
+
+
+@pytest.mark.parametrize("policy_rate, plain_rate", [(90.0, 100.0), (60.0, 100.0), (140.0, 100.0)])
+def test_the_loop_ends_within_its_bound_of_the_faster_arm(policy_rate, plain_rate):
+    """Whatever the policy believes, the loop delivers the faster arm's speed less at most its exploring share of
+    the difference (and the noise); where the policy is the slower arm, the policy alone falls below that bound."""
+    share = 0.03
+    best, worst = max(policy_rate, plain_rate), min(policy_rate, plain_rate)
+    bound = best - (share + 0.02) * (best - worst) - 0.01 * best  # exploring, the first rounds, the noise
+    rates = lambda i: {POLICY: policy_rate, PLAIN: plain_rate}  # noqa: E731
+    guard = ThroughputGuard(max_explore_share=share)
+    assert run(guard, rates, 3000) >= bound
+    explored = guard.describe()[0]["explored_share"]
+    assert 0 < explored <= 1.1 * share  # (a round's time is known only once it has run)
+    if policy_rate < plain_rate:
+        assert run(None, rates, 3000) < bound  # without the loop: the policy's loss stays
+
+
+def test_speculation_comes_back_when_it_pays_again():
+    """The load changes half-way: speculation first loses, then wins; exploring finds the change."""
+    rates = lambda i: {POLICY: 80.0 if i < 1500 else 150.0, PLAIN: 100.0}  # noqa: E731
+    guard = ThroughputGuard(max_explore_share=0.03)
+    run(guard, rates, 1500)
+    assert guard.best(8) == PLAIN
+    second_half = run(guard, lambda i: rates(i + 1500), 1500, seed=1)
+    assert guard.best(8) == POLICY
+    assert second_half >= 0.9 * 150.0
+
+
+def test_batch_sizes_are_measured_apart():
+    guard = ThroughputGuard(max_explore_share=0.03)
+    run(guard, lambda i: {POLICY: 150.0, PLAIN: 100.0}, 500, num_requests=1)
+    run(guard, lambda i: {POLICY: 80.0, PLAIN: 100.0}, 500, num_requests=16)
+    assert (guard.best(1), guard.best(16)) == (POLICY, PLAIN)
+    assert guard.best(12) == PLAIN and guard.best(4) == POLICY  # 12 shares 16's bucket; 4 has none: the policy
+
+
+def test_the_explore_share_is_checked():
+    for bad in (-0.1, 0.6):
+        with pytest.raises(ValueError, match="max_explore_share"):
+            ThroughputGuard(max_explore_share=bad)
+
+
+# ---- in the engine -----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def workers(tmp_path_factory):
+    from ddtree.workers import build_workers
+    from tests.factories import make_tiny_drafter, make_tiny_target
+
+    root = tmp_path_factory.mktemp("guard_tiny")
+    target = make_tiny_target(root / "target", logit_scale=8.0)
+    return build_workers(str(target), str(make_tiny_drafter(root / "drafter", target)), dtype="float64")
+
+
+def _engine(workers, **config):
+    from ddtree.budget import CostModel
+    from ddtree.engine import Engine, EngineConfig
+
+    target, drafter, tokenizer = workers
+    cost = CostModel([(1, 0.010), (64, 0.012), (1024, 0.05)], [(1, 0.002), (16, 0.003)])
+    config = {"speculation": "ddtree", "budget": "auto", "max_num_seqs": 4, **config}
+    return Engine(EngineConfig(**config), target, drafter, tokenizer, cost=cost)
+
+
+def test_where_plain_decoding_measured_faster_the_engine_drafts_nothing_and_answers_alike(workers):
+    """A guard whose measurements say plain decoding is faster at this batch size: the rounds call no drafter and
+    verify no n-gram chain (a plain round is `off`'s round), and the T=0 answers equal `off`'s."""
+    from ddtree import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = ["hello world", "the cat sat on", "12 + 7 =", "a b a b a b a b"]
+    reference = LLM.from_engine(_engine(workers, max_explore_share=0.0)).generate(prompts, params)
+    drafting = LLM.from_engine(_engine(workers)).engine
+    LLM.from_engine(drafting).generate(prompts, params)
+    assert drafting.timings.num_draft_calls > 0  # (what the guard takes away below)
+    engine = _engine(workers)
+    guard = engine.guard
+    for num_requests in (1, 2, 4):  # measured: the policy's rounds slow, plain ones fast, at every batch size
+        for _ in range(guard.min_rounds):
+            guard.observe(num_requests, POLICY, num_requests, 1.0)
+            guard.observe(num_requests, PLAIN, num_requests, 0.01)
+    guard.max_explore_share = 0.0  # and no exploring: every round is plain
+    outputs = LLM.from_engine(engine).generate(prompts, params)
+    assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
+    assert engine.timings.num_draft_calls == 0 and engine.timings.num_ngram_tokens == 0
+    assert engine.timings.num_plain_rounds == engine.timings.num_rounds > 0
+    assert all(o.stats.num_speculative_rounds == 0 for o in outputs)
+
+
+def test_the_guard_runs_in_auto_mode_only(workers):
+    assert _engine(workers).guard is not None
+    assert _engine(workers, max_explore_share=0.0).guard is None
+    assert _engine(workers, budget=8).guard is None and _engine(workers, speculation="dflash").guard is None
+    from ddtree.engine import EngineConfig
+
+    for bad in (-0.1, 0.7, True, "0.1"):
+        with pytest.raises(ValueError, match="max_explore_share"):
+            EngineConfig(max_explore_share=bad)
