@@ -77,7 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--budgets", default="8,16,32,64,128", help="fixed DDTree budgets to run")
     parser.add_argument("--modes", default="hf,off,dflash,ddtree,auto",
                         help="which modes to run (also: auto-no-ngram, auto without n-gram proposals)")
-    parser.add_argument("--concurrency", type=int, default=1, help="requests in flight at once")
+    parser.add_argument("--concurrency", default="1",
+                        help="requests in flight at once; several, comma-separated (1,2,4,8,16,32), run in turn on the "
+                             "same engines and print one table with a row per concurrency and mode")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None)
     parser.add_argument("--threads", type=int, default=None,
@@ -168,11 +170,25 @@ def run_hf(model_dir: str, prompts: list[list[int]], max_tokens: int, eos_token_
 SPECULATIVE_MODES = ("dflash", "ddtree", "auto", "auto-no-ngram")
 
 
+def parse_concurrencies(value) -> list[int]:
+    """--concurrency: one count or several, comma-separated, distinct and in the order given."""
+    if isinstance(value, int):
+        return [value]
+    try:
+        counts = [int(c) for c in str(value).split(",") if c.strip()]
+    except ValueError:
+        raise ValueError(f"--concurrency must be integers separated by commas, got {value!r}") from None
+    if not counts:
+        raise ValueError("--concurrency must name at least one count")
+    return list(dict.fromkeys(counts))
+
+
 def check_arguments(args) -> tuple[list[str], list[int]]:
     """The modes and the fixed budgets (distinct, in increasing order); every bad value is refused here, before a
     model loads, naming its flag."""
+    concurrencies = parse_concurrencies(args.concurrency)
     for flag, value, least in (("--passes", args.passes, 1), ("--max-tokens", args.max_tokens, 1),
-                               ("--concurrency", args.concurrency, 1), ("--num-prompts", args.num_prompts, 0)):
+                               ("--concurrency", min(concurrencies), 1), ("--num-prompts", args.num_prompts, 0)):
         if value < least:
             raise ValueError(f"{flag} must be >= {least}, got {value}")
     if args.threads is not None and args.threads < 1:
@@ -218,12 +234,14 @@ def run(args) -> int:
         for _, m in messages
     ]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    base = Engine(EngineConfig(speculation="off", max_num_seqs=args.concurrency), target, None, tokenizer)
+    concurrencies = parse_concurrencies(args.concurrency)
+    max_concurrency = max(concurrencies)
+    base = Engine(EngineConfig(speculation="off", max_num_seqs=max_concurrency), target, None, tokenizer)
     cost = base.budget.cost
     model = target.model
     is_mixed = model.uses_cpu_kernels and model.kernel_weight_dtype != model.dtype
     weights = f", {model.kernel_weight_dtype} weights" if is_mixed else ""
-    print(f"{len(prompts)} prompts, max_tokens={args.max_tokens}, concurrency={args.concurrency}, "
+    print(f"{len(prompts)} prompts, max_tokens={args.max_tokens}, concurrency={','.join(map(str, concurrencies))}, "
           f"{torch.get_num_threads()} torch thread(s), {model.dtype}{weights}".replace("torch.", ""), flush=True)
 
     configs: list[tuple[str, EngineConfig]] = []
@@ -239,34 +257,82 @@ def run(args) -> int:
         configs.append(("ddtree auto, no n-gram", EngineConfig(speculation="ddtree", budget="auto", ngram_tokens=0)))
     engines = []
     for name, config in configs:
-        config.max_num_seqs = args.concurrency
+        config.max_num_seqs = max_concurrency
         for suffix, worker in drafters if config.speculation != "off" else [("", None)]:
             engines.append((name + suffix, Engine(copy.deepcopy(config), target, worker, tokenizer,
                                                   cost=copy.deepcopy(cost) if worker is None else None)))
-    by_name: dict[str, ModeResult] = {}
+    by_key: dict[tuple[int, str], ModeResult] = {}
 
-    def record(run: ModeResult) -> None:
-        by_name.setdefault(run.name, ModeResult(run.name)).absorb(run)
+    def record(concurrency: int, run: ModeResult) -> None:
+        by_key.setdefault((concurrency, run.name), ModeResult(run.name)).absorb(run)
+
+    def report() -> None:
+        if len(concurrencies) == 1:
+            results = list(by_key.values())
+            print_table(results)
+            save(results, args)
+        else:
+            print_concurrency_table(by_key)
+            save_concurrency(by_key, args)
 
     p = 0
     try:
-        for p in range(args.passes):
-            if "hf" in modes:
-                record(run_hf(target.model_dir, prompts, args.max_tokens, tokenizer.eos_token_id))
-            for name, engine in engines:
-                record(run_engine(engine, prompts, params, args.concurrency, name))
-            print(f"  done: pass {p + 1} of {args.passes}", flush=True)
+        for c in concurrencies:
+            for p in range(args.passes):
+                if "hf" in modes and c == 1:
+                    record(c, run_hf(target.model_dir, prompts, args.max_tokens, tokenizer.eos_token_id))
+                for name, engine in engines:
+                    record(c, run_engine(engine, prompts, params, c, name))
+                print(f"  done: concurrency {c}, pass {p + 1} of {args.passes}", flush=True)
     except KeyboardInterrupt:  # Ctrl-C: the runs finished so far are reported and saved, then the command stops
-        if by_name:
+        if by_key:
             print(f"\ninterrupted in pass {p + 1} of {args.passes}: the table and results.json hold the runs "
                   f"finished so far", flush=True)
-            print_table(list(by_name.values()))
-            save(list(by_name.values()), args)
+            report()
         raise
-    results = list(by_name.values())
-    print_table(results)
-    save(results, args)
+    report()
     return 0
+
+
+def print_concurrency_table(by_key: dict[tuple[int, str], ModeResult]) -> None:
+    """One row per concurrency and mode: off, auto, dflash and the fastest fixed B of that concurrency."""
+    print("| concurrency | mode | tokens/s | x off | drafted | tokens/round | tau |")
+    print("|---|---|---|---|---|---|---|")
+    same = []
+    for c in sorted({c for c, _ in by_key}):
+        rows = {name: r for (k, name), r in by_key.items() if k == c}
+        off = rows.get("off")
+        fixed = [r for name, r in rows.items() if name.startswith("ddtree B=") and "[" not in name]
+        shown = [r for r in rows.values() if not r.name.startswith("ddtree B=")]
+        if fixed:
+            best = max(fixed, key=lambda r: r.tokens_per_second)
+            shown.append(best)
+        for r in shown:
+            rounds = r.timings.get("num_speculative_request_rounds", 0) + r.timings.get(
+                "num_autoregressive_request_rounds", 0)
+            spec = r.timings.get("num_speculative_request_rounds", 0)
+            drafted = f"{100 * spec / rounds:.0f}%" if rounds and r.name != "off" and "hf" not in r.name else "-"
+            per_round = f"{r.num_tokens / rounds:.2f}" if rounds else "-"
+            x_off = f"{r.tokens_per_second / off.tokens_per_second:.2f}" if off else "-"
+            tau = f"{r.tau:.2f}" if r.tau is not None else "-"
+            name = r.name + (" (best B)" if fixed and r is best else "")
+            speed = f"{r.tokens_per_second:.1f}"
+            if len(r.pass_rates) > 1:
+                speed += f" ({min(r.pass_rates):.1f}-{max(r.pass_rates):.1f})"
+            print(f"| {c} | {name} | {speed} | {x_off} | {drafted} | {per_round} | {tau} |")
+            if off and r is not off and r.outputs and "hf" not in r.name and (r.outputs != off.outputs
+                                                                               or r.outputs_vary):
+                same.append(f"{r.name} at {c}")
+    print(f"\nT=0 outputs identical to `off`: {'all modes, every concurrency' if not same else 'NOT for ' + ', '.join(same)}")
+
+
+def save_concurrency(by_key: dict[tuple[int, str], ModeResult], args) -> None:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = [{"concurrency": c, "mode": r.name, "tokens_per_second": r.tokens_per_second, "tau": r.tau,
+             "num_tokens": r.num_tokens, "timings": r.timings, "tokens_per_second_per_pass": r.pass_rates or None}
+            for (c, _), r in sorted(by_key.items(), key=lambda kv: kv[0])]
+    (out / "results.json").write_text(json.dumps(rows, indent=2))
 
 
 def print_table(results: list[ModeResult]) -> None:

@@ -18,7 +18,7 @@ def test_bench_runs_every_mode_over_several_passes(tmp_path, capsys):
                  "--prompts", str(prompts), "--num-prompts", "0", "--max-tokens", "6", "--budgets", "2,4",
                  "--modes", "hf,off,dflash,ddtree,auto", "--passes", "2", "--threads", "1", "--out", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "done: pass 2 of 2" in printed and "T=0 outputs identical to `off`: all modes" in printed
+    assert "pass 2 of 2" in printed and "T=0 outputs identical to `off`: all modes" in printed
     rows = {r["mode"]: r for r in json.loads((out / "results.json").read_text())}
     assert set(rows) == {"hf generate", "off", "dflash", "ddtree B=2", "ddtree B=4", "ddtree auto"}
     for row in rows.values():
@@ -28,6 +28,30 @@ def test_bench_runs_every_mode_over_several_passes(tmp_path, capsys):
     assert rows["ddtree B=4"]["tau"] >= 1.0 and rows["off"]["tau"] is None
     assert rows["ddtree B=2"]["mean_nodes_per_draft"] <= 2 and rows["off"]["mean_nodes_per_draft"] is None
     assert "| nodes/draft | drafted |" in printed
+
+
+def test_bench_sweeps_concurrency_in_one_table(tmp_path, capsys):
+    """--concurrency 1,3: every mode at each count on the same engines, one table with a row per count and mode
+    (off, auto, dflash and the fastest fixed B of that count), results.json naming the count of each row."""
+    target = make_tiny_target(tmp_path / "target", logit_scale=8.0)
+    drafter = make_tiny_drafter(tmp_path / "drafter", target)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["hello world", "the cat sat on", "a"]))
+    out = tmp_path / "out"
+    assert main(["bench", "--model", str(target), "--drafter", str(drafter), "--dtype", "float64",
+                 "--prompts", str(prompts), "--num-prompts", "0", "--max-tokens", "6", "--budgets", "2,4",
+                 "--modes", "off,dflash,ddtree,auto", "--concurrency", "1,3", "--threads", "1",
+                 "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "| concurrency | mode | tokens/s | x off | drafted | tokens/round | tau |" in printed
+    table = [line for line in printed.splitlines() if line.startswith("| 1 |") or line.startswith("| 3 |")]
+    assert len(table) == 2 * 4  # off, dflash, auto, best B: at each count
+    assert sum("(best B)" in line for line in table) == 2
+    assert "T=0 outputs identical to `off`: all modes, every concurrency" in printed
+    rows = json.loads((out / "results.json").read_text())
+    assert {(r["concurrency"], r["mode"]) for r in rows} == {
+        (c, m) for c in (1, 3) for m in ("off", "dflash", "ddtree B=2", "ddtree B=4", "ddtree auto")}
+    assert all(r["num_tokens"] == 3 * 6 for r in rows)
 
 
 def test_bench_compares_two_drafters_on_one_target(tmp_path, capsys):
@@ -116,6 +140,8 @@ def test_bench_refuses_bad_arguments_and_prompt_files_before_loading(tmp_path):
         ("--budgets", "0"): "--budgets must be positive",
         ("--max-tokens", "0"): "--max-tokens must be >= 1",
         ("--concurrency", "0"): "--concurrency must be >= 1",
+        ("--concurrency", "1,x"): "--concurrency must be integers separated by commas",
+        ("--concurrency", "4,0"): "--concurrency must be >= 1",
         ("--num-prompts", "-1"): "--num-prompts must be >= 0",
         ("--out", str(a_file)): "is a file; it must be a folder",
     }
