@@ -40,7 +40,9 @@ def workers(checkpoints):
 
 def make_llm(workers, **config) -> LLM:
     target, drafter, tokenizer = workers
-    config = EngineConfig(**config)
+    # The policy alone, on its scripted cost model: the closed loop measures this machine's real round times
+    # (tests/test_guard.py tests it), which would make the policy's tests depend on the machine.
+    config = EngineConfig(**{"max_explore_share": 0.0, **config})
     # Engines refresh their cost model from live timings: each gets its own copy.
     engine = Engine(config, target, drafter if config.speculation != "off" else None, tokenizer,
                     cost=copy.deepcopy(FLAT_COST))
@@ -421,8 +423,8 @@ def test_ngram_chains_of_requests_in_fallback_are_exact_and_accepted(workers, pi
     reference = make_llm(workers, speculation="off").generate(prompts, greedy(40))
     target, drafter, tok = workers
     for ngram_tokens in (3, 1):
-        engine = Engine(EngineConfig(max_num_seqs=2, ngram_tokens=ngram_tokens, pipeline=pipeline), target, drafter,
-                        tok, cost=copy.deepcopy(NGRAM_ONLY_COST))
+        engine = Engine(EngineConfig(max_num_seqs=2, ngram_tokens=ngram_tokens, pipeline=pipeline,
+                                     max_explore_share=0.0), target, drafter, tok, cost=copy.deepcopy(NGRAM_ONLY_COST))
         outputs = LLM.from_engine(engine).generate(prompts, greedy(40))
         assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
         assert engine.timings.num_draft_calls == 0
@@ -441,7 +443,8 @@ def test_pipelined_chains_are_priced_after_the_group_in_flight(workers):
     from ddtree.budget import RoundPlan
 
     target, drafter, tok = workers
-    engine = Engine(EngineConfig(max_num_seqs=4, pipeline=True), target, drafter, tok, cost=copy.deepcopy(FLAT_COST))
+    engine = Engine(EngineConfig(max_num_seqs=4, pipeline=True, max_explore_share=0.0), target, drafter, tok,
+                    cost=copy.deepcopy(FLAT_COST))
     real_plan = engine.budget.plan
 
     def one_drafts(request_ids):
@@ -477,7 +480,7 @@ def test_ngram_values_learn_from_chains_that_were_not_verified(workers):
     # proposal with the target's own tokens, so the values keep following the workload.
     target, drafter, tok = workers
     expensive = CostModel([(1, 0.010), (2, 0.030), (64, 1.0)], [(1, 0.050), (16, 0.060)])
-    engine = Engine(EngineConfig(max_num_seqs=2), target, drafter, tok, cost=expensive)
+    engine = Engine(EngineConfig(max_num_seqs=2, max_explore_share=0.0), target, drafter, tok, cost=expensive)
     outputs = LLM.from_engine(engine).generate(["the cat the cat the cat the", "ab ab ab ab ab"], greedy(40))
     assert sum(o.stats.num_ngram_tokens for o in outputs) == 0 and engine.timings.num_draft_calls == 0
     assert engine.budget.ngram_acceptance != [0.5, 0.35, 0.25]
@@ -552,7 +555,7 @@ def test_sampling_matches_the_target_distribution(checkpoints, workers, proposal
         llm = make_llm(workers, speculation="ddtree", budget=16, max_num_seqs=8)
     else:
         target, drafter, _ = workers
-        llm = LLM.from_engine(Engine(EngineConfig(max_num_seqs=4), target, drafter, tok,
+        llm = LLM.from_engine(Engine(EngineConfig(max_num_seqs=4, max_explore_share=0.0), target, drafter, tok,
                                      cost=copy.deepcopy(NGRAM_ONLY_COST)))
     n = 1500
     torch.manual_seed(1234)
