@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 _HEADER = struct.Struct("!Q")
 _TOKEN_BYTES = 16
+_HANDSHAKE_TIMEOUT_S = 10.0
 
 
 class ChannelClosedError(RuntimeError):
@@ -75,7 +76,8 @@ def _recv(sock: socket.socket) -> object:
 
 
 class ChannelServer:
-    """Listens on a Unix socket and serves one connection at a time on a thread of its own.
+    """Listens on a Unix socket and serves its one peer on a thread of its own (the first connection that sends the
+    token; the socket's folder is removed then, so no other can connect).
 
     With `handle`, each message gets `handle(message)`'s return value as its reply (an exception goes back as a
     failure the client raises). With `on_message` instead, messages are one-way: `on_message(message)` for each, and
@@ -103,12 +105,17 @@ class ChannelServer:
             except OSError:  # closed
                 return
             with conn:
+                conn.settimeout(_HANDSHAKE_TIMEOUT_S)  # (a peer that sends nothing must not hold the server)
                 try:
                     token = _recv_exact(conn, _TOKEN_BYTES)
                 except (EOFError, OSError):
                     continue
                 if not hmac.compare_digest(bytes(token), self.address.token):
                     continue  # (nothing from it is unpickled)
+                conn.settimeout(None)
+                # Each channel has one peer: once it is in, the socket's folder goes (a process killed later leaves
+                # nothing behind in the file system; the connection lives on)
+                shutil.rmtree(self._dir, ignore_errors=True)
                 self._converse(conn)
 
     def _converse(self, conn: socket.socket) -> None:

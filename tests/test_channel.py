@@ -32,6 +32,9 @@ def test_calls_come_back_in_order_and_two_can_be_in_flight(echo):
 
     client = ChannelClient(echo.address, "echo")
     assert client.call(1) == ("echo", 1)
+    assert not os.path.exists(os.path.dirname(echo.address.path))  # its one peer is in: nothing left on disk
+    with pytest.raises(ChannelClosedError, match="cannot reach"):
+        ChannelClient(echo.address, "echo")  # and no second peer can connect
     array = np.arange(100_000, dtype=np.float32)  # larger than a socket buffer
     first, second = client.send({"sleep": 0.05}), client.send(array)
     tag, value = client.receive(second)  # read out of order: the first reply is kept for its ticket
