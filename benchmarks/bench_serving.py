@@ -240,15 +240,15 @@ def main(argv=None) -> int:
 
 
 def _add_breakdown(run: Run, before: dict, after: dict, wall: float) -> None:
-    """Per-round ms of the served run, summed over passes: compute (stage timings), hops, and the rest."""
+    """Per-round ms of the served run, summed over passes: compute (the stage timings: time inside the workers and
+    the engine's own stages, hops excluded), hops, and the rest."""
     t0, t1 = before["timings"], after["timings"]
     rounds = t1["num_rounds"] - t0["num_rounds"]
     compute = sum(t1[k] - t0[k] for k in ("prefill", "draft", "tree", "verify", "accept", "emit"))
     hops = after["actor_hop_seconds"] - before["actor_hop_seconds"]
-    draft_hops = 0.0  # (draft time is measured around the drafter call: its hop is in it and in `hops`)
     there = after["actor_hop_there_seconds"] - before["actor_hop_there_seconds"]
     request_rounds = sum(t1[k] - t0[k] for k in ("num_speculative_request_rounds", "num_autoregressive_request_rounds"))
-    total = {"compute": compute - draft_hops, "hops": hops, "hops_there": there, "wall": wall,
+    total = {"compute": compute, "hops": hops, "hops_there": there, "wall": wall,
              "request_rounds": request_rounds}
     for k, v in total.items():
         run.per_round[k] = run.per_round.get(k, 0.0) + v
