@@ -30,7 +30,7 @@ import torch
 from ddtree.budget import (BudgetConfig, BudgetPolicy, CostModel, ProposedTree, RoundPlan,
                            check_max_probe_overhead)
 from ddtree.detokenizer import Detokenizer, OutputState
-from ddtree.guard import POLICY, ThroughputGuard
+from ddtree.guard import POLICY, ThroughputGuard, check_max_explore_share
 from ddtree.ngram import NgramIndex
 from ddtree.outputs import RequestOutput, RequestStats, TokenLogprobs
 from ddtree.sampling_params import SamplingParams
@@ -74,7 +74,7 @@ class EngineConfig:
     # model predicts it faster and the workers run concurrently (on actors).
     pipeline: bool | str = False
     # auto mode: the closed loop over the policy (guard.py) runs the faster of "as the policy plans" and plain
-    # decoding per batch size, as measured, and the other in at most this share of rounds. 0: the policy alone.
+    # decoding per batch size, as measured, and the other in at most this share of the time. 0: the policy alone.
     max_explore_share: float = 0.03
 
     def __post_init__(self) -> None:
@@ -94,9 +94,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
-        if isinstance(self.max_explore_share, bool) or not isinstance(self.max_explore_share, (int, float)) or not (
-                0 <= self.max_explore_share <= 0.5):
-            raise ValueError(f"max_explore_share must be a number in [0, 0.5], got {self.max_explore_share!r}")
+        check_max_explore_share(self.max_explore_share)
 
     @property
     def fixed_budget(self) -> int | None:

@@ -21,6 +21,11 @@ from dataclasses import dataclass, field
 POLICY, PLAIN = "policy", "plain"
 
 
+def check_max_explore_share(value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 0.5:
+        raise ValueError(f"max_explore_share must be a number in [0, 0.5], got {value!r}")
+
+
 @dataclass
 class _Arm:
     tokens: float = 0.0  # EMA of committed tokens per round
@@ -57,8 +62,7 @@ class ThroughputGuard:
     buckets: dict[int, _Bucket] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.max_explore_share <= 0.5:
-            raise ValueError(f"max_explore_share must be in [0, 0.5], got {self.max_explore_share!r}")
+        check_max_explore_share(self.max_explore_share)
 
     @staticmethod
     def bucket_of(num_requests: int) -> int:
