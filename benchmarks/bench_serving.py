@@ -7,8 +7,9 @@ Each mode is served by its own app (`build_app`, the args of ray_config.yaml wit
 deployed at once on one Ray instance, so the runs can alternate without restarting anything. A closed loop of C
 clients sends streaming chat completions (`stream_options.include_usage`) until every prompt is answered; the
 offline runs keep C requests in the engine the same way (a finished request is replaced at once). For each
-concurrency the order is: offline mode 1, served mode 1, offline mode 2, served mode 2, ..., repeated `--passes`
-times, so that the machine's drift hits every row alike; tokens/s is the median over passes.
+concurrency, after `--warmup` unmeasured runs of everything, the order is: offline mode 1, served mode 1, offline
+mode 2, served mode 2, ..., repeated `--passes` times, so that the machine's drift hits every row alike; tokens/s is
+the median over passes.
 
 The table gives output tokens/s (completion tokens over the wall time of the whole run), the served/offline ratio,
 and a served round broken down, per engine round, into compute (inside the worker actors, plus the engine's own
@@ -60,6 +61,9 @@ def parse(argv=None):
     p.add_argument("--num-prompts", type=int, default=8, help="prompts per category (code, math, chat)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--passes", type=int, default=2)
+    p.add_argument("--warmup", type=int, default=1,
+                   help="unmeasured runs of every mode, offline and served, before each concurrency's passes (a "
+                        "replica's first rounds at a batch size include its closed loop's learning)")
     p.add_argument("--config", default=str(REPO / "ray_config.yaml"), help="the app args come from this file")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override an app arg of the served runs (YAML value), e.g. --set stream_interval_ms=50")
@@ -77,6 +81,8 @@ def parse(argv=None):
                         ("--passes", args.passes), ("--concurrency", min(args.concurrency))):
         if value < 1:
             p.error(f"{flag} must be >= 1, got {value}")
+    if args.warmup < 0:
+        p.error(f"--warmup must be >= 0, got {args.warmup}")
     return args
 
 
@@ -207,6 +213,10 @@ def main(argv=None) -> int:
     results: dict[tuple[str, str, int], Run] = {}
     try:
         for c in args.concurrency:
+            for _ in range(args.warmup):
+                for mode in args.modes:
+                    run_offline(engines[mode], prompts, params, c)
+                    asyncio.run(run_served(f"http://127.0.0.1:8123/{mode}", model_name, messages, args.max_tokens, c))
             for p in range(args.passes):
                 for mode in args.modes:
                     off_run = results.setdefault(("offline", mode, c), Run())

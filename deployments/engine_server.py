@@ -136,6 +136,8 @@ class DDTreeEngine:
                 "actor_hop_calls": self.actors.hops.num_calls,
                 "actor_hop_there_seconds": self.actors.hops.there_seconds,
                 "num_metrics_errors": self.loop.num_callback_errors,
+                # the closed loop's measurements per batch-size bucket (auto budget; None otherwise)
+                "guard": engine.guard.describe() if engine.guard is not None else None,
             }
 
         return await self.loop.call(read)
