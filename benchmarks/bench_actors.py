@@ -7,7 +7,7 @@ The same prompts are decoded with the same engine settings (a fixed budget, so t
 work per round, and T=0, so that the outputs must be identical) by:
   in-process   Engine + workers in this process (as ddtree.LLM)
   actors       Engine here, target and drafter each on a Ray actor, called through deployments/actors.py proxies
-               (features passed target -> drafter by object reference)
+               over their channels (features sent target -> drafter over a channel of their own)
 After a warm-up pass of each, the modes alternate for `--passes` measured passes (so that load from other jobs on
 the machine hits both alike); the table reports every measured round. The table shows the mean round time, the actor call
 overhead per round (wall time of the proxy calls minus the time the actors spent working), tokens/s, and the round

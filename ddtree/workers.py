@@ -264,9 +264,6 @@ class TargetWorker:
             self._pending_features[rid] = []
         return out
 
-    def has_new_features(self, request_id: str) -> bool:
-        return bool(self._pending_features.get(request_id))
-
     def num_new_features(self, request_id: str) -> int:
         return sum(f.shape[0] for f in self._pending_features.get(request_id, ()))
 

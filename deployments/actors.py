@@ -253,7 +253,7 @@ class TargetActor:
         elif isinstance(op, Free):
             w.free(op.request_id)
         elif isinstance(op, SendFeatures):
-            feature_ids = [r for r in op.request_ids if w.has_new_features(r)]
+            feature_ids = [r for r in op.request_ids if w.num_new_features(r)]
         elif isinstance(op, MeasureVerifyCost):
             result = w.measure_verify_cost(op.token_counts)
         else:
