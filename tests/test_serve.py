@@ -588,7 +588,7 @@ def test_locustfile_load_test_runs_and_counts_each_request_once(served, tmp_path
     assert 0 < int(rows["Aggregated"]["Request Count"]) <= summary["num_completed_requests"]
     with open(f"{prefix}_llm.csv") as f:
         llm = {row["metric"]: row for row in csv.DictReader(f)}
-    assert {"ttft_ms", "inter_token_latency_ms", "e2e_latency_ms", "output_tokens_per_s", "output_tokens"} <= set(llm)
+    assert {"ttft_ms", "itl_ms", "tpot_ms", "e2e_latency_ms", "output_tokens_per_s", "output_tokens"} <= set(llm)
     assert 1 <= float(llm["output_tokens"]["max"]) <= 8
     spec = summary["speculation"]  # the server reports usage.ddtree: how the tokens were made
     assert spec["num_requests"] == summary["num_completed_requests"]
