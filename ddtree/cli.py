@@ -30,8 +30,22 @@ def main(argv: list[str] | None = None) -> int:
     pipeline.add_arguments(train_drafter)
     train_drafter.set_defaults(handler=pipeline.run)
 
+    loadtest = subcommands.add_parser(
+        "loadtest", help="locust sweeps against ddtree modes, a naive HF server and vLLM (python -m loadtest)")
+    loadtest_commands = loadtest.add_subparsers(dest="loadtest_command", required=True)
+    sweep = loadtest_commands.add_parser("sweep", help="locust against several servers at several concurrencies")
+    from loadtest import sweep as sweep_module
+
+    sweep_module.add_arguments(sweep)
+    sweep.set_defaults(handler=sweep_module.run)
+
+    import sys
+
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    args.argv = argv[2:]  # (a sweep's report names the command that made it)
     return int(args.handler(args) or 0)
+
 
 
 def console_main() -> int:
