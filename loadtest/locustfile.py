@@ -53,7 +53,8 @@ from locust import HttpUser, between, events, task
 from locust.exception import StopUser
 from locust.runners import WorkerRunner
 
-from loadtest.metrics import PromptOrder, RequestMetrics, Speculation, Summary, format_summary, load_prompts, summary_csv
+from loadtest.metrics import (PromptOrder, RequestMetrics, Speculation, Summary, format_summary, load_prompts,
+                              summary_csv)
 
 
 @events.init_command_line_parser.add_listener

@@ -11,7 +11,7 @@ import io
 from pathlib import Path
 
 REFERENCE = "ddtree-off"  # the ratio column: against plain decoding of the same engine
-COLUMNS = ("server", "users", "output_tok_s", "x_off", "completed", "failed", "unfinished", "ttft_p50_ms",
+COLUMNS = ("server", "users", "passes", "output_tok_s", "tok_s_min", "tok_s_max", "x_off", "completed", "failed", "unfinished", "ttft_p50_ms",
            "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "e2e_p50_s", "goodput_req_s",
            "slo_attainment", "tokens_per_round", "locust_requests", "locust_failures")
 
@@ -21,35 +21,56 @@ def _metric(summary: dict, name: str, q: str) -> float | None:
     return None if d is None else d.get(q)
 
 
+def _run_row(r: dict) -> dict:
+    s = r["summary"]
+    e2e = _metric(s, "e2e_latency_ms", "p50")
+    spec = s.get("speculation") or {}
+    return {
+        "server": r["server"], "users": r["concurrency"], "output_tok_s": s["overall_output_tokens_per_s"],
+        "completed": s["num_completed_requests"], "failed": s["num_failed_requests"],
+        "unfinished": s["num_unfinished_requests"],
+        "ttft_p50_ms": _metric(s, "ttft_ms", "p50"), "ttft_p99_ms": _metric(s, "ttft_ms", "p99"),
+        "itl_p50_ms": _metric(s, "itl_ms", "p50"), "itl_p99_ms": _metric(s, "itl_ms", "p99"),
+        "tpot_p50_ms": _metric(s, "tpot_ms", "p50"), "tpot_p99_ms": _metric(s, "tpot_ms", "p99"),
+        "e2e_p50_s": None if e2e is None else e2e / 1000, "goodput_req_s": s.get("goodput_requests_per_s"),
+        "slo_attainment": s.get("slo_attainment"), "tokens_per_round": spec.get("output_tokens_per_round"),
+        "locust_requests": r.get("locust", {}).get("num_requests"),
+        "locust_failures": r.get("locust", {}).get("num_failures"),
+    }
+
+
+SUMMED = ("completed", "failed", "unfinished", "locust_requests", "locust_failures")
+
+
 def rows(results: dict) -> list[dict]:
-    """One row per run, in the order run."""
-    by_key = {(r["server"], r["concurrency"]): r for r in results["runs"]}
-    out = []
+    """One row per server and concurrency, in the order first run. With several passes, counts are summed over the
+    passes and every other number is their mean; `tok_s_min` and `tok_s_max` give the range of output tokens/s."""
+    groups: dict[tuple[str, int], list[dict]] = {}
     for r in results["runs"]:
-        s = r["summary"]
-        tok_s = s["overall_output_tokens_per_s"]
-        ref = by_key.get((REFERENCE, r["concurrency"]))
-        ref_tok_s = ref["summary"]["overall_output_tokens_per_s"] if ref else None
-        e2e = _metric(s, "e2e_latency_ms", "p50")
-        spec = s.get("speculation") or {}
-        out.append({
-            "server": r["server"], "users": r["concurrency"], "output_tok_s": tok_s,
-            "x_off": tok_s / ref_tok_s if ref_tok_s else None,
-            "completed": s["num_completed_requests"], "failed": s["num_failed_requests"],
-            "unfinished": s["num_unfinished_requests"],
-            "ttft_p50_ms": _metric(s, "ttft_ms", "p50"), "ttft_p99_ms": _metric(s, "ttft_ms", "p99"),
-            "itl_p50_ms": _metric(s, "itl_ms", "p50"), "itl_p99_ms": _metric(s, "itl_ms", "p99"),
-            "tpot_p50_ms": _metric(s, "tpot_ms", "p50"), "tpot_p99_ms": _metric(s, "tpot_ms", "p99"),
-            "e2e_p50_s": None if e2e is None else e2e / 1000, "goodput_req_s": s.get("goodput_requests_per_s"),
-            "slo_attainment": s.get("slo_attainment"), "tokens_per_round": spec.get("output_tokens_per_round"),
-            "locust_requests": r.get("locust", {}).get("num_requests"),
-            "locust_failures": r.get("locust", {}).get("num_failures"),
-        })
+        groups.setdefault((r["server"], r["concurrency"]), []).append(_run_row(r))
+    out = []
+    for (server, users), runs in groups.items():
+        row = {"server": server, "users": users, "passes": len(runs)}
+        for key in runs[0]:
+            if key in row:
+                continue
+            values = [run[key] for run in runs if run[key] is not None]
+            if key in SUMMED:
+                row[key] = sum(values) if values else None
+            else:
+                row[key] = sum(values) / len(values) if values else None
+        row["tok_s_min"] = min(run["output_tok_s"] for run in runs)
+        row["tok_s_max"] = max(run["output_tok_s"] for run in runs)
+        out.append(row)
+    reference = {row["users"]: row["output_tok_s"] for row in out if row["server"] == REFERENCE}
+    for row in out:
+        ref = reference.get(row["users"])
+        row["x_off"] = row["output_tok_s"] / ref if ref else None
     return out
 
 
 def _ratio(results: dict, a: str, b: str, users: int) -> float | None:
-    by_key = {(r["server"], r["concurrency"]): r["summary"]["overall_output_tokens_per_s"] for r in results["runs"]}
+    by_key = {(r["server"], r["users"]): r["output_tok_s"] for r in rows(results)}
     if (a, users) in by_key and by_key.get((b, users)):
         return by_key[(a, users)] / by_key[(b, users)]
     return None
@@ -69,6 +90,9 @@ def goals(results: dict) -> list[tuple[str, str]]:
         text = ", ".join(f"{x:.2f}x at {c}" for c, x in measured)
         out.append((goal, f"{'met' if met else 'NOT met'}: {text}"))
 
+    bad = [f"{r['server']} at {r['users']}: {r['failed']} failed, {r['unfinished']} unfinished"
+           for r in rows(results) if r["failed"] or r["unfinished"]]
+    out.append(("no failed or unfinished request in any run", f"NOT met: {'; '.join(bad)}" if bad else "met"))
     if 16 in concurrency:
         check("ddtree-auto >= 5x hf at 16 users", [(16, _ratio(results, "ddtree-auto", "hf", 16))], 5.0)
     check("ddtree-auto >= 1.5x vllm at every concurrency",
@@ -109,21 +133,27 @@ def _fmt(value, digits: int = 1) -> str:
 def markdown(results: dict) -> str:
     settings = results["settings"]
     slo = settings["slo"]
+    passes = settings.get("passes", 1)
     lines = [
         f"`{settings['command']}`",
         "",
         f"{settings['max_tokens']} new tokens at T=0, {settings['num_prompts']} prompts, "
-        f"{settings['duration_s']:g} s per run (at most {settings['max_requests']} requests); goodput: TTFT <= "
+        f"{settings['duration_s']:g} s per run (at most {settings['max_requests']} requests)"
+        + (f", {passes} passes in A B B A order (tokens/s: mean and range; latencies: means; counts: sums)"
+           if passes > 1 else "") + "; goodput: TTFT <= "
         f"{_fmt(slo['ttft_ms'], 0)} ms and TPOT <= {_fmt(slo['tpot_ms'], 0)} ms.",
         "",
-        "| server | users | output tok/s | x off | done | failed | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
+        "| server | users | output tok/s | x off | done | failed | unfinished | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
         "TPOT p50 / p99 ms | e2e p50 s | goodput req/s | tokens/round |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows(results):
+        tok_s = _fmt(r["output_tok_s"])
+        if r["passes"] > 1:
+            tok_s += f" ({_fmt(r['tok_s_min'])}-{_fmt(r['tok_s_max'])})"
         lines.append(
-            f"| {r['server']} | {r['users']} | {_fmt(r['output_tok_s'])} | {_fmt(r['x_off'], 2)} | {r['completed']} "
-            f"| {r['failed']} | {_fmt(r['ttft_p50_ms'], 0)} / {_fmt(r['ttft_p99_ms'], 0)} | "
+            f"| {r['server']} | {r['users']} | {tok_s} | {_fmt(r['x_off'], 2)} | {r['completed']} "
+            f"| {r['failed']} | {r['unfinished']} | {_fmt(r['ttft_p50_ms'], 0)} / {_fmt(r['ttft_p99_ms'], 0)} | "
             f"{_fmt(r['itl_p50_ms'], 0)} / {_fmt(r['itl_p99_ms'], 0)} | {_fmt(r['tpot_p50_ms'], 1)} / "
             f"{_fmt(r['tpot_p99_ms'], 1)} | {_fmt(r['e2e_p50_s'], 2)} | {_fmt(r['goodput_req_s'], 2)} | "
             f"{_fmt(r['tokens_per_round'], 2)} |")

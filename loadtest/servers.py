@@ -224,3 +224,6 @@ def kill_session(sid: int, wait_s: float = 5.0) -> None:
         time.sleep(0.25)
     for pid in session_processes(sid):
         _signal(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5.0  # (a killed process lives on until the kernel has torn it down)
+    while session_processes(sid) and time.monotonic() < deadline:
+        time.sleep(0.05)

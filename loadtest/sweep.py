@@ -48,9 +48,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "NAME=URL (a running server)")
     parser.add_argument("--concurrency", default=None,
                         help=f"comma-separated numbers of users (default {DEFAULT_CONCURRENCY}; --quick: 1,16)")
-    parser.add_argument("--duration", type=float, default=None, help="seconds of load per run (default 60; --quick: 20)")
+    parser.add_argument("--duration", type=float, default=None,
+                        help="seconds of load per run (default 60; --quick: 20)")
     parser.add_argument("--max-requests", type=int, default=500, help="a run ends after this many requests too")
+    parser.add_argument("--drain-timeout", type=float, default=300.0,
+                        help="seconds the requests in flight at a run's end may take to finish; those still running "
+                             "after it are reported as unfinished")
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--passes", type=int, default=1,
+                        help="run the servers this many times, every other pass in reverse order (A B B A): the "
+                             "table gives each server's mean and range, so that the machine's drift hurts all alike")
     parser.add_argument("--prompts", default="",
                         help="JSON lines with a 'text' field (default: 16 each of the built-in code, math and chat "
                              "evaluation prompts)")
@@ -108,8 +115,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--servers: name at least one server")
     if len({s.name for s in specs}) != len(specs):
         raise ValueError(f"--servers {args.servers!r}: a server is named twice")
-    if args.duration <= 0 or args.max_requests < 1 or args.max_tokens < 1:
-        raise ValueError("--duration, --max-requests and --max-tokens must be positive")
+    if args.duration <= 0 or args.max_requests < 1 or args.max_tokens < 1 or args.passes < 1 or \
+            args.drain_timeout < 0:
+        raise ValueError("--duration, --max-requests, --max-tokens and --passes must be positive, --drain-timeout "
+                         "not negative")
     sets = parse_sets(args.set)
     folder = Path(args.out or REPO / "work" / "loadtest" / datetime.now().strftime("sweep-%Y%m%d-%H%M%S"))
     folder.mkdir(parents=True, exist_ok=True)
@@ -129,31 +138,37 @@ def run(args: argparse.Namespace) -> int:
         specs = [s for s in specs if s.kind != "vllm"]
 
     settings = {"concurrency": concurrency, "duration_s": args.duration, "max_requests": args.max_requests,
-                "max_tokens": args.max_tokens, "temperature": 0.0, "num_prompts": len(prompts),
+                "max_tokens": args.max_tokens, "passes": args.passes, "temperature": 0.0, "num_prompts": len(prompts),
                 "slo": {"ttft_ms": args.slo_ttft_ms or None, "tpot_ms": args.slo_tpot_ms or None}, "set": sets,
-                "command": " ".join(["python -m loadtest sweep", *getattr(args, "argv", [])]), "started": datetime.now().isoformat()}
+                "command": " ".join(["python -m loadtest sweep", *getattr(args, "argv", [])]),
+                "started": datetime.now().isoformat()}
     runs, outputs, failures = [], {}, {}
-    total = len(specs) * len(concurrency)
-    progress = Progress(total)
+    order = [(p, spec) for p in range(args.passes) for spec in (specs if p % 2 == 0 else specs[::-1])]
+    progress = Progress(len(order) * len(concurrency))
     # SIGTERM (a CI timeout, `kill`) unwinds like Ctrl-C: the finally blocks stop what is running
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
-        for spec in specs:
+        for number, spec in order:
+            if spec.name in failures:
+                progress.skip(len(concurrency))
+                continue
             server = Server(spec, folder, sets, Path(args.vllm_venv), args.ready_timeout, args.vllm_args)
-            progress.say(f"starting {spec.name}")
+            progress.say(f"starting {spec.name}" + (f" (pass {number + 1}/{args.passes})" if args.passes > 1 else ""))
             try:
                 started = time.monotonic()
                 server.start()
                 progress.say(f"{spec.name} ready at {server.url} in {time.monotonic() - started:.0f} s "
                              f"(model {server.model})")
-                outputs[spec.name] = check_outputs(server, prompts[: args.check_prompts], args.max_tokens)
-                (folder / f"{spec.name}.outputs.json").write_text(json.dumps(outputs[spec.name], indent=1))
+                if spec.name not in outputs:
+                    outputs[spec.name] = check_outputs(server, prompts[: args.check_prompts], args.max_tokens)
+                    (folder / f"{spec.name}.outputs.json").write_text(json.dumps(outputs[spec.name], indent=1))
                 for c in concurrency:
-                    runs.append(run_locust(server, c, args, prompts_path, folder, progress))
+                    runs.append(run_locust(server, c, args, prompts_path, folder, progress, number))
             except ServerError as exc:
                 failures[spec.name] = str(exc)
                 progress.say(f"{spec.name} failed: {exc}")
-                progress.skip(len(concurrency) - sum(r["server"] == spec.name for r in runs))
+                progress.skip(len(concurrency) - sum(r["server"] == spec.name and r["pass"] == number
+                                                     for r in runs))
             finally:
                 server.stop()
     except KeyboardInterrupt:
@@ -192,13 +207,14 @@ def check_outputs(server: Server, prompts: list[dict], max_tokens: int) -> list[
         return list(pool.map(one, prompts))
 
 
-def run_locust(server: Server, users: int, args, prompts_path: Path, folder: Path, progress: Progress) -> dict:
-    name = f"{server.spec.name}_c{users}"
+def run_locust(server: Server, users: int, args, prompts_path: Path, folder: Path, progress: Progress,
+               number: int = 0) -> dict:
+    name = f"{server.spec.name}_c{users}" + (f"_p{number + 1}" if number else "")
     prefix, summary_path = folder / name, folder / f"{name}.locust_summary.json"
     command = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--host", server.url, "--headless",
                "-u", str(users), "-r", str(users), "-t", f"{args.duration:g}s",
-               # requests in flight at the end get to finish (as long as a whole run again at most)
-               "--stop-timeout", f"{max(args.duration, 60.0):g}", "--csv", str(prefix), "--summary-json",
+               # requests in flight at the end get to finish (a slow server's whole batch may take minutes)
+               "--stop-timeout", f"{args.drain_timeout:g}", "--csv", str(prefix), "--summary-json",
                str(summary_path), "--model", server.model, "--max-tokens", str(args.max_tokens), "--temperature", "0",
                "--prompts-file", str(prompts_path), "--max-requests", str(args.max_requests),
                "--slo-ttft-ms", f"{args.slo_ttft_ms:g}", "--slo-tpot-ms", f"{args.slo_tpot_ms:g}",
@@ -225,7 +241,8 @@ def run_locust(server: Server, users: int, args, prompts_path: Path, folder: Pat
         raise ServerError(f"locust failed on {name} (status {process.returncode}):\n{log_tail}")
     summary = json.loads(summary_path.read_text())
     stats = summary.pop("locust")
-    record = {"server": server.spec.name, "kind": server.spec.kind, "concurrency": users, "summary": summary,
+    record = {"server": server.spec.name, "kind": server.spec.kind, "concurrency": users, "pass": number,
+              "summary": summary,
               "locust": stats, "command": " ".join(command)}
     (folder / f"{name}.json").write_text(json.dumps(record, indent=2))
     return record

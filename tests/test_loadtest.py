@@ -118,8 +118,9 @@ def test_report_table_goals_agreement_and_plots(tmp_path):
     assert goals["ddtree-auto >= 0.98x ddtree-off at every concurrency"].startswith("NOT met: 1.40x at 1, 0.97x")
     assert goals["ddtree-auto >= 1.3x ddtree-off at 1 user"] == "met: 1.40x at 1"
     assert goals["ddtree-auto >= 1.5x vllm at every concurrency"] == "not measured"
+    assert goals["no failed or unfinished request in any run"] == "NOT met: hf at 16: 2 failed, 0 unfinished"
     assert "- hf: 1/2 identical (differ: prompts 1)" in text and "vllm skipped: not installed" in text
-    assert "| hf | 16 | 20.0 | 0.20 | 10 | 2 |" in text
+    assert "| hf | 16 | 20.0 | 0.20 | 10 | 2 | 0 |" in text
     with open(tmp_path / "table.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert len(rows) == 6 and rows[0]["server"] == "ddtree-off" and float(rows[4]["output_tok_s"]) == 12.0
@@ -175,7 +176,7 @@ def test_sweep_runs_modes_and_the_hf_baseline_and_stops_them(tiny_pair, tmp_path
     sets = {"model": target, "drafter": drafter, "dtype": "float64", "served_model_name": "tiny",
             "worker_torch_threads": 1, "max_budget": 16}
     command = [sys.executable, "-m", "loadtest", "sweep", "--servers", "off,auto,hf", "--concurrency", "1,2",
-               "--duration", "3", "--max-tokens", "8", "--check-prompts", "3", "--prompts", str(prompts),
+               "--duration", "3", "--drain-timeout", "60", "--max-tokens", "8", "--check-prompts", "3", "--prompts", str(prompts),
                "--out", str(out), "--ready-timeout", "300"]
     for key, value in sets.items():
         command += ["--set", f"{key}={value}"]
@@ -218,3 +219,16 @@ def _ray_processes() -> list[int]:
             if b"gcs_server" in cmdline or b"raylet" in cmdline:
                 out.append(int(entry))
     return out
+
+
+def test_passes_are_averaged_with_their_range_and_counts_summed(tmp_path):
+    runs = [dict(_run("ddtree-off", 1, 30.0), **{"pass": 0}), dict(_run("ddtree-auto", 1, 40.0), **{"pass": 0}),
+            dict(_run("ddtree-auto", 1, 44.0, failed=1), **{"pass": 1}), dict(_run("ddtree-off", 1, 34.0), **{"pass": 1})]
+    results = _results(runs, [1])
+    results["settings"]["passes"] = 2
+    (off, auto) = report.rows(results)
+    assert (off["server"], off["passes"], off["output_tok_s"]) == ("ddtree-off", 2, 32.0)
+    assert (auto["tok_s_min"], auto["tok_s_max"], auto["output_tok_s"]) == (40.0, 44.0, 42.0)
+    assert auto["x_off"] == pytest.approx(42 / 32) and auto["completed"] == 20 and auto["failed"] == 1
+    text = report.write_all(results, tmp_path)
+    assert "| ddtree-auto | 1 | 42.0 (40.0-44.0) | 1.31 | 20 | 1 | 0 |" in text and "2 passes in A B B A order" in text
