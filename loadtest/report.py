@@ -191,7 +191,7 @@ def plot(results: dict, folder: Path) -> list[Path]:
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    table = rows(results)
+    table = [r for r in rows(results) if r["completed"]]  # (a run that completed nothing has no point to plot)
     servers = list(dict.fromkeys(r["server"] for r in table))
     concurrency = results["settings"]["concurrency"]
     colors = {s: plt.cm.tab10(i % 10) for i, s in enumerate(servers)}
@@ -206,8 +206,9 @@ def plot(results: dict, folder: Path) -> list[Path]:
         ax.set_ylabel(ylabel)
         if log:
             ax.set_yscale("log")
+            ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
             ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
-            ax.yaxis.set_minor_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
+            ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.grid(True, which="both", alpha=0.3)
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
