@@ -1,7 +1,7 @@
 """`python -m loadtest sweep` (also `ddtree loadtest`): locust against several servers at several concurrencies.
 
     python -m loadtest sweep                                  # auto, off, hf and (if installed) vllm at 1, 4, 16, 32
-    python -m loadtest sweep --quick                          # the same at 1 and 16, shorter runs (~5 min)
+    python -m loadtest sweep --quick                          # 1 and 8 users, short runs and answers (~7 min)
     python -m loadtest sweep --servers auto,b8,off --concurrency 1,2,4
     python -m loadtest sweep --servers mine=http://10.0.0.5:8000,vllm
 
@@ -47,14 +47,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "generate() on Serve), vllm (skipped with a message when `make vllm-venv` was not run), "
                              "NAME=URL (a running server)")
     parser.add_argument("--concurrency", default=None,
-                        help=f"comma-separated numbers of users (default {DEFAULT_CONCURRENCY}; --quick: 1,16)")
+                        help=f"comma-separated numbers of users (default {DEFAULT_CONCURRENCY}; --quick: 1,8)")
     parser.add_argument("--duration", type=float, default=None,
-                        help="seconds of load per run (default 60; --quick: 20)")
+                        help="seconds of load per run (default 60; --quick: 15)")
     parser.add_argument("--max-requests", type=int, default=500, help="a run ends after this many requests too")
     parser.add_argument("--drain-timeout", type=float, default=300.0,
                         help="seconds the requests in flight at a run's end may take to finish; those still running "
                              "after it are reported as unfinished")
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=None, help="new tokens per request (default 64; --quick: 32)")
     parser.add_argument("--passes", type=int, default=1,
                         help="run the servers this many times, every other pass in reverse order (A B B A): the "
                              "table gives each server's mean and range, so that the machine's drift hurts all alike")
@@ -73,7 +73,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-args", default=DEFAULT_VLLM_ARGS, help="options of `vllm serve`")
     parser.add_argument("--ready-timeout", type=float, default=900.0, help="seconds a server may take to start")
     parser.add_argument("--quick", action="store_true",
-                        help="concurrency 1,16, 20 s runs, 2 check prompts (unless given explicitly)")
+                        help="concurrency 1,8, 15 s runs, 32 new tokens, 2 check prompts (unless given explicitly)")
     parser.add_argument("--out", default="", help="the sweep folder (default work/loadtest/sweep-<time>)")
 
 
@@ -105,8 +105,8 @@ def default_prompts(per_category: int = 16) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> int:
-    for name, default, quick in (("concurrency", DEFAULT_CONCURRENCY, "1,16"), ("duration", 60.0, 20.0),
-                                 ("check_prompts", 8, 2)):
+    for name, default, quick in (("concurrency", DEFAULT_CONCURRENCY, "1,8"), ("duration", 60.0, 15.0),
+                                 ("check_prompts", 8, 2), ("max_tokens", 64, 32)):
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else default)
     concurrency = parse_concurrency(args.concurrency)
