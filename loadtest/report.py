@@ -69,17 +69,15 @@ def rows(results: dict) -> list[dict]:
     return out
 
 
-def _ratio(results: dict, a: str, b: str, users: int) -> float | None:
-    by_key = {(r["server"], r["users"]): r["output_tok_s"] for r in rows(results)}
-    if (a, users) in by_key and by_key.get((b, users)):
-        return by_key[(a, users)] / by_key[(b, users)]
-    return None
-
-
 def goals(results: dict) -> list[tuple[str, str]]:
     """(goal, what was measured) for each goal the sweep can speak to."""
     concurrency = results["settings"]["concurrency"]
+    table = rows(results)
+    tok_s = {(r["server"], r["users"]): r["output_tok_s"] for r in table}
     out = []
+
+    def ratio(a: str, b: str, users: int) -> float | None:
+        return tok_s[(a, users)] / tok_s[(b, users)] if (a, users) in tok_s and tok_s.get((b, users)) else None
 
     def check(goal: str, ratios: list[tuple[int, float | None]], bound: float) -> None:
         measured = [(c, x) for c, x in ratios if x is not None]
@@ -91,16 +89,16 @@ def goals(results: dict) -> list[tuple[str, str]]:
         out.append((goal, f"{'met' if met else 'NOT met'}: {text}"))
 
     bad = [f"{r['server']} at {r['users']}: {r['failed']} failed, {r['unfinished']} unfinished"
-           for r in rows(results) if r["failed"] or r["unfinished"]]
+           for r in table if r["failed"] or r["unfinished"]]
     out.append(("no failed or unfinished request in any run", f"NOT met: {'; '.join(bad)}" if bad else "met"))
     if 16 in concurrency:
-        check("ddtree-auto >= 5x hf at 16 users", [(16, _ratio(results, "ddtree-auto", "hf", 16))], 5.0)
+        check("ddtree-auto >= 5x hf at 16 users", [(16, ratio("ddtree-auto", "hf", 16))], 5.0)
     check("ddtree-auto >= 1.5x vllm at every concurrency",
-          [(c, _ratio(results, "ddtree-auto", "vllm", c)) for c in concurrency], 1.5)
+          [(c, ratio("ddtree-auto", "vllm", c)) for c in concurrency], 1.5)
     check("ddtree-auto >= 0.98x ddtree-off at every concurrency",
-          [(c, _ratio(results, "ddtree-auto", REFERENCE, c)) for c in concurrency], 0.98)
+          [(c, ratio("ddtree-auto", REFERENCE, c)) for c in concurrency], 0.98)
     if 1 in concurrency:
-        check("ddtree-auto >= 1.3x ddtree-off at 1 user", [(1, _ratio(results, "ddtree-auto", REFERENCE, 1))], 1.3)
+        check("ddtree-auto >= 1.3x ddtree-off at 1 user", [(1, ratio("ddtree-auto", REFERENCE, 1))], 1.3)
     return out
 
 

@@ -219,11 +219,13 @@ def session_processes(sid: int) -> list[int]:
 def kill_session(sid: int, wait_s: float = 5.0) -> None:
     """Let what is left of the session end on its own for a moment (Ray's processes follow their parent), then
     SIGKILL the rest."""
-    deadline = time.monotonic() + wait_s
-    while session_processes(sid) and time.monotonic() < deadline:
-        time.sleep(0.25)
+    _wait_until_gone(sid, wait_s)
     for pid in session_processes(sid):
         _signal(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 5.0  # (a killed process lives on until the kernel has torn it down)
+    _wait_until_gone(sid, 5.0)  # (a killed process lives on until the kernel has torn it down)
+
+
+def _wait_until_gone(sid: int, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
     while session_processes(sid) and time.monotonic() < deadline:
         time.sleep(0.05)
