@@ -48,6 +48,7 @@ class Run:
     ttft: list[float] = field(default_factory=list)
     per_round: dict[str, float] = field(default_factory=dict)  # ms per engine round, served runs
     num_rounds: int = 0
+    engine_state: dict = field(default_factory=dict)  # the engine's closed loop and cumulative timings, last pass
 
     @property
     def median(self) -> float:
@@ -235,6 +236,9 @@ def main(argv=None) -> int:
                     served_run.outputs = outs
                     served_run.ttft += ttfts
                     _add_breakdown(served_run, before, after, wall)
+                    served_run.engine_state = {"guard": after["guard"], "timings": after["timings"]}
+                    off_run.engine_state = {"guard": engines[mode].guard.describe() if engines[mode].guard else None,
+                                            "timings": engines[mode].timings.as_dict()}
                     print(f"  c={c} pass {p + 1} {mode}: offline {off_run.tokens_per_second[-1]:.1f}, "
                           f"served {rate:.1f} tok/s", flush=True)
     finally:
@@ -244,7 +248,8 @@ def main(argv=None) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(
             [{"where": w, "mode": m, "concurrency": c, "tokens_per_second": r.tokens_per_second,
-              "per_round_ms": r.per_round, "ttft_p50_s": statistics.median(r.ttft) if r.ttft else None}
+              "per_round_ms": r.per_round, "ttft_p50_s": statistics.median(r.ttft) if r.ttft else None,
+              "engine_state": r.engine_state}
              for (w, m, c), r in results.items()], indent=2))
     return 0
 
