@@ -36,7 +36,7 @@ from ddtree.outputs import RequestOutput, RequestStats, TokenLogprobs
 from ddtree.sampling_params import SamplingParams
 from ddtree.scheduler import EngineFullError, Scheduler
 from ddtree.tree import DraftTree, build_round_trees, chain_trees_from_topk
-from ddtree.workers import DrafterWorker, RawLogprobs, TargetWorker, VerifyResult
+from ddtree.workers import DrafterWorker, RawLogprobs, TargetWorker, VerifyResult, WorkerLostError
 
 logger = logging.getLogger(__name__)
 
@@ -215,6 +215,27 @@ class Engine:
         self._ids = itertools.count()
         self._drafted_group: _DraftedGroup | None = None  # pipelined mode: drafted, waiting for its verify
         self._is_pipelining = False  # the last step's choice (pipeline="auto" hysteresis)
+        # A lost drafter (its worker raised WorkerLostError): every round is plain decoding (n-gram chains included)
+        # until `attach_drafter` gives a new one. Requests that ran when it was lost never draft again: their
+        # context went with it (those admitted later have all their features in the target worker).
+        self.drafter_lost: str | None = None
+        self.num_drafter_losses = 0
+        self._without_draft_context: set[str] = set()
+
+    def attach_drafter(self, drafter: DrafterWorker) -> None:
+        """Speculation resumes with `drafter` (a restarted worker) after a loss; the cost model is kept."""
+        if self.config.speculation == "off":
+            raise ValueError("speculation='off' has no drafter to attach")
+        self.drafter, self.drafter_lost = drafter, None
+
+    def lose_drafter(self, error: BaseException) -> None:
+        """The drafter's worker is gone: decode on without it (see `drafter_lost`)."""
+        if self.drafter_lost is None:
+            logger.error("the drafter is lost (%s); decoding on without drafts until a drafter is attached", error)
+            self.num_drafter_losses += 1
+        self.drafter_lost = str(error) or type(error).__name__
+        self._without_draft_context.update(self.scheduler.running)
+        self._drafted_group = None  # (drafted already, but its requests' context is gone too: they decode plain)
 
     def _context_window(self, requested: int | None, target: TargetWorker) -> int:
         """The model's window, capped by `requested` and by what one request can reserve in the KV cache (its
@@ -314,14 +335,19 @@ class Engine:
         arm = self.guard.choose(len(running)) if self.guard is not None else POLICY
         if arm == POLICY:
             plan = self._plan(running)
-            drafted = self._collect_draft(plan, self._submit_draft(plan), plan.autoregressive_ids)
+            try:
+                drafted = self._collect_draft(plan, self._submit_draft(plan), plan.autoregressive_ids)
+            except WorkerLostError as exc:  # (raised before anything of the round was committed)
+                self.lose_drafter(exc)
+                plan = RoundPlan([], list(running), [])
+                drafted = self._collect_draft(plan, None, plan.autoregressive_ids)
         else:  # plain decoding, as speculation "off" does
             plan, drafted = RoundPlan([], list(running), []), _DraftedTrees()
             self.timings.num_plain_rounds += 1
         result = self._collect_verify(plan, self._submit_verify(plan, drafted))
         self._observe(plan, drafted, result)
         emitted = self._emit(plan, result)
-        if self.guard is not None:
+        if self.guard is not None and self.drafter_lost is None:
             num_tokens = sum(1 + len(a) for a in result.accepted_token_ids)  # (tokens past a stop included)
             self.guard.observe(len(running), arm, num_tokens, time.perf_counter() - t0)
         return outputs + emitted
@@ -331,7 +357,7 @@ class Engine:
         to enter (it ignores the actor hops and the second verify pass's fixed costs: in benchmarks/bench_pipeline.py
         runs its predictions were 0-7% above the measured ratio), staying while above 1x, and only when the workers
         can work at the same time (`can_overlap`: actors on cores or devices of their own)."""
-        if self.drafter is None or self.config.pipeline is False:
+        if self.drafter is None or self.drafter_lost is not None or self.config.pipeline is False:
             return False
         if self.config.pipeline is True:
             return True
@@ -367,7 +393,11 @@ class Engine:
         verify_drafted = in_verify.drafted if in_verify is not None else _DraftedTrees()
         # Submission order matters on actors: the drafting requests' features are taken from the target before
         # the verify is queued behind them (inside _submit_draft), so the draft does not wait for the verify.
-        pending_draft = self._submit_draft(plan)
+        try:
+            pending_draft = self._submit_draft(plan)
+        except WorkerLostError as exc:
+            self.lose_drafter(exc)  # (the drafting group sits this phase out; it decodes plain from the next)
+            pending_draft, plan = None, RoundPlan([], plan.autoregressive_ids, [])
         if self.ngram_tokens and plan.autoregressive_ids:
             # Requests decoding without a draft verify their n-gram chains, allocated in the context of the verify
             # pass they join: the trees drafted last phase are in it already.
@@ -384,8 +414,11 @@ class Engine:
         if plan.speculative_ids:  # the next group's trees are built while the target verifies
             # (priced with this phase's one-token requests standing in for those of the pass they will join,
             # which are planned only then)
-            drafted = self._collect_draft(plan, pending_draft)
-            self._drafted_group = _DraftedGroup(RoundPlan(plan.speculative_ids, [], plan.max_budgets), drafted)
+            try:
+                drafted = self._collect_draft(plan, pending_draft)
+                self._drafted_group = _DraftedGroup(RoundPlan(plan.speculative_ids, [], plan.max_budgets), drafted)
+            except WorkerLostError as exc:
+                self.lose_drafter(exc)
         if pending_verify is not None:
             result = self._collect_verify(verify_plan, pending_verify)
             self._observe(verify_plan, verify_drafted, result)
@@ -421,10 +454,11 @@ class Engine:
         return [o for o in outputs if o is not None]
 
     def _plan(self, running: list[str]) -> RoundPlan:
-        if self.drafter is None:
+        if self.drafter is None or self.drafter_lost is not None:
             return RoundPlan([], list(running), [])
-        # A request with one token left gets it from the verify's root alone: a draft could add nothing.
-        last = {r for r in running if self._tokens_left(r) <= 1}
+        # A request with one token left gets it from the verify's root alone: a draft could add nothing. One whose
+        # drafter context was lost with a drafter has nothing to draft from.
+        last = {r for r in running if self._tokens_left(r) <= 1 or r in self._without_draft_context}
         if not last:
             return self.budget.plan(running)
         plan = self.budget.plan([r for r in running if r not in last])
@@ -655,8 +689,12 @@ class Engine:
         self.scheduler.remove(rid)
         self.budget.remove(rid)
         self.target.free(rid)
-        if self.drafter is not None:
-            self.drafter.free(rid)
+        self._without_draft_context.discard(rid)
+        if self.drafter is not None and self.drafter_lost is None:
+            try:
+                self.drafter.free(rid)
+            except WorkerLostError as exc:
+                self.lose_drafter(exc)
         req.stats.finish_time = time.perf_counter()
         del self.requests[rid]
         return self._output(req, new_text, new_token_ids, new_logprobs, finished=True)

@@ -29,6 +29,11 @@ KV_PLACEHOLDER_BYTES = 1 << 26  # a GPU target's cache until it is sized: one to
 DEFAULT_DRAFTER_DIR = Path(__file__).parent / "assets" / "drafter" / "smollm2-135m-dflash"
 
 
+class WorkerLostError(RuntimeError):
+    """A worker's process is gone: none of its calls will be answered. Worker proxies that run a worker elsewhere
+    (deployments/actors.py) raise it; the engine survives losing the drafter (its requests go on without drafts)."""
+
+
 def wait_for_device(device: torch.device | str) -> None:
     """Wait for the work queued on a CUDA device. Its kernels run asynchronously: without this, a worker call that
     returns device tensors is timed by its launches, and the budget policy's cost model (refreshed from these

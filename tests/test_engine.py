@@ -891,3 +891,69 @@ def test_features_kept_for_the_drafter_hold_only_their_own_rows(workers):
     finally:
         for rid in ids:
             target.free(rid)
+
+
+class _DyingDrafter:
+    """The in-process drafter, until its `lives`-th call: from then on every call raises WorkerLostError, as a
+    proxy of a drafter actor that died does."""
+
+    def __init__(self, drafter, lives: int) -> None:
+        self.inner, self.lives = drafter, lives
+        self.block_len, self.can_overlap = drafter.block_len, drafter.can_overlap
+
+    def _call(self, name, *args):
+        from ddtree.workers import WorkerLostError
+
+        self.lives -= 1
+        if self.lives < 0:
+            raise WorkerLostError("the drafter worker died")
+        return getattr(self.inner, name)(*args)
+
+    def draft_async(self, *args):
+        return self._call("draft_async", *args)
+
+    def free(self, request_id):
+        return self._call("free", request_id)
+
+    def measure_draft_cost(self, *args):
+        return self.inner.measure_draft_cost(*args)
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["sequential", "pipelined"])
+@pytest.mark.parametrize("lives", [0, 3, 7])
+def test_a_lost_drafter_costs_no_request_and_a_new_one_resumes_speculation(workers, pipeline, lives):
+    """The drafter's worker dies (its calls raise WorkerLostError) while requests run: every request finishes with
+    off's tokens, decoding on without drafts; once a new drafter is attached, requests admitted since then draft
+    again, while those that ran at the loss (their context went with the drafter) never ask it for a draft."""
+    target, drafter, tok = workers
+    reference = make_llm(workers, speculation="off").generate(PROMPTS, greedy(30))
+    dying = _DyingDrafter(drafter, lives)
+    engine = Engine(EngineConfig(speculation="ddtree", budget=4, max_num_seqs=3, pipeline=pipeline), target, dying,
+                    tok, cost=copy.deepcopy(FLAT_COST))
+    ids = [engine.add_request(p, greedy(30)) for p in PROMPTS[:3]]
+    finals = {}
+    while engine.drafter_lost is None:
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    assert engine.num_drafter_losses == 1 and len(finals) < 3
+    lost_with_it = set(engine.scheduler.running)
+    ids += [engine.add_request(p, greedy(30)) for p in PROMPTS[3:]]  # (queued or prefilled while there is none)
+    for _ in range(3):
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    engine.attach_drafter(drafter)
+    drafted: list[str] = []
+    original = drafter.draft_async
+
+    def recording(request_ids, *args):
+        drafted.extend(request_ids)
+        return original(request_ids, *args)
+
+    drafter.draft_async = recording
+    try:
+        while engine.has_unfinished_requests():
+            finals.update({o.request_id: o for o in engine.step() if o.finished})
+    finally:
+        del drafter.draft_async
+    assert [finals[i].token_ids for i in ids] == [r.token_ids for r in reference]
+    assert drafted and not lost_with_it & set(drafted)
+    assert all(finals[i].stats.num_speculative_rounds > 0 for i in ids[3:] if i not in lost_with_it)
+    assert engine.drafter_lost is None and not engine._without_draft_context
