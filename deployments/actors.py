@@ -8,8 +8,8 @@ reads, no Ray task per call), and the target reaches the drafter through one mor
                    ──DrafterOp──────────────────────────────────────────────> ───┘
                    <──Reply──
 
-Operations are typed (`Allocate`, `Prefill`, `Verify`, `Free`, `SendFeatures`, `MeasureVerifyCost`; `Draft`,
-`FreeDraft`, `MeasureDraftCost`). A round costs two calls (draft, verify), each a few process wake-ups; plain Ray
+Operations are typed (`Allocate`, `Prefill`, `Verify`, `Free`, `SendFeatures`, `DisconnectDrafter`,
+`MeasureVerifyCost`; `Draft`, `FreeDraft`, `MeasureDraftCost`). A round costs two calls (draft, verify), each a few process wake-ups; plain Ray
 actor calls remain for what is not on the round's path: loading, the health check's ping, the KV usage metric.
 
 Target features go from the target to the drafter directly, never through the engine replica: after a prefill
@@ -26,11 +26,17 @@ time: the cost of the hops themselves (`HopTimes`, reported as a metric and by b
 
 What crosses between processes is numpy arrays and lists, never torch tensors (`trees_to_wire`, `tensor_to_wire`):
 numpy arrays pickle as single buffers, torch tensors through torch's own reducer (~0.3 ms apiece here).
+
+A drafter actor that dies closes its channels: the drafter proxy's call raises ChannelClosedError (a
+WorkerLostError, which the engine survives), after telling the target to keep every feature from then on
+(`DisconnectDrafter`). A new drafter actor (`WorkerActors.start_drafter`) is connected to the same target, whose
+feature batches keep their numbering: the new drafter's inbox starts at the current number.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import threading
 import time
@@ -147,6 +153,12 @@ class SendFeatures:
 
 
 @dataclass(frozen=True)
+class DisconnectDrafter:
+    """The drafter is gone: keep every request's features here from now on (until a new drafter connects), since
+    none that is sent could be taken in. Ordered on the channel before the calls after it (a prefill's features)."""
+
+
+@dataclass(frozen=True)
 class MeasureVerifyCost:
     token_counts: list[int]
 
@@ -171,7 +183,7 @@ class MeasureDraftCost:
     max_k: int
 
 
-TargetOp = Allocate | Prefill | Verify | Free | SendFeatures | MeasureVerifyCost
+TargetOp = Allocate | Prefill | Verify | Free | SendFeatures | DisconnectDrafter | MeasureVerifyCost
 DrafterOp = Draft | FreeDraft | MeasureDraftCost
 
 
@@ -213,7 +225,8 @@ class TargetActor:
             attention=spec.attention)
         self.tokenizer = self.worker.model.tokenizer
         self._spec = spec
-        self._to_drafter = None  # ChannelClient to the drafter's feature channel
+        self._to_drafter = None  # ChannelClient to the drafter's feature channel (None: no drafter connected)
+        self._drafter_lock = threading.Lock()  # (connect_drafter runs on the actor's thread, `handle` on the channel's)
         self._num_batches = 0
         self.channel = ChannelServer(_node_id(), "target", handle=self.handle)
 
@@ -226,7 +239,8 @@ class TargetActor:
         w = self.worker
         return {"max_model_len": w.max_model_len, "max_request_tokens": w.max_request_tokens,
                 "eos_token_ids": list(w.eos_token_ids), "keeps_features": w.keep_features,
-                "vocab_size": w.vocab_size, "tokenizer": self.tokenizer, "channel": self.channel.address}
+                "vocab_size": w.vocab_size, "tokenizer": self.tokenizer, "channel": self.channel.address,
+                "pid": os.getpid()}
 
     def head(self):
         """The target's embedding and LM head (ddtree.models.target.TargetHead) for the drafter actor, on the CPU:
@@ -235,7 +249,19 @@ class TargetActor:
         return self.worker.model.head().to("cpu")
 
     def connect_drafter(self, address: ChannelAddress) -> None:
-        self._to_drafter = ChannelClient(address, "drafter worker (features)")
+        """Send features to this drafter from now on (a first one, or one restarted after a loss). Its inbox first
+        gets an empty batch carrying the current number: the Drafts it will be sent name the batches numbered since
+        this actor began."""
+        client = ChannelClient(address, "drafter worker (features)")
+        with self._drafter_lock:
+            client.send(FeatureBatch(self._num_batches, [], [], tensor_to_wire(torch.zeros(0))))
+            self._disconnect_drafter()
+            self._to_drafter = client
+
+    def _disconnect_drafter(self) -> None:
+        if self._to_drafter is not None:
+            self._to_drafter.close()
+            self._to_drafter = None
 
     def handle(self, op: TargetOp) -> Reply:
         """One operation from the engine replica (on the channel's thread)."""
@@ -254,16 +280,28 @@ class TargetActor:
             w.free(op.request_id)
         elif isinstance(op, SendFeatures):
             feature_ids = [r for r in op.request_ids if w.num_new_features(r)]
+        elif isinstance(op, DisconnectDrafter):
+            with self._drafter_lock:
+                self._disconnect_drafter()
         elif isinstance(op, MeasureVerifyCost):
             result = w.measure_verify_cost(op.token_counts)
         else:
             raise TypeError(f"not a target operation: {op!r}")
-        if w.keep_features and feature_ids and self._to_drafter is not None:
-            taken = w.take_features(feature_ids)
-            self._num_batches += 1
-            self._to_drafter.send(FeatureBatch(self._num_batches, list(feature_ids), [f.shape[0] for f in taken],
-                                               tensor_to_wire(torch.cat(taken))))
+        if w.keep_features and feature_ids:
+            with self._drafter_lock:
+                if self._to_drafter is not None:
+                    self._send_features(feature_ids)
         return Reply(result, time.perf_counter() - t0, self._num_batches, t0)
+
+    def _send_features(self, request_ids: list[str]) -> None:
+        taken = self.worker.take_features(request_ids)
+        self._num_batches += 1
+        batch = FeatureBatch(self._num_batches, list(request_ids), [f.shape[0] for f in taken],
+                             tensor_to_wire(torch.cat(taken)))
+        try:
+            self._to_drafter.send(batch)
+        except ChannelClosedError:  # the drafter died: the engine finds out on its next call, or the health check
+            self._disconnect_drafter()
 
     def kv_cache_stats(self) -> dict:
         return {"bytes_used": self.worker.num_kv_bytes_used}
@@ -325,7 +363,7 @@ class DrafterActor:
 
     def describe(self) -> dict:
         return {"block_len": self.worker.block_len, "channel": self.channel.address,
-                "features": self.features.address}
+                "features": self.features.address, "pid": os.getpid()}
 
     def handle(self, op: DrafterOp) -> Reply:
         """One operation from the engine replica. The draft leaves as numpy on the host: the engine replica that
@@ -337,8 +375,9 @@ class DrafterActor:
         result = None
         if isinstance(op, (Draft, FreeDraft)):
             for batch in self._inbox.take_until(op.after_batch):
-                rows = tensor_from_wire(batch.wire)
-                w.add_contexts(batch.request_ids, list(rows.split(batch.counts)))
+                if batch.request_ids:  # (connect_drafter's first batch is empty)
+                    rows = tensor_from_wire(batch.wire)
+                    w.add_contexts(batch.request_ids, list(rows.split(batch.counts)))
         if isinstance(op, Draft):
             logprobs, token_ids = w.draft(op.request_ids, op.roots, None, op.max_k)
             result = tensor_to_wire(logprobs), tensor_to_wire(token_ids)
@@ -417,11 +456,13 @@ class TargetProxy:
         self.vocab_size = info["vocab_size"]
         self.tokenizer = info["tokenizer"]
         self.keeps_features = info["keeps_features"]
+        self.pid = info["pid"]  # the actor's process
         self.num_feature_batches = 0  # the last FeatureBatch the target has sent the drafter
         # Requests that drafted and have not been verified since: their verify sends their new features on to the
         # drafter. Those in `_waiting_in_actor` (fallback rounds) left theirs in the target actor.
         self._drafting: set[str] = set()
         self._waiting_in_actor: set[str] = set()
+        self.drafter_connected = self.keeps_features  # (False between a loss of the drafter and its restart)
 
     def _on_reply(self, reply: Reply) -> None:
         self.num_feature_batches = max(self.num_feature_batches, reply.feature_batch)
@@ -434,7 +475,9 @@ class TargetProxy:
 
     def prefill(self, request_ids, prompts):
         # (every prefilled request's features go to the drafter: a new request drafts next, unless it starts in
-        # fallback)
+        # fallback; with no drafter connected they wait in the target actor, complete, for one)
+        if self.keeps_features and not self.drafter_connected:
+            self._waiting_in_actor.update(request_ids)
         return self._submit(Prefill(list(request_ids), [list(p) for p in prompts])).result()
 
     def verify(self, request_ids, trees, roots):
@@ -466,6 +509,19 @@ class TargetProxy:
     def measure_verify_cost(self, token_counts):
         return self._submit(MeasureVerifyCost(list(token_counts))).result()
 
+    def drafter_lost(self) -> None:
+        """The drafter actor died: the target keeps every feature from now on (the requests that were drafting lost
+        their context with it, and the engine never drafts them again)."""
+        if self.drafter_connected:
+            self.drafter_connected = False
+            self._drafting.clear()
+            with contextlib.suppress(ChannelClosedError):  # (a dead target: its own next call says so)
+                self._submit(DisconnectDrafter()).result()
+
+    def drafter_attached(self) -> None:
+        """A new drafter actor is connected to the target (`TargetActor.connect_drafter`)."""
+        self.drafter_connected = True
+
     def kv_cache_stats(self) -> dict:
         return ray.get(self.actor.kv_cache_stats.remote())
 
@@ -479,6 +535,7 @@ class DrafterProxy:
         self.target = target  # (the number of the last feature batch it sent the drafter)
         self.hops = hops
         self.block_len = info["block_len"]
+        self.pid = info["pid"]  # the actor's process
         self.can_overlap = can_overlap
 
     def draft(self, request_ids, roots, features, max_k):
@@ -487,13 +544,35 @@ class DrafterProxy:
     def draft_async(self, request_ids, roots, features, max_k) -> PendingCall:
         # (features: None, from TargetProxy.take_features: the target sends them to the drafter itself)
         op = Draft(list(request_ids), list(roots), max_k, self.target.num_feature_batches)
-        return PendingCall(self.channel, self.hops, op, convert=_draft_from_wire)
+        return self._submit(op, convert=_draft_from_wire)
 
     def free(self, request_id):
-        return PendingCall(self.channel, self.hops, FreeDraft(request_id, self.target.num_feature_batches)).result()
+        return self._submit(FreeDraft(request_id, self.target.num_feature_batches)).result()
 
     def measure_draft_cost(self, batch_sizes, max_k):
-        return PendingCall(self.channel, self.hops, MeasureDraftCost(list(batch_sizes), max_k)).result()
+        return self._submit(MeasureDraftCost(list(batch_sizes), max_k)).result()
+
+    def _submit(self, op: DrafterOp, convert=None) -> PendingCall:
+        """A call whose ChannelClosedError (the drafter actor died: the engine then decodes on without it) first
+        tells the target to keep the features it would have sent."""
+        try:
+            return _DrafterCall(self.channel, self.hops, op, convert=convert, on_lost=self.target.drafter_lost)
+        except ChannelClosedError:
+            self.target.drafter_lost()
+            raise
+
+
+class _DrafterCall(PendingCall):
+    def __init__(self, *args, on_lost, **kwargs) -> None:
+        self.on_lost = on_lost
+        super().__init__(*args, **kwargs)
+
+    def result(self):
+        try:
+            return super().result()
+        except ChannelClosedError:
+            self.on_lost()
+            raise
 
 
 def _draft_from_wire(wire) -> tuple[torch.Tensor, torch.Tensor]:
@@ -508,6 +587,11 @@ class WorkerActors:
     target_proxy: TargetProxy
     drafter_proxy: DrafterProxy | None
     hops: HopTimes
+    # what a restarted drafter needs: its spec, its bundle and the placement group (None: none)
+    spec: WorkerSpec | None = None
+    drafter_place: ActorPlace | None = None
+    placement_group: object = None
+    num_drafter_restarts: int = 0
 
     def kill(self) -> None:
         for proxy in (self.target_proxy, self.drafter_proxy):
@@ -517,13 +601,13 @@ class WorkerActors:
             if actor is not None:
                 ray.kill(actor)
 
-    async def find_dead(self, wait_s: float = 1.0) -> str | None:
-        """Which worker actor has died ("target actor died: ..."), or None. A ping waits in the actor's queue behind
-        the work it is doing, so an answer that does not come within `wait_s` is not a failure (a hung actor is the
-        round-time check's to find); a dead actor's ping fails at once."""
+    async def find_dead(self, wait_s: float = 1.0, names: tuple[str, ...] = ("target", "drafter")) -> str | None:
+        """Which of the named worker actors has died ("the target actor died: ..."), or None. A ping waits in the
+        actor's queue behind the work it is doing, so an answer that does not come within `wait_s` is not a failure
+        (a hung actor is the round-time check's to find); a dead actor's ping fails at once."""
         import asyncio
 
-        named = [("target", self.target), ("drafter", self.drafter)]
+        named = [(name, getattr(self, name)) for name in names]
         pings = [(name, actor.ping.remote()) for name, actor in named if actor is not None]
         for name, ref in pings:
             try:
@@ -534,38 +618,66 @@ class WorkerActors:
                 return f"the {name} actor died: {exc}"
         return None
 
+    def start_drafter(self) -> tuple[object, "DrafterProxy"]:
+        """A new drafter actor in the old one's bundle (which its death freed), connected to the target, and its
+        proxy (blocking: it loads the drafter). The caller installs them where the engine's thread sees them
+        (`install_drafter`)."""
+        if self.drafter is not None:
+            ray.kill(self.drafter)  # (dead already, or beyond saving: its requests decode on without it)
+        return _start_drafter(self.spec, self.drafter_place, self.placement_group, self.target, self.target_proxy,
+                              self.hops)
+
+    def install_drafter(self, actor, proxy: "DrafterProxy") -> None:
+        """On the engine's thread (the target proxy's one user): the new drafter is the one to call."""
+        if self.drafter_proxy is not None:
+            self.drafter_proxy.channel.close()
+        self.drafter, self.drafter_proxy = actor, proxy
+        self.target_proxy.drafter_attached()
+        self.num_drafter_restarts += 1
+
+
+def _actor_options(spec: WorkerSpec, place: ActorPlace, pg) -> dict:
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    opts = {"num_cpus": place.num_cpus, "num_gpus": place.num_gpus, "max_restarts": 0,
+            "runtime_env": {"env_vars": worker_env(spec)}}
+    if pg is not None:
+        opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            placement_group=pg, placement_group_bundle_index=place.bundle_index)
+    return opts
+
+
+def _start_drafter(spec: WorkerSpec, place: ActorPlace, pg, target, target_proxy: TargetProxy,
+                   hops: HopTimes) -> tuple[object, DrafterProxy]:
+    head = target.head.remote()  # by reference: target actor -> drafter actor
+    drafter = ray.remote(DrafterActor).options(**_actor_options(spec, place, pg)).remote(spec, head)
+    try:
+        info = ray.get(drafter.describe.remote())
+        _check_same_node(info["channel"], "drafter")
+        ray.get(target.connect_drafter.remote(info["features"]))
+        return drafter, DrafterProxy(drafter, info, target_proxy, hops, spec.workers_overlap)
+    except BaseException:
+        ray.kill(drafter)
+        raise
+
 
 def start_worker_actors(spec: WorkerSpec, target_place: ActorPlace, drafter_place: ActorPlace | None,
                         placement_group=None) -> WorkerActors:
     """Create the target actor (and the drafter actor) in the given bundles of `placement_group` (None: the
     caller's own placement group if it runs in one, else anywhere), and wait until both have loaded."""
     from ray.util import get_current_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     pg = placement_group if placement_group is not None else get_current_placement_group()
-
-    def options(place: ActorPlace) -> dict:
-        opts = {"num_cpus": place.num_cpus, "num_gpus": place.num_gpus, "max_restarts": 0,
-                "runtime_env": {"env_vars": worker_env(spec)}}
-        if pg is not None:
-            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                placement_group=pg, placement_group_bundle_index=place.bundle_index)
-        return opts
-
-    target = ray.remote(TargetActor).options(**options(target_place)).remote(spec, drafter_place is not None)
+    target = ray.remote(TargetActor).options(**_actor_options(spec, target_place, pg)).remote(
+        spec, drafter_place is not None)
     info = ray.get(target.describe.remote())  # waits for the target to load
     _check_same_node(info["channel"], "target")
     hops = HopTimes()
     target_proxy = TargetProxy(target, info, hops, spec.workers_overlap)
     drafter = drafter_proxy = None
     if drafter_place is not None:
-        head = target.head.remote()  # by reference: target actor -> drafter actor
-        drafter = ray.remote(DrafterActor).options(**options(drafter_place)).remote(spec, head)
-        drafter_info = ray.get(drafter.describe.remote())
-        _check_same_node(drafter_info["channel"], "drafter")
-        ray.get(target.connect_drafter.remote(drafter_info["features"]))
-        drafter_proxy = DrafterProxy(drafter, drafter_info, target_proxy, hops, spec.workers_overlap)
-    return WorkerActors(target, drafter, target_proxy, drafter_proxy, hops)
+        drafter, drafter_proxy = _start_drafter(spec, drafter_place, pg, target, target_proxy, hops)
+    return WorkerActors(target, drafter, target_proxy, drafter_proxy, hops, spec, drafter_place, pg)
 
 
 def _check_same_node(address: ChannelAddress, name: str) -> None:

@@ -28,12 +28,14 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ddtree.workers import WorkerLostError
+
 _HEADER = struct.Struct("!Q")
 _TOKEN_BYTES = 16
 _HANDSHAKE_TIMEOUT_S = 10.0
 
 
-class ChannelClosedError(RuntimeError):
+class ChannelClosedError(WorkerLostError):
     """The process at the other end of a channel is gone (an actor died) or closed it."""
 
 

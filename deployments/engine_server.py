@@ -55,6 +55,9 @@ class DDTreeEngine:
         self._max_prompt_chars = self.engine.max_model_len * longest_token_chars(self._prompt_tokenizer)
         self.loop = EngineLoop(self.engine, on_round=self.metrics.on_round, on_idle=self.metrics.on_idle)
         self.loop.start()
+        self._drafter_restart: asyncio.Task | None = None  # a new drafter actor loading
+        self._next_drafter_restart = 0.0  # (monotonic) after a failed restart: when to try again
+        self._num_failed_drafter_restarts = 0
 
     async def _prompt_token_ids(self, request: EngineRequest) -> list[int]:
         """The request's prompt as token ids, checked against the context window; chat messages through the
@@ -136,6 +139,12 @@ class DDTreeEngine:
                 "actor_hop_calls": self.actors.hops.num_calls,
                 "actor_hop_there_seconds": self.actors.hops.there_seconds,
                 "num_metrics_errors": self.loop.num_callback_errors,
+                # a lost drafter (None: live, or speculation off); losses so far and drafter actors restarted
+                "drafter_lost": engine.drafter_lost,
+                "num_drafter_losses": engine.num_drafter_losses,
+                "num_drafter_restarts": self.actors.num_drafter_restarts,
+                "worker_pids": {"target": self.actors.target_proxy.pid,
+                                "drafter": getattr(self.actors.drafter_proxy, "pid", None)},
                 # the closed loop's measurements per batch-size bucket (auto budget; None otherwise)
                 "guard": engine.guard.describe() if engine.guard is not None else None,
             }
@@ -149,8 +158,13 @@ class DDTreeEngine:
 
     async def check_health(self) -> None:
         """Fails (and Serve replaces the replica) when the engine loop stopped, a round has run past
-        `max_round_seconds` (a hung worker) or a worker actor died. The last two give up on the engine first: its
-        requests fail now, so that stopping the replica does not wait for them (graceful_shutdown_timeout_s)."""
+        `max_round_seconds` (a hung worker) or the target actor died. The last two give up on the engine first: its
+        requests fail now, so that stopping the replica does not wait for them (graceful_shutdown_timeout_s).
+
+        A dead drafter actor is not a failure: the engine decodes on without drafts (its running requests lose
+        nothing), and this check starts a new drafter actor in the old one's bundle; once it has loaded, the engine
+        drafts with it again (requests admitted from the loss on; those running at the loss lost their drafter
+        context and decode plain to their end)."""
         from deployments.engine_loop import EngineDeadError
 
         if not self.loop.is_alive:  # (its requests have failed already; abandoning again refuses new ones too)
@@ -159,11 +173,57 @@ class DDTreeEngine:
             problem = (f"an engine round has run for {self.loop.seconds_in_round:.0f} s (max_round_seconds "
                        f"{self.args.max_round_seconds:g}): a worker is hung")
         else:
-            problem = await self.actors.find_dead()
+            problem = await self.actors.find_dead(names=("target",))
         if problem is not None:
             logger.error("engine replica unhealthy: %s; failing its requests", problem)
             self.loop.abandon(EngineDeadError(problem))
             raise RuntimeError(problem)
+        if self.actors.drafter is not None:
+            await self._recover_drafter()
+
+    async def _recover_drafter(self) -> None:
+        """Start a new drafter actor when the engine lost its drafter, or the drafter actor died unnoticed (no
+        request drafted since); failed starts are retried with a growing wait (5 s, 10 s, ... up to 60 s)."""
+        import time
+
+        from ddtree.workers import WorkerLostError
+
+        if self._drafter_restart is not None and not self._drafter_restart.done():
+            return
+        if self.engine.drafter_lost is None:  # (a str set on the loop thread: reading it here is safe)
+            dead = await self.actors.find_dead(names=("drafter",))
+            if dead is None:
+                return
+
+            def lose(engine) -> None:  # on the loop thread, the proxies' one user
+                self.actors.target_proxy.drafter_lost()
+                engine.lose_drafter(WorkerLostError(dead))
+
+            await self.loop.call(lose)
+        if time.monotonic() >= self._next_drafter_restart:
+            self._drafter_restart = asyncio.ensure_future(self._restart_drafter())
+
+    async def _restart_drafter(self) -> None:
+        import time
+
+        logger.warning("starting a new drafter actor (the engine decodes without drafts meanwhile)")
+        t0 = time.monotonic()
+        try:
+            actor, proxy = await asyncio.to_thread(self.actors.start_drafter)
+        except Exception as exc:  # noqa: BLE001 - the engine serves on without it; the next checks retry
+            self._num_failed_drafter_restarts += 1
+            wait = min(60.0, 5.0 * 2 ** (self._num_failed_drafter_restarts - 1))
+            self._next_drafter_restart = time.monotonic() + wait
+            logger.error("a new drafter actor failed to start (%r); retrying in %.0f s", exc, wait)
+            return
+
+        def install(engine) -> None:
+            self.actors.install_drafter(actor, proxy)
+            engine.attach_drafter(proxy)
+
+        await self.loop.call(install)
+        self._num_failed_drafter_restarts = 0
+        logger.warning("a new drafter actor is drafting (started in %.1f s)", time.monotonic() - t0)
 
     def __del__(self) -> None:
         loop = getattr(self, "loop", None)

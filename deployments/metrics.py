@@ -19,6 +19,10 @@ the last round's values; Ray also stops exporting a gauge nobody sets).
                                                         other (the rest of the round's wall time); they add up to
                                                         the rounds' wall time, except when pipelined: draft and
                                                         verify then overlap and "other" is not recorded
+    ddtree_drafter_available                 Gauge      1 while the engine drafts with a live drafter, 0 from its
+                                                        loss until a restarted one is attached (speculating modes)
+    ddtree_drafter_losses_total              Counter    drafter actors lost while the engine ran (each one's
+                                                        requests decoded on without drafts)
     ddtree_actor_hop_seconds_total           Counter    time in actor calls beyond the actors' own work (overlaps
                                                         the stages: prefill and draft are timed around the call,
                                                         verify and accept inside the target actor, so a verify's
@@ -65,6 +69,9 @@ class EngineMetrics:
         self.pipelined = Gauge("ddtree_pipelined", "1 when the last round ran two request groups in flight.")
         self.stage_seconds = Counter("ddtree_stage_seconds_total", "Seconds per round stage.", tag_keys=("stage",))
         self.hop_seconds = Counter("ddtree_actor_hop_seconds_total", "Actor call overhead (overlaps stages).")
+        self.drafter_available = Gauge("ddtree_drafter_available", "1 while the drafter is live, 0 after its loss.")
+        self.drafter_losses = Counter("ddtree_drafter_losses_total", "Drafter actors lost while the engine ran.")
+        self._last_drafter_losses = 0
         self._last_timings = engine.timings.as_dict()
         self._last_hop_seconds = hops.seconds
         self._rounds_seen: dict[str, int] = {}
@@ -79,6 +86,16 @@ class EngineMetrics:
         self.tokens_per_second.set(self._tokens_per_second(now, 0))
         for gauge in (self.speculative, self.fallback, self.running, self.queue_depth, self.pipelined, self.kv_bytes):
             gauge.set(0)
+        self._drafter_state()
+
+    def _drafter_state(self) -> None:
+        if self.engine.drafter is None:
+            return
+        self.drafter_available.set(0 if self.engine.drafter_lost is not None else 1)
+        losses = self.engine.num_drafter_losses
+        if losses > self._last_drafter_losses:
+            self.drafter_losses.inc(losses - self._last_drafter_losses)
+            self._last_drafter_losses = losses
 
     def _tokens_per_second(self, now: float, num_tokens: int) -> float:
         self._window.append((now, num_tokens))
@@ -117,6 +134,7 @@ class EngineMetrics:
         self.queue_depth.set(report.num_waiting)
         self.round_seconds.observe(report.wall_seconds)
         self.pipelined.set(1 if delta["num_pipelined_phases"] else 0)
+        self._drafter_state()
 
         hop_seconds = self.hops.seconds - self._last_hop_seconds
         self._last_hop_seconds = self.hops.seconds

@@ -788,3 +788,69 @@ def test_a_dead_worker_fails_its_call_at_once(served, app_args):
         assert time.monotonic() - t0 < 20
     finally:
         actors.kill()
+
+
+def test_a_drafter_actor_killed_mid_stream_loses_no_request_and_comes_back(served, app_args, offline):
+    """The drafter actor's process is killed (SIGKILL) while streams run and others wait: every request finishes
+    with the offline answer, none fails; the health check starts a new drafter actor, and requests admitted after
+    it drafts again speculate."""
+    import os
+    import signal
+
+    from ray import serve
+
+    from deployments.app import build_app
+
+    name, prefix = "ddtree-drafter-kill", "/drafter-kill"
+    serve.run(build_app(app_args), name=name, route_prefix=prefix)
+    handle = serve.get_app_handle(name)
+    try:
+        pid = handle.info.remote().result()["worker_pids"]["drafter"]
+        client = openai.OpenAI(base_url=served["base_url"] + prefix + "/v1", api_key=API_KEY, max_retries=0,
+                               timeout=60)
+        messages = [[{"role": "user", "content": p}] for p in ["hello world", "the cat sat on", "12 + 7 =", "abc"]]
+        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        expected = [o.text for o in offline.chat(messages, params)]
+        texts: dict[int, str] = {}
+        errors: list[BaseException] = []
+        streaming = [threading.Event() for _ in messages]  # set at a request's first chunk (once admitted)
+
+        def stream(i: int) -> None:
+            parts = []
+            try:
+                for chunk in client.chat.completions.create(
+                        model=MODEL_NAME, messages=messages[i], temperature=0, max_tokens=200, stream=True,
+                        extra_body={"ignore_eos": True}):
+                    streaming[i].set()
+                    parts.extend(c.delta.content or "" for c in chunk.choices)
+                texts[i] = "".join(parts)
+            except BaseException as exc:  # noqa: BLE001 - the test reports it
+                errors.append(exc)
+
+        threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(messages))]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 60  # the first requests stream, the others wait for their seats: kill now
+        while sum(e.is_set() for e in streaming) < MAX_NUM_SEQS and time.monotonic() < deadline:
+            time.sleep(0.005)
+        os.kill(pid, signal.SIGKILL)
+        num_done_at_kill = len(texts)
+        for t in threads:
+            t.join(120)
+        assert not errors and num_done_at_kill < len(messages)
+        assert [texts[i] for i in range(len(messages))] == expected
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            info = handle.info.remote().result()
+            if info["num_drafter_restarts"] >= 1 and info["drafter_lost"] is None:
+                break
+            time.sleep(0.5)
+        assert info["num_drafter_losses"] == 1 and info["num_drafter_restarts"] == 1 and info["drafter_lost"] is None
+        assert info["worker_pids"]["drafter"] not in (None, pid)
+        rounds = info["timings"]["num_speculative_request_rounds"]
+        out = client.chat.completions.create(model=MODEL_NAME, messages=messages[0], temperature=0, max_tokens=200,
+                                             extra_body={"ignore_eos": True})
+        assert out.choices[0].message.content == expected[0]
+        assert handle.info.remote().result()["timings"]["num_speculative_request_rounds"] > rounds
+    finally:
+        serve.delete(name)
