@@ -25,7 +25,7 @@ $(BIN)/.installed: pyproject.toml
 install: $(BIN)/.installed
 
 serve: install
-	$(BIN)/serve run ray_config.yaml
+	$(BIN)/python -m deployments.run ray_config.yaml
 
 test: install
 	$(BIN)/python -m pytest -q

@@ -154,6 +154,7 @@ class OpenAIIngress:
         self.engine = engine  # DeploymentHandle of DDTreeEngine
         self.args = parse_args(args)
         self.created = int(time.time())
+        self._has_answered = False  # an engine replica has answered `ready` (then /v1/models no longer asks)
         self._apply(IngressSettings.of(self.args))
 
     def reconfigure(self, user_config: dict) -> None:
@@ -178,17 +179,24 @@ class OpenAIIngress:
     @api.get("/health")
     async def health(self) -> dict:
         """200 once an engine replica answers (Serve routes to the ingress while the engines still load)."""
+        await self._engine_ready()
+        return {"status": "ok"}
+
+    async def _engine_ready(self) -> None:
+        """Returns once an engine replica answers; a 503 (engine_not_ready) while none does."""
         response = self.engine.ready.remote()
         try:
             await asyncio.wait_for(_engine_call(response), HEALTH_TIMEOUT_S)
         except (asyncio.TimeoutError, APIError):
             response.cancel()
             raise APIError(503, "The engine is not ready.", "server_error", None, "engine_not_ready") from None
-        return {"status": "ok"}
+        self._has_answered = True
 
     @api.get("/v1/models")
     async def models(self, request: Request) -> Response:
         self._authorize(request)
+        if not self._has_answered:  # (a separate ingress is up before its engines have loaded)
+            await self._engine_ready()
         return _answer(request, protocol.models_body(self.model_name, self.created))
 
     @api.get("/v1/models/{model_id:path}")

@@ -1,6 +1,7 @@
 """The servers a load-test sweep runs against: started, checked for readiness and stopped by the runner.
 
-    ServerSpec.parse("auto")           DDTree Serve, `serve run` of ray_config.yaml with speculation ddtree, budget auto
+    ServerSpec.parse("auto")           DDTree Serve as `make serve` runs it (`python -m deployments.run`: `serve run`
+                                       of ray_config.yaml), with speculation ddtree, budget auto
     ServerSpec.parse("off" | "dflash" | "b8")    the same with speculation off, dflash, or ddtree at a fixed budget 8
     ServerSpec.parse("hf")             loadtest/hf_baseline.py: Hugging Face generate() per request on Ray Serve
     ServerSpec.parse("vllm")           `vllm serve` from the venv of `make vllm-venv`
@@ -130,6 +131,8 @@ class Server:
             raise ValueError(f"{spec.name} is not started by the runner")
         path = self.folder / f"{spec.name}.serve.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
+        if spec.kind == "ddtree":  # as `make serve` runs it: `serve run`, and a "ready: ..." line in the log
+            return [sys.executable, "-m", "deployments.run", str(path)], env
         return [serve, "run", str(path)], env
 
     def start(self) -> None:

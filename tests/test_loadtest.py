@@ -7,6 +7,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -204,6 +205,9 @@ def test_sweep_runs_modes_and_the_hf_baseline_and_stops_them(tiny_pair, tmp_path
     assert "| ddtree-auto | 2 |" in table and "ddtree-auto >= 0.98x ddtree-off" in table
     for name in ("table.csv", "throughput.png", "latency.png", "ddtree-off.serve.yaml", "hf.outputs.json"):
         assert (out / name).is_file()
+    # started as `make serve` starts it: one readiness line, once /health answered
+    log = (out / "ddtree-auto.server.log").read_text(errors="replace")
+    assert re.search(r"^ready: http://127\.0\.0\.1:\d+ \(engine loaded in \d+ s\)$", log, re.M), log[-2000:]
     assert set(_ray_processes()) <= before
 
 

@@ -542,3 +542,17 @@ def test_a_bad_ingress_user_config_is_logged_and_changes_nothing(caplog):
     ingress.reconfigure({"api_key": 12345})  # an unquoted number in YAML
     assert ingress.default_max_tokens == 8 and ingress._api_key == b"k1"
     assert "user_config refused" in caplog.text
+
+
+def test_the_serve_runner_polls_the_first_apps_health_and_refuses_a_bad_config(tmp_path, capsys):
+    """`make serve`'s runner (deployments/run.py): the URL it polls and prints follows the config's HTTP options
+    and route prefix (0.0.0.0 is polled on loopback); a config it cannot use is refused before anything starts."""
+    from deployments.run import health_url, main
+
+    assert health_url({"http_options": {"host": "0.0.0.0", "port": 8123},
+                       "applications": [{"route_prefix": "/ddtree/"}]}) == "http://127.0.0.1:8123/ddtree"
+    assert health_url({"applications": [{}]}) == "http://127.0.0.1:8000"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("applications: []\n")
+    assert main([str(bad)]) == 2 and "has no applications" in capsys.readouterr().err
+    assert main([str(tmp_path / "missing.yaml")]) == 2 and "cannot read" in capsys.readouterr().err
