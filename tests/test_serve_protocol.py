@@ -556,3 +556,42 @@ def test_the_serve_runner_polls_the_first_apps_health_and_refuses_a_bad_config(t
     bad.write_text("applications: []\n")
     assert main([str(bad)]) == 2 and "has no applications" in capsys.readouterr().err
     assert main([str(tmp_path / "missing.yaml")]) == 2 and "cannot read" in capsys.readouterr().err
+
+
+def test_the_api_key_is_compared_in_constant_time(monkeypatch):
+    """Every check of a key goes through hmac.compare_digest (its time does not depend on where the keys first
+    differ, so the key cannot be guessed a byte at a time from response times), whatever the key sent: a prefix,
+    a longer one, one wrong in its last byte, an empty one. Only the exact key passes."""
+    import hmac
+
+    from starlette.requests import Request
+
+    from deployments import ingress as ingress_module
+    from deployments.config import IngressSettings
+    from deployments.errors import APIError
+    from deployments.ingress import OpenAIIngress
+
+    calls, compare_digest = [], hmac.compare_digest
+
+    def spy(a, b):
+        calls.append((bytes(a), bytes(b)))
+        return compare_digest(a, b)
+
+    monkeypatch.setattr(ingress_module.hmac, "compare_digest", spy)
+    ingress = object.__new__(OpenAIIngress)
+    ingress.args = parse_args({"api_key": "s3cret-key"})
+    ingress._apply(IngressSettings.of(ingress.args))
+
+    def authorize(token: str) -> bool:
+        request = Request({"type": "http", "headers": [(b"authorization", f"Bearer {token}".encode("latin-1"))]})
+        try:
+            ingress._authorize(request)
+        except APIError as exc:
+            assert exc.status == 401
+            return False
+        return True
+
+    tried = ["s3cret", "s3cret-key-and-more", "s3cret-kez", "", "S3CRET-KEY", "é" * 10]
+    assert [authorize(t) for t in tried] == [False] * len(tried)
+    assert authorize("s3cret-key")
+    assert len(calls) == len(tried) + 1 and all(b == b"s3cret-key" for _, b in calls)
