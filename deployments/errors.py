@@ -32,6 +32,10 @@ def prompt_too_long(message: str, param: str) -> APIError:
     return APIError(400, message, "invalid_request_error", param, "context_length_exceeded")
 
 
+def body_too_large(message: str) -> APIError:
+    return APIError(413, message, "invalid_request_error", None, "request_too_large")
+
+
 def unauthorized(message: str) -> APIError:
     return APIError(401, message, "authentication_error", None, "invalid_api_key")
 

@@ -27,14 +27,17 @@ from ddtree.sampling_params import SamplingParams
 from deployments import protocol
 from deployments.config import AppArgs, IngressSettings, parse_args
 from deployments.engine_request import EngineRequest
-from deployments.errors import (APIError, bad_request, internal_error, model_not_found, not_found, unauthorized,
-                                unwrap)
+from deployments.errors import (APIError, bad_request, body_too_large, internal_error, model_not_found, not_found,
+                                unauthorized, unwrap)
 
 logger = logging.getLogger(__name__)
 
 # OpenAI's chat API has no default max_tokens (the rest of the context window); the engine caps it to the window.
 UNLIMITED_MAX_TOKENS = 2**31 - 1
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# A body past this is refused (413) before it is parsed: 16 MiB holds the longest prompt an 8k-token window admits
+# (663,552 characters for SmolLM2, docs/serving.md) many times over, JSON escapes included.
+MAX_BODY_BYTES = 16 << 20
 HEALTH_TIMEOUT_S = 5.0
 
 api = FastAPI(title="DDTree Serve", description="OpenAI-compatible API with DDTree speculative decoding")
@@ -129,15 +132,31 @@ def _cancel_all(responses) -> None:
         response.cancel()
 
 
+async def _read_body(request: Request) -> bytes:
+    """The body's bytes, refused (413) past MAX_BODY_BYTES: at once when Content-Length says so, else as soon as
+    the bytes received pass it (a chunked body), so that no replica buffers more than the limit."""
+    too_large = body_too_large(f"The request body is larger than {MAX_BODY_BYTES} bytes.")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > MAX_BODY_BYTES:
+            raise too_large
+    return bytes(body)
+
+
 async def _body(request: Request):
     """The request body: msgpack when its Content-Type says so, else JSON."""
+    raw = await _read_body(request)
     if _media_type(request.headers.get("content-type", "")) in MSGPACK_MEDIA_TYPES:
         try:
-            return msgpack.unpackb(await request.body(), raw=False)
+            return msgpack.unpackb(raw, raw=False)
         except (ValueError, msgpack.UnpackException):  # (ExtraData, FormatError, StackError, bad UTF-8: ValueErrors)
             raise bad_request("The request body is not valid msgpack.") from None
     try:
-        return await request.json()
+        return json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise bad_request("The request body is not valid JSON.") from None
     except RecursionError:

@@ -417,6 +417,28 @@ def test_invalid_json_is_a_400(served):
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
+def test_a_body_past_the_limit_is_a_413_before_it_is_read_whole(served):
+    """A body larger than MAX_BODY_BYTES is refused in the OpenAI error shape: at once when its Content-Length
+    says so, and when it comes chunked with no length, as soon as what arrived passes the limit."""
+    from deployments.ingress import MAX_BODY_BYTES
+
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+    big = b'{"model": "' + MODEL_NAME.encode() + b'", "prompt": "' + b"a" * MAX_BODY_BYTES + b'"}'
+
+    def chunked():
+        for start in range(0, len(big), 1 << 20):
+            yield big[start:start + (1 << 20)]
+
+    for data in (big, chunked()):
+        r = requests.post(served["base_url"] + "/v1/completions", data=data, headers=headers, timeout=60)
+        assert r.status_code == 413, r.text[:300]
+        assert r.json()["error"]["code"] == "request_too_large" and set(r.json()["error"]) == {
+            "message", "type", "param", "code"}
+    ok = requests.post(served["base_url"] + "/v1/completions", headers=headers, timeout=60,
+                       json={"model": MODEL_NAME, "prompt": "a" * 100, "max_tokens": 2})
+    assert ok.status_code == 200
+
+
 def test_msgpack_bodies_and_answers(served):
     """The binary option: a msgpack request body gets the JSON request's answer; `Accept: application/msgpack`
     gets it (and errors) in msgpack; a stream stays server-sent events; a bad msgpack body is a 400."""

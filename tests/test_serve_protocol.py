@@ -135,6 +135,7 @@ def test_completion_request_to_sampling_params():
     [
         ({"model": "m", "prompt": "hi", "n": 2}, "n", "unsupported_parameter"),
         ({"model": "m", "prompt": "hi", "logprobs": 21}, "logprobs", "invalid_value"),
+        ({"model": "m", "prompt": "hi", "stop": ["x"] * 17}, "stop", "invalid_value"),
         ({"model": "m", "prompt": "hi", "echo": True}, "echo", "unsupported_parameter"),
         ({"model": "m", "prompt": "hi", "presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter"),
         ({"model": "m", "prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options",
