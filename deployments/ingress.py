@@ -40,7 +40,25 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_BODY_BYTES = 16 << 20
 HEALTH_TIMEOUT_S = 5.0
 
-api = FastAPI(title="DDTree Serve", description="OpenAI-compatible API with DDTree speculative decoding")
+# The OpenAPI document and its /docs page are routes of the ingress (`openapi_document`), which knows the name it
+# serves; FastAPI's own would publish the request bodies as unknown (the routes read them themselves).
+api = FastAPI(title="DDTree Serve", description="OpenAI-compatible API with DDTree speculative decoding",
+              openapi_url=None, docs_url=None, redoc_url=None)
+
+
+def openapi_document(app: FastAPI, served_model_name: str | None) -> dict:
+    """FastAPI's document, with the request bodies the routes read themselves (as JSON; msgpack carries the same
+    fields): their models' schemas, `model` the served name, so that a client generator or a fuzzer sees what each
+    route accepts. Built on each request (a few ms, rarely asked): the name may change in place (`user_config`)."""
+    from fastapi.openapi.utils import get_openapi
+
+    routes = [r for r in app.routes if getattr(r, "include_in_schema", True)]
+    schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=routes)
+    for path, model in (("/v1/completions", protocol.CompletionRequest),
+                        ("/v1/chat/completions", protocol.ChatCompletionRequest)):
+        schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {"application/json": {
+            "schema": protocol.request_body_schema(model, served_model_name)}}}
+    return schema
 
 
 # The binary option (the project's design notes, "Wire formats"): a request body in msgpack with this Content-Type, and a
@@ -194,6 +212,16 @@ class OpenAIIngress:
 
     # ------------------------------------------------------------------------------------------------------------
     # HTTP
+
+    @api.get("/openapi.json", include_in_schema=False)
+    async def openapi(self) -> JSONResponse:
+        return JSONResponse(openapi_document(api, self.model_name))
+
+    @api.get("/docs", include_in_schema=False)
+    async def docs(self):
+        from fastapi.openapi.docs import get_swagger_ui_html
+
+        return get_swagger_ui_html(openapi_url="openapi.json", title="DDTree Serve")
 
     @api.get("/health")
     async def health(self) -> dict:

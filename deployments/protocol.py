@@ -26,6 +26,13 @@ from ddtree.sampling_params import MAX_LOGPROBS, SamplingParams
 from deployments.errors import APIError, bad_request
 
 MAX_STOP_SEQUENCES = 16
+# Fields accepted at these values only (the neutral ones; anything else is a 400, never silently ignored). The
+# validators check them, and the published schema (`request_body_schema`) gives them as enums.
+NEUTRAL_VALUES: dict[str, tuple] = {
+    "n": (1,), "frequency_penalty": (0,), "presence_penalty": (0,), "repetition_penalty": (1,), "min_tokens": (0,),
+    "skip_special_tokens": (True,), "include_stop_str_in_output": (False,), "echo": (False,), "suffix": (None,),
+    "best_of": (None, 1),
+}
 # What a client may send that does not change the answer; accepted and ignored.
 _IGNORED_METADATA = ("user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key")
 
@@ -97,15 +104,16 @@ class _GenerationRequest(BaseModel):
 
     @model_validator(mode="after")
     def _check_unsupported(self):
-        _require_neutral(self.n == 1, "n", "only n=1 is supported")
-        _require_neutral(self.frequency_penalty == 0, "frequency_penalty", "frequency_penalty is not supported")
-        _require_neutral(self.presence_penalty == 0, "presence_penalty", "presence_penalty is not supported")
+        neutral = {name: getattr(self, name) in NEUTRAL_VALUES[name] for name in NEUTRAL_VALUES if hasattr(self, name)}
+        _require_neutral(neutral["n"], "n", "only n=1 is supported")
+        _require_neutral(neutral["frequency_penalty"], "frequency_penalty", "frequency_penalty is not supported")
+        _require_neutral(neutral["presence_penalty"], "presence_penalty", "presence_penalty is not supported")
         _require_neutral(not any((self.logit_bias or {}).values()), "logit_bias", "logit_bias is not supported")
-        _require_neutral(self.repetition_penalty == 1, "repetition_penalty", "repetition_penalty is not supported")
-        _require_neutral(self.min_tokens == 0, "min_tokens", "min_tokens is not supported")
-        _require_neutral(self.skip_special_tokens, "skip_special_tokens",
+        _require_neutral(neutral["repetition_penalty"], "repetition_penalty", "repetition_penalty is not supported")
+        _require_neutral(neutral["min_tokens"], "min_tokens", "min_tokens is not supported")
+        _require_neutral(neutral["skip_special_tokens"], "skip_special_tokens",
                          "special tokens are always skipped in the text")
-        _require_neutral(not self.include_stop_str_in_output, "include_stop_str_in_output",
+        _require_neutral(neutral["include_stop_str_in_output"], "include_stop_str_in_output",
                          "the stop string is never included in the output")
         _require_neutral(self.stream or self.stream_options is None, "stream_options",
                          "stream_options is only allowed with stream=true")
@@ -180,9 +188,9 @@ class CompletionRequest(_GenerationRequest):
 
     @model_validator(mode="after")
     def _check_completion_unsupported(self):
-        _require_neutral(not self.echo, "echo", "echo is not supported")
-        _require_neutral(self.suffix is None, "suffix", "suffix is not supported")
-        _require_neutral(self.best_of in (None, 1), "best_of", "only best_of=1 is supported")
+        _require_neutral(self.echo in NEUTRAL_VALUES["echo"], "echo", "echo is not supported")
+        _require_neutral(self.suffix in NEUTRAL_VALUES["suffix"], "suffix", "suffix is not supported")
+        _require_neutral(self.best_of in NEUTRAL_VALUES["best_of"], "best_of", "only best_of=1 is supported")
         return self
 
     def _num_top_logprobs(self) -> int | None:
@@ -523,3 +531,47 @@ def usage_chunk(request_id: str, model: str, created: int, object_name: str, usa
 
 def models_body(model: str, created: int) -> dict:
     return {"object": "list", "data": [{"id": model, "object": "model", "created": created, "owned_by": "ddtree"}]}
+
+
+def request_body_schema(model: type[BaseModel], served_model_name: str | None = None) -> dict:
+    """The JSON schema of a request model for the app's OpenAPI document, self-contained (pydantic's `$defs`
+    inlined: the document's components do not hold them), with `model` naming the one served model when known."""
+    schema = model.model_json_schema()
+    defs = schema.pop("$defs", {})
+
+    def inline(node):
+        if isinstance(node, dict):
+            if "$ref" in node:
+                return inline(defs[node["$ref"].rsplit("/", 1)[-1]])
+            return {k: inline(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [inline(v) for v in node]
+        return node
+
+    schema = inline(schema)
+    properties = schema["properties"]
+    if served_model_name is not None:
+        properties["model"] = {"type": "string", "enum": [served_model_name]}
+    for name, values in NEUTRAL_VALUES.items():
+        if name in properties:
+            properties[name] = {"enum": list(values), "default": properties[name].get("default")}
+    for name in ("prompt", "stop"):  # (no empty text, batch or stop string; token ids >= 0)
+        if name in properties:
+            properties[name] = _non_empty(properties[name])
+    return schema
+
+
+def _non_empty(node):
+    if isinstance(node, dict):
+        node = {k: _non_empty(v) for k, v in node.items()}
+        kind = node.get("type")
+        if kind == "string":
+            node.setdefault("minLength", 1)
+        elif kind == "array":
+            node.setdefault("minItems", 1)
+        elif kind == "integer":
+            node.setdefault("minimum", 0)
+        return node
+    if isinstance(node, list):
+        return [_non_empty(v) for v in node]
+    return node

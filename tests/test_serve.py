@@ -5,6 +5,7 @@ equal the offline `LLM`'s."""
 from __future__ import annotations
 
 import importlib
+import os
 import random
 import re
 import socket
@@ -876,3 +877,41 @@ def test_a_drafter_actor_killed_mid_stream_loses_no_request_and_comes_back(serve
         assert handle.info.remote().result()["timings"]["num_speculative_request_rounds"] > rounds
     finally:
         serve.delete(name)
+
+
+FUZZ_EXAMPLES = int(os.environ.get("DDTREE_FUZZ_EXAMPLES", "100"))  # per operation that takes a request body
+
+
+def test_schemathesis_finds_no_server_error_and_every_4xx_has_the_openai_shape(served):
+    """schemathesis generates requests from the app's own OpenAPI document (request bodies from the protocol's
+    models, the served model's name included, so that many cases are valid and run on the engine): no answer is a
+    5xx, and every 4xx has OpenAI's error shape. DDTREE_FUZZ_EXAMPLES=500 runs 1000+ cases (docs/serving.md)."""
+    schemathesis = pytest.importorskip("schemathesis")
+    from hypothesis import HealthCheck, given, settings
+
+    schema = schemathesis.openapi.from_url(served["base_url"] + "/openapi.json")
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    statuses: dict[int, int] = {}
+    cases: dict[str, int] = {}
+    for result in schema.get_all_operations():
+        operation = result.ok()
+
+        @settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None, suppress_health_check=list(HealthCheck))
+        @given(case=operation.as_strategy())
+        def run(case) -> None:
+            response = case.call(base_url=served["base_url"], headers=headers, timeout=60)
+            cases[case.path] = cases.get(case.path, 0) + 1
+            statuses[response.status_code] = statuses.get(response.status_code, 0) + 1
+            where = f"{case.method} {case.formatted_path} {case.body!r:.300}"
+            assert response.status_code < 500, f"{where}: {response.status_code} {response.text[:300]}"
+            if response.status_code >= 400:
+                error = response.json()["error"]
+                if os.environ.get("DDTREE_FUZZ_DEBUG"):
+                    print(case.path, response.status_code, error["message"][:120])
+                assert set(error) == {"message", "type", "param", "code"}, where
+                assert isinstance(error["message"], str) and error["message"], where
+
+        run()
+    print(f"schemathesis cases per path: {cases}; statuses: {dict(sorted(statuses.items()))}")
+    assert cases["/v1/completions"] >= FUZZ_EXAMPLES * 0.9 and cases["/v1/chat/completions"] >= FUZZ_EXAMPLES * 0.9
+    assert statuses.get(200, 0) > 0 and sum(n for s, n in statuses.items() if 400 <= s < 500) > 0
