@@ -142,6 +142,11 @@ class DFlashDrafter:
         return self._get(seq_id).length
 
     @property
+    def num_contexts(self) -> int:
+        """Requests with a context cache here."""
+        return len(self._contexts)
+
+    @property
     def num_cache_bytes(self) -> int:
         return sum(c.kv.numel() * c.kv.element_size() for c in self._contexts.values())
 

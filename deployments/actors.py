@@ -389,6 +389,10 @@ class DrafterActor:
             raise TypeError(f"not a drafter operation: {op!r}")
         return Reply(result, time.perf_counter() - t0, started_at=t0)
 
+    def num_contexts(self) -> int:
+        """Requests with a context cache in the drafter (0 once every request has left)."""
+        return self.worker.drafter.num_contexts
+
     def context_len(self, request_id: str) -> int:
         """Tokens in the drafter's context cache for `request_id` (0: none)."""
         return self.worker.drafter.context_len(request_id)

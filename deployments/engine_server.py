@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import copy
 import logging
+import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -149,7 +150,17 @@ class DDTreeEngine:
                 "guard": engine.guard.describe() if engine.guard is not None else None,
             }
 
-        return await self.loop.call(read)
+        state = await self.loop.call(read)
+        # what leaks would show (each 0 or flat once the replica is idle), read off the loop thread
+        state["kv_cache_bytes_used"] = (await self.actors.target.kv_cache_stats.remote())["bytes_used"]
+        drafter = self.actors.drafter
+        state["num_drafter_contexts"] = None
+        if drafter is not None and engine_has_drafter(state):
+            with contextlib.suppress(Exception):  # (a dead drafter, being replaced: None)
+                state["num_drafter_contexts"] = await drafter.num_contexts.remote()
+        state["num_threads"] = threading.active_count()
+        state["num_asyncio_tasks"] = len(asyncio.all_tasks())
+        return state
 
     async def ready(self) -> bool:
         """True once this replica serves (its constructor has loaded the workers); raises if it is unhealthy."""
@@ -236,6 +247,10 @@ class DDTreeEngine:
         if actors is not None:
             with contextlib.suppress(Exception):
                 actors.kill()
+
+
+def engine_has_drafter(state: dict) -> bool:
+    return state["speculation"] != "off" and state["drafter_lost"] is None
 
 
 def longest_token_chars(tokenizer) -> int:

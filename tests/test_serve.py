@@ -915,3 +915,55 @@ def test_schemathesis_finds_no_server_error_and_every_4xx_has_the_openai_shape(s
     print(f"schemathesis cases per path: {cases}; statuses: {dict(sorted(statuses.items()))}")
     assert cases["/v1/completions"] >= FUZZ_EXAMPLES * 0.9 and cases["/v1/chat/completions"] >= FUZZ_EXAMPLES * 0.9
     assert statuses.get(200, 0) > 0 and sum(n for s, n in statuses.items() if 400 <= s < 500) > 0
+
+
+STORM_CYCLES = int(os.environ.get("DDTREE_STORM_CYCLES", "150"))
+
+
+def test_a_storm_of_disconnected_streams_leaves_nothing_behind(served):
+    """Cycles of: start a stream, read a chunk or two, disconnect. Afterwards nothing runs or waits, the KV cache
+    and the drafter hold nothing, and the replica's threads and asyncio tasks are back to their count before.
+    DDTREE_STORM_CYCLES=1000 runs the long version (docs/serving.md)."""
+    import http.client
+    import json as json_module
+    from urllib.parse import urlparse
+
+    url = urlparse(served["base_url"])
+    body = json_module.dumps({"model": MODEL_NAME, "prompt": "the cat sat on the mat", "max_tokens": 200,
+                              "temperature": 0, "stream": True, "ignore_eos": True})
+    headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
+
+    def settled(deadline_s: float = 60) -> dict:
+        deadline = time.monotonic() + deadline_s
+        while True:
+            info = _engine_info(served)
+            if (info["num_running"], info["num_waiting"], info["kv_cache_bytes_used"]) == (0, 0, 0) \
+                    or time.monotonic() > deadline:
+                return info
+            time.sleep(0.1)
+
+    def cycle(num_chunks: int) -> None:
+        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=60)
+        conn.request("POST", "/v1/completions", body=body, headers=headers)
+        response = conn.getresponse()
+        assert response.status == 200
+        for _ in range(num_chunks):
+            response.fp.readline()
+        conn.sock.shutdown(socket.SHUT_RDWR)  # the client goes away mid-stream
+        conn.close()
+
+    cycle(2)
+    before = settled()
+    t0 = time.monotonic()
+    for i in range(STORM_CYCLES):
+        cycle(1 + i % 3)
+    after = settled()
+    print(f"{STORM_CYCLES} cycles in {time.monotonic() - t0:.0f} s; before: {before['num_threads']} threads, "
+          f"{before['num_asyncio_tasks']} tasks; after: {after['num_threads']}, {after['num_asyncio_tasks']}")
+    assert (after["num_running"], after["num_waiting"], after["kv_cache_bytes_used"]) == (0, 0, 0)
+    assert after["num_drafter_contexts"] == 0
+    assert after["num_threads"] <= before["num_threads"] + 2, (before["num_threads"], after["num_threads"])
+    assert after["num_asyncio_tasks"] <= before["num_asyncio_tasks"] + 2, (
+        before["num_asyncio_tasks"], after["num_asyncio_tasks"])
+    ok = _post(served, "/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 4})
+    assert ok.status_code == 200
