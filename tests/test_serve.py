@@ -879,7 +879,7 @@ def test_a_drafter_actor_killed_mid_stream_loses_no_request_and_comes_back(serve
         serve.delete(name)
 
 
-FUZZ_EXAMPLES = int(os.environ.get("DDTREE_FUZZ_EXAMPLES", "100"))  # per operation that takes a request body
+FUZZ_EXAMPLES = int(os.environ.get("DDTREE_FUZZ_EXAMPLES", "50"))  # per operation that takes a request body
 
 
 def test_schemathesis_finds_no_server_error_and_every_4xx_has_the_openai_shape(served):
@@ -917,7 +917,7 @@ def test_schemathesis_finds_no_server_error_and_every_4xx_has_the_openai_shape(s
     assert statuses.get(200, 0) > 0 and sum(n for s, n in statuses.items() if 400 <= s < 500) > 0
 
 
-STORM_CYCLES = int(os.environ.get("DDTREE_STORM_CYCLES", "150"))
+STORM_CYCLES = int(os.environ.get("DDTREE_STORM_CYCLES", "50"))
 
 
 def test_a_storm_of_disconnected_streams_leaves_nothing_behind(served):
