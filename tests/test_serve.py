@@ -825,7 +825,9 @@ def test_a_drafter_actor_killed_mid_stream_loses_no_request_and_comes_back(serve
     from deployments.app import build_app
 
     name, prefix = "ddtree-drafter-kill", "/drafter-kill"
-    serve.run(build_app(app_args), name=name, route_prefix=prefix)
+    # a fixed budget: every request drafts while a drafter is there (auto's policy may decode a random tiny
+    # model's requests plain, which would leave "speculation resumed" unobservable)
+    serve.run(build_app({**app_args, "budget": 4}), name=name, route_prefix=prefix)
     handle = serve.get_app_handle(name)
     try:
         pid = handle.info.remote().result()["worker_pids"]["drafter"]
