@@ -222,6 +222,10 @@ class Engine:
         self.num_drafter_losses = 0
         self._without_draft_context: set[str] = set()
 
+    @property
+    def _can_draft(self) -> bool:
+        return self.drafter is not None and self.drafter_lost is None
+
     def attach_drafter(self, drafter: DrafterWorker) -> None:
         """Speculation resumes with `drafter` (a restarted worker) after a loss; the cost model is kept."""
         if self.config.speculation == "off":
@@ -357,7 +361,7 @@ class Engine:
         to enter (it ignores the actor hops and the second verify pass's fixed costs: in benchmarks/bench_pipeline.py
         runs its predictions were 0-7% above the measured ratio), staying while above 1x, and only when the workers
         can work at the same time (`can_overlap`: actors on cores or devices of their own)."""
-        if self.drafter is None or self.drafter_lost is not None or self.config.pipeline is False:
+        if not self._can_draft or self.config.pipeline is False:
             return False
         if self.config.pipeline is True:
             return True
@@ -454,7 +458,7 @@ class Engine:
         return [o for o in outputs if o is not None]
 
     def _plan(self, running: list[str]) -> RoundPlan:
-        if self.drafter is None or self.drafter_lost is not None:
+        if not self._can_draft:
             return RoundPlan([], list(running), [])
         # A request with one token left gets it from the verify's root alone: a draft could add nothing. One whose
         # drafter context was lost with a drafter has nothing to draft from.
@@ -690,7 +694,7 @@ class Engine:
         self.budget.remove(rid)
         self.target.free(rid)
         self._without_draft_context.discard(rid)
-        if self.drafter is not None and self.drafter_lost is None:
+        if self._can_draft:
             try:
                 self.drafter.free(rid)
             except WorkerLostError as exc:

@@ -155,7 +155,7 @@ class DDTreeEngine:
         state["kv_cache_bytes_used"] = (await self.actors.target.kv_cache_stats.remote())["bytes_used"]
         drafter = self.actors.drafter
         state["num_drafter_contexts"] = None
-        if drafter is not None and engine_has_drafter(state):
+        if drafter is not None and state["drafter_lost"] is None:
             with contextlib.suppress(Exception):  # (a dead drafter, being replaced: None)
                 state["num_drafter_contexts"] = await drafter.num_contexts.remote()
         state["num_threads"] = threading.active_count()
@@ -247,10 +247,6 @@ class DDTreeEngine:
         if actors is not None:
             with contextlib.suppress(Exception):
                 actors.kill()
-
-
-def engine_has_drafter(state: dict) -> bool:
-    return state["speculation"] != "off" and state["drafter_lost"] is None
 
 
 def longest_token_chars(tokenizer) -> int:
