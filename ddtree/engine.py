@@ -221,6 +221,13 @@ class Engine:
         self.drafter_lost: str | None = None
         self.num_drafter_losses = 0
         self._without_draft_context: set[str] = set()
+        # A lost target (a target call raised WorkerLostError): no round runs until `attach_target` gives a new
+        # one. Nothing a round did is lost with it: tokens are committed only from a verify result in hand. Each
+        # running request is then prefilled again on the new target from its prompt and committed tokens (its
+        # next root is the last committed token, as before), and goes on where it was.
+        self.target_lost: str | None = None
+        self.num_target_losses = 0
+        self._to_restore: list[str] = []  # running requests with no KV on the current target yet
 
     @property
     def _can_draft(self) -> bool:
@@ -240,6 +247,60 @@ class Engine:
         self.drafter_lost = str(error) or type(error).__name__
         self._without_draft_context.update(self.scheduler.running)
         self._drafted_group = None  # (drafted already, but its requests' context is gone too: they decode plain)
+
+    def lose_target(self, error: BaseException) -> None:
+        """The target's worker is gone: no round runs until `attach_target` (see `target_lost`)."""
+        if self.target_lost is None:
+            logger.error("the target is lost (%s); %d requests wait for a new one", error, len(self.requests))
+            self.num_target_losses += 1
+        self.target_lost = str(error) or type(error).__name__
+        self._drafted_group = None  # (its trees were drafted for a verify on the lost target: drafted again)
+
+    def attach_target(self, target: TargetWorker, drafter: DrafterWorker | None = None) -> None:
+        """A new target worker (a restarted one, same model) after `lose_target`, and with it a new drafter where
+        the old one's contexts went too. The next step prefills every running request again (`_restore`)."""
+        if self.target_lost is None:
+            raise ValueError("attach_target: the target is not lost")
+        old = self.target
+        if (target.vocab_size, list(target.eos_token_ids)) != (old.vocab_size, list(old.eos_token_ids)):
+            raise ValueError("attach_target: the new target's vocabulary or EOS tokens differ from the lost one's")
+        if target.max_request_tokens < old.max_request_tokens:
+            raise ValueError(f"attach_target: the new target holds {target.max_request_tokens} tokens per request, "
+                             f"fewer than the lost one ({old.max_request_tokens})")
+        self.target, self.target_lost = target, None
+        self._to_restore = list(self.scheduler.running)  # (none of them has KV on the new target)
+        if drafter is not None:
+            self.attach_drafter(drafter)
+        elif self._can_draft:  # the drafter stays: its contexts of these requests are rebuilt from the prefill
+            for rid in self._to_restore:
+                try:
+                    self.drafter.free(rid)
+                except WorkerLostError as exc:
+                    self.lose_drafter(exc)
+                    break
+        # every restored request's drafter context is rebuilt from its new prefill's features
+        self._without_draft_context.difference_update(self._to_restore)
+
+    def _restore(self, outputs: list[RequestOutput]) -> None:
+        """Prefill the running requests again on a new target: prompt + committed tokens but the last, which is
+        the next round's root (so the KV cache is what the lost target held). A request with no committed token
+        (its first prefill was lost) gets its first token from this prefill, as at admission."""
+        restore = self._to_restore
+        for rid in restore:
+            req = self.requests[rid]
+            capacity = len(req.prompt_token_ids) + req.output.max_new_tokens + 1 + self.max_tree_nodes
+            if not self.target.allocate(rid, capacity, req.output.params):
+                raise RuntimeError(f"the new target has no room for request {rid!r} ({capacity} tokens), which "
+                                   f"the lost one held")
+        t0 = time.perf_counter()
+        sequences = [self.requests[r].prompt_token_ids + self.requests[r].output.token_ids[:-1] for r in restore]
+        prefilled = self.target.prefill(restore, sequences)
+        self.timings.prefill += time.perf_counter() - t0
+        self._to_restore = []
+        for rid, token, logprobs in zip(restore, prefilled.token_ids, prefilled.logprobs):
+            req = self.requests[rid]
+            if req.root_token_id is None:
+                self._first_token(req, token, logprobs, outputs)
 
     def _context_window(self, requested: int | None, target: TargetWorker) -> int:
         """The model's window, capped by `requested` and by what one request can reserve in the KV cache (its
@@ -328,13 +389,28 @@ class Engine:
     # The round
 
     def step(self) -> list[RequestOutput]:
-        is_pipelining = self._is_pipelining = self._should_pipeline()
-        if is_pipelining or self._drafted_group is not None:  # (a group still in flight is verified first)
-            return self._pipelined_step(is_pipelining)
-        outputs = self._admit_and_prefill()
+        """One round; the outputs of every request that committed tokens or finished in it. With the target lost,
+        nothing runs (the caller waits for `attach_target`)."""
+        outputs: list[RequestOutput] = []
+        if self.target_lost is not None:
+            return outputs
+        try:
+            if self._to_restore:
+                self._restore(outputs)
+            is_pipelining = self._is_pipelining = self._should_pipeline()
+            if is_pipelining or self._drafted_group is not None:  # (a group still in flight is verified first)
+                self._pipelined_step(outputs, is_pipelining)
+            else:
+                self._sequential_step(outputs)
+        except WorkerLostError as exc:  # the target's (the drafter's are handled where its calls are read)
+            self.lose_target(exc)
+        return outputs  # (what was committed before a loss included: a stream must not miss it)
+
+    def _sequential_step(self, outputs: list[RequestOutput]) -> None:
+        self._admit_and_prefill(outputs)
         running = self._ready_requests(busy=set())
         if not running:
-            return outputs
+            return
         t0 = time.perf_counter()
         arm = self.guard.choose(len(running)) if self.guard is not None else POLICY
         if arm == POLICY:
@@ -350,11 +426,10 @@ class Engine:
             self.timings.num_plain_rounds += 1
         result = self._collect_verify(plan, self._submit_verify(plan, drafted))
         self._observe(plan, drafted, result)
-        emitted = self._emit(plan, result)
-        if self.guard is not None and self.drafter_lost is None:
+        self._emit(plan, result, outputs)
+        if self.guard is not None and self.drafter_lost is None and self.target_lost is None:
             num_tokens = sum(1 + len(a) for a in result.accepted_token_ids)  # (tokens past a stop included)
             self.guard.observe(len(running), arm, num_tokens, time.perf_counter() - t0)
-        return outputs + emitted
 
     def _should_pipeline(self) -> bool:
         """pipeline=True: always; "auto": while the cost model predicts two groups faster than one, with a margin
@@ -370,7 +445,7 @@ class Engine:
         threshold = 1.0 if self._is_pipelining else PIPELINE_ENTER_SPEEDUP
         return self.budget.pipeline_speedup(self.scheduler.running) > threshold
 
-    def _pipelined_step(self, is_pipelining: bool = True) -> list[RequestOutput]:
+    def _pipelined_step(self, outputs: list[RequestOutput], is_pipelining: bool = True) -> None:
         """One phase with two request groups in flight: the target verifies the trees drafted in the previous phase
         while the drafter drafts the requests that phase verified (their new roots are known).
 
@@ -379,7 +454,7 @@ class Engine:
         two groups stay balanced as requests join and leave. With one speculating request the phases alternate
         draft / verify, which is the sequential round. In one process (`Completed` calls) the phases run one after
         the other; with the workers on two actors (deployments/) the draft and the verify run concurrently."""
-        outputs = self._admit_and_prefill()
+        self._admit_and_prefill(outputs)
         self.timings.num_pipelined_phases += int(is_pipelining)
         in_verify, self._drafted_group = self._drafted_group, None  # (`_finish` took aborted requests out of it)
         busy = set(in_verify.plan.speculative_ids) if in_verify is not None else set()
@@ -426,15 +501,14 @@ class Engine:
         if pending_verify is not None:
             result = self._collect_verify(verify_plan, pending_verify)
             self._observe(verify_plan, verify_drafted, result)
-            outputs += self._emit(verify_plan, result)
-        return outputs
+            self._emit(verify_plan, result, outputs)
 
     def _ready_requests(self, busy: set[str]) -> list[str]:
         """Running requests whose next root token is known and that are not waiting for a verify."""
         return [rid for rid in self.scheduler.running
                 if rid not in busy and self.requests[rid].root_token_id is not None]
 
-    def _admit_and_prefill(self) -> list[RequestOutput]:
+    def _admit_and_prefill(self, outputs: list[RequestOutput]) -> None:
         def try_allocate(rid: str) -> bool:
             req = self.requests[rid]
             # Room for the prompt, every new token, and one verify pass's scratch entries.
@@ -443,19 +517,23 @@ class Engine:
 
         admitted = self.scheduler.admit(try_allocate)
         if not admitted:
-            return []
+            return
         t0 = time.perf_counter()
         prefilled = self.target.prefill(admitted, [self.requests[r].prompt_token_ids for r in admitted])
         self.timings.prefill += time.perf_counter() - t0
-        outputs = []
         for rid, token, logprobs in zip(admitted, prefilled.token_ids, prefilled.logprobs):
-            self.budget.add(rid)
-            req = self.requests[rid]
-            if self.ngram_tokens:
-                req.ngrams = NgramIndex(req.prompt_token_ids)
-            req.stats.first_token_time = time.perf_counter()
-            outputs.append(self._append_tokens(req, [token], logprobs))
-        return [o for o in outputs if o is not None]
+            self._first_token(self.requests[rid], token, logprobs, outputs)
+
+    def _first_token(self, req: _Request, token: int, logprobs: RawLogprobs | None,
+                     outputs: list[RequestOutput]) -> None:
+        """A prefilled request's first token: from here on the budget policy plans it."""
+        self.budget.add(req.request_id)
+        if self.ngram_tokens:
+            req.ngrams = NgramIndex(req.prompt_token_ids)
+        req.stats.first_token_time = time.perf_counter()
+        out = self._append_tokens(req, [token], logprobs)
+        if out is not None:
+            outputs.append(out)
 
     def _plan(self, running: list[str]) -> RoundPlan:
         if not self._can_draft:
@@ -615,12 +693,11 @@ class Engine:
             self.budget.observe_proposal(drafted.proposals.get(rid),
                                          accepted + [result.bonus_token_ids[num_speculative + j]])
 
-    def _emit(self, plan: RoundPlan, result: VerifyResult) -> list[RequestOutput]:
+    def _emit(self, plan: RoundPlan, result: VerifyResult, outputs: list[RequestOutput]) -> None:
         """Commit each request's accepted tokens and bonus token. Its statistics count what the round committed:
         tokens accepted past a stop are discarded, and not counted either (the budget policy learned from the
         whole verify result in `_observe`)."""
         t0 = time.perf_counter()
-        outputs = []
         num_speculative = len(plan.speculative_ids)
         for i, rid in enumerate(plan.speculative_ids + plan.autoregressive_ids):
             req = self.requests[rid]
@@ -637,7 +714,6 @@ class Engine:
             if out is not None:
                 outputs.append(out)
         self.timings.emit += time.perf_counter() - t0
-        return outputs
 
     def _append_tokens(self, req: _Request, tokens: list[int], logprobs: RawLogprobs | None = None
                        ) -> RequestOutput | None:
@@ -692,7 +768,13 @@ class Engine:
             self._drafted_group = _without(self._drafted_group, {rid})
         self.scheduler.remove(rid)
         self.budget.remove(rid)
-        self.target.free(rid)
+        if rid in self._to_restore:  # (no KV on the new target yet)
+            self._to_restore.remove(rid)
+        elif self.target_lost is None:  # (a lost target's KV went with it)
+            try:
+                self.target.free(rid)
+            except WorkerLostError as exc:  # the request is finished all the same
+                self.lose_target(exc)
         self._without_draft_context.discard(rid)
         if self._can_draft:
             try:

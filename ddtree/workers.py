@@ -31,7 +31,8 @@ DEFAULT_DRAFTER_DIR = Path(__file__).parent / "assets" / "drafter" / "smollm2-13
 
 class WorkerLostError(RuntimeError):
     """A worker's process is gone: none of its calls will be answered. Worker proxies that run a worker elsewhere
-    (deployments/actors.py) raise it; the engine survives losing the drafter (its requests go on without drafts)."""
+    (deployments/actors.py) raise it. The engine survives losing either worker: without a drafter its requests go on
+    without drafts; without a target they wait for a new one and are prefilled again on it (`Engine.attach_target`)."""
 
 
 def wait_for_device(device: torch.device | str) -> None:

@@ -209,9 +209,10 @@ class EngineLoop:
     def _serve(self) -> None:
         engine = self.engine
         while True:
-            # Block on the inbox only when there is nothing to step (waking every idle_every_s for on_idle).
+            # Block on the inbox only when there is nothing to step (waking every idle_every_s for on_idle), or
+            # when nothing can run until a new target is attached (the replica's health check sends it here).
             item = None
-            if not engine.has_unfinished_requests():
+            if not engine.has_unfinished_requests() or engine.target_lost is not None:
                 self._busy_since = None
                 try:
                     item = self._inbox.get(timeout=self.idle_every_s if self.on_idle is not None else None)
@@ -228,7 +229,7 @@ class EngineLoop:
                     break
                 if not self._handle(item):
                     return
-            if not engine.has_unfinished_requests():
+            if not engine.has_unfinished_requests() or engine.target_lost is not None:
                 continue
             t0 = time.perf_counter()
             outputs = engine.step()

@@ -893,6 +893,97 @@ def test_features_kept_for_the_drafter_hold_only_their_own_rows(workers):
             target.free(rid)
 
 
+class _DyingTarget:
+    """The in-process target, until its `lives`-th call: from then on every call raises WorkerLostError, as the
+    proxy of a target actor that died does."""
+
+    def __init__(self, target, lives: int) -> None:
+        self.inner, self.lives = target, lives
+        for name in ("vocab_size", "eos_token_ids", "max_request_tokens", "max_model_len", "can_overlap"):
+            setattr(self, name, getattr(target, name))
+
+    def _call(self, name, *args):
+        from ddtree.workers import WorkerLostError
+
+        self.lives -= 1
+        if self.lives < 0:
+            raise WorkerLostError("the target worker died")
+        return getattr(self.inner, name)(*args)
+
+    def allocate(self, *args):
+        return self._call("allocate", *args)
+
+    def prefill(self, *args):
+        return self._call("prefill", *args)
+
+    def verify_async(self, *args):
+        return self._call("verify_async", *args)
+
+    def take_features(self, *args):
+        return self._call("take_features", *args)
+
+    def free(self, *args):
+        return self._call("free", *args)
+
+
+@pytest.fixture(scope="module")
+def spare_workers(checkpoints):
+    """A second pair of workers on the same checkpoints: what a restarted worker actor loads."""
+    target, drafter = checkpoints
+    return build_workers(str(target), str(drafter), dtype="float64")
+
+
+@pytest.mark.parametrize("new_drafter", [False, True], ids=["same-drafter", "new-drafter"])
+@pytest.mark.parametrize("pipeline", [False, True], ids=["sequential", "pipelined"])
+@pytest.mark.parametrize("lives", [1, 8, 19])
+def test_a_lost_target_costs_no_request_and_no_token(workers, spare_workers, pipeline, lives, new_drafter):
+    """The target's worker dies (its calls raise WorkerLostError) while requests run, wait, and one is aborted:
+    no round runs until a new target is attached, then every request is prefilled again from its prompt and
+    committed tokens and finishes with off's tokens, greedy and seeded-sampled alike. Each request's stream of
+    increments holds every final token once, in order."""
+    target, drafter, tok = workers
+    new_target, spare_drafter, _ = spare_workers
+    params = [greedy(30), SamplingParams(temperature=0.9, seed=11, max_tokens=30, ignore_eos=True), greedy(30),
+              SamplingParams(temperature=0.7, seed=5, max_tokens=30, ignore_eos=True), greedy(30)]
+    reference = make_llm(workers, speculation="off").generate(PROMPTS, params)
+    dying = _DyingTarget(target, lives)
+    engine = Engine(EngineConfig(speculation="ddtree", budget=4, max_num_seqs=3, pipeline=pipeline), dying,
+                    drafter, tok, cost=copy.deepcopy(FLAT_COST))
+    ids: list[str] = []
+    try:
+        ids += [engine.add_request(p, sp) for p, sp in zip(PROMPTS[:4], params[:4])]
+        streamed: dict[str, list[int]] = {}
+        finals = {}
+
+        def take(outputs) -> None:
+            for o in outputs:
+                streamed.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if o.finished:
+                    finals[o.request_id] = o
+
+        while engine.target_lost is None:
+            take(engine.step())
+        assert engine.num_target_losses == 1 and engine.has_unfinished_requests()
+        assert engine.step() == [] and engine.step() == []  # nothing runs without a target
+        ids.append(engine.add_request(PROMPTS[4], params[4]))  # (queued while there is none)
+        aborted = engine.add_request("aborted while the target is lost", greedy(30))
+        take([engine.abort_request(aborted)])
+        engine.attach_target(new_target, spare_drafter if new_drafter else None)
+        while engine.has_unfinished_requests():
+            take(engine.step())
+        assert [finals[i].token_ids for i in ids] == [r.token_ids for r in reference]
+        assert all(streamed[i] == finals[i].token_ids for i in ids)
+        assert finals[aborted].finish_reason == "abort"
+        assert engine.target_lost is None and new_target.num_kv_bytes_used == 0
+        assert engine.timings.num_speculative_request_rounds > 0
+    finally:
+        for rid in list(target._seq_ids):  # what the "dead" worker held
+            target.free(rid)
+        for worker in (drafter, spare_drafter):  # (a replaced drafter keeps the contexts it had)
+            for rid in ids:
+                worker.free(rid)
+
+
 class _DyingDrafter:
     """The in-process drafter, until its `lives`-th call: from then on every call raises WorkerLostError, as a
     proxy of a drafter actor that died does."""
