@@ -591,11 +591,13 @@ class WorkerActors:
     target_proxy: TargetProxy
     drafter_proxy: DrafterProxy | None
     hops: HopTimes
-    # what a restarted drafter needs: its spec, its bundle and the placement group (None: none)
+    # what restarted workers need: their spec, their bundles and the placement group (None: none)
     spec: WorkerSpec | None = None
+    target_place: ActorPlace | None = None
     drafter_place: ActorPlace | None = None
     placement_group: object = None
     num_drafter_restarts: int = 0
+    num_target_restarts: int = 0
 
     def kill(self) -> None:
         for proxy in (self.target_proxy, self.drafter_proxy):
@@ -631,6 +633,27 @@ class WorkerActors:
         return _start_drafter(self.spec, self.drafter_place, self.placement_group, self.target, self.target_proxy,
                               self.hops)
 
+    def start_workers(self, timeout_s: float | None = None) -> "WorkerActors":
+        """A new target actor (and drafter actor) in the old ones' bundles, after the target died (blocking: they
+        load; GetTimeoutError past `timeout_s`, e.g. when the bundles never free). The old drafter goes too: its
+        features came from the dead target, and the new drafter rebuilds each request's context from the target's
+        re-prefill. The caller installs them (`install_workers`)."""
+        for actor in (self.target, self.drafter):
+            if actor is not None:
+                with contextlib.suppress(Exception):  # (dead already)
+                    ray.kill(actor)
+        return start_worker_actors(self.spec, self.target_place, self.drafter_place, self.placement_group,
+                                   hops=self.hops, timeout_s=timeout_s)
+
+    def install_workers(self, fresh: "WorkerActors") -> None:
+        """On the engine's thread: the workers of `start_workers` are the ones to call."""
+        for proxy in (self.target_proxy, self.drafter_proxy):
+            if proxy is not None:
+                proxy.channel.close()
+        self.target, self.target_proxy = fresh.target, fresh.target_proxy
+        self.drafter, self.drafter_proxy = fresh.drafter, fresh.drafter_proxy
+        self.num_target_restarts += 1
+
     def install_drafter(self, actor, proxy: "DrafterProxy") -> None:
         """On the engine's thread (the target proxy's one user): the new drafter is the one to call."""
         if self.drafter_proxy is not None:
@@ -652,13 +675,13 @@ def _actor_options(spec: WorkerSpec, place: ActorPlace, pg) -> dict:
 
 
 def _start_drafter(spec: WorkerSpec, place: ActorPlace, pg, target, target_proxy: TargetProxy,
-                   hops: HopTimes) -> tuple[object, DrafterProxy]:
+                   hops: HopTimes, timeout_s: float | None = None) -> tuple[object, DrafterProxy]:
     head = target.head.remote()  # by reference: target actor -> drafter actor
     drafter = ray.remote(DrafterActor).options(**_actor_options(spec, place, pg)).remote(spec, head)
     try:
-        info = ray.get(drafter.describe.remote())
+        info = ray.get(drafter.describe.remote(), timeout=timeout_s)
         _check_same_node(info["channel"], "drafter")
-        ray.get(target.connect_drafter.remote(info["features"]))
+        ray.get(target.connect_drafter.remote(info["features"]), timeout=timeout_s)
         return drafter, DrafterProxy(drafter, info, target_proxy, hops, spec.workers_overlap)
     except BaseException:
         ray.kill(drafter)
@@ -666,22 +689,29 @@ def _start_drafter(spec: WorkerSpec, place: ActorPlace, pg, target, target_proxy
 
 
 def start_worker_actors(spec: WorkerSpec, target_place: ActorPlace, drafter_place: ActorPlace | None,
-                        placement_group=None) -> WorkerActors:
+                        placement_group=None, hops: HopTimes | None = None,
+                        timeout_s: float | None = None) -> WorkerActors:
     """Create the target actor (and the drafter actor) in the given bundles of `placement_group` (None: the
-    caller's own placement group if it runs in one, else anywhere), and wait until both have loaded."""
+    caller's own placement group if it runs in one, else anywhere), and wait until both have loaded (each for at
+    most `timeout_s`: None waits as long as it takes). `hops`: where the proxies add up their calls' overhead (a
+    new record when None)."""
     from ray.util import get_current_placement_group
 
     pg = placement_group if placement_group is not None else get_current_placement_group()
     target = ray.remote(TargetActor).options(**_actor_options(spec, target_place, pg)).remote(
         spec, drafter_place is not None)
-    info = ray.get(target.describe.remote())  # waits for the target to load
-    _check_same_node(info["channel"], "target")
-    hops = HopTimes()
-    target_proxy = TargetProxy(target, info, hops, spec.workers_overlap)
-    drafter = drafter_proxy = None
-    if drafter_place is not None:
-        drafter, drafter_proxy = _start_drafter(spec, drafter_place, pg, target, target_proxy, hops)
-    return WorkerActors(target, drafter, target_proxy, drafter_proxy, hops, spec, drafter_place, pg)
+    try:
+        info = ray.get(target.describe.remote(), timeout=timeout_s)  # waits for the target to load
+        _check_same_node(info["channel"], "target")
+        hops = hops if hops is not None else HopTimes()
+        target_proxy = TargetProxy(target, info, hops, spec.workers_overlap)
+        drafter = drafter_proxy = None
+        if drafter_place is not None:
+            drafter, drafter_proxy = _start_drafter(spec, drafter_place, pg, target, target_proxy, hops, timeout_s)
+    except BaseException:
+        ray.kill(target)
+        raise
+    return WorkerActors(target, drafter, target_proxy, drafter_proxy, hops, spec, target_place, drafter_place, pg)
 
 
 def _check_same_node(address: ChannelAddress, name: str) -> None:

@@ -78,7 +78,7 @@ class _Stream:
 class EngineLoop:
     engine: object  # ddtree.engine.Engine
     on_round: Callable[[RoundReport], None] | None = None
-    on_idle: Callable[[], None] | None = None  # called every `idle_every_s` while there is nothing to step
+    on_idle: Callable[[], None] | None = None  # called every `idle_every_s` while no round runs (idle, or target lost)
     idle_every_s: float = 1.0
     _inbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     _streams: dict[str, _Stream] = field(default_factory=dict)

@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from deployments.config import AppArgs, WorkerSpec, parse_args
 from deployments.engine_request import EngineRequest
-from deployments.errors import APIError, bad_request, internal_error, prompt_too_long, queue_full
+from deployments.errors import (APIError, bad_request, engine_unavailable, internal_error, prompt_too_long,
+                                queue_full)
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,8 @@ class DDTreeEngine:
         )
         target = self.actors.target_proxy
         self.engine = Engine(config, target, self.actors.drafter_proxy, target.tokenizer)
-        self.metrics = EngineMetrics(self.engine, self.actors.hops, kv_cache_stats=target.kv_cache_stats)
+        self.metrics = EngineMetrics(self.engine, self.actors.hops,
+                                     kv_cache_stats=lambda: self.actors.target_proxy.kv_cache_stats())
         # Prompts are tokenized (chat templates rendered) here, off the loop thread, by a tokenizer of their own
         # (the loop's detokenizes at the same time): a long prompt delays itself, not every running request's
         # next round (the Rust tokenizer releases the GIL while it encodes). One thread: prompts in arrival order.
@@ -59,6 +61,8 @@ class DDTreeEngine:
         self._drafter_restart: asyncio.Task | None = None  # a new drafter actor loading
         self._next_drafter_restart = 0.0  # (monotonic) after a failed restart: when to try again
         self._num_failed_drafter_restarts = 0
+        self._workers_restart: asyncio.Task | None = None  # a new target (and drafter) actor loading
+        self._workers_restart_error: str | None = None  # it failed: the replica is unhealthy
 
     async def _prompt_token_ids(self, request: EngineRequest) -> list[int]:
         """The request's prompt as token ids, checked against the context window; chat messages through the
@@ -144,6 +148,11 @@ class DDTreeEngine:
                 "drafter_lost": engine.drafter_lost,
                 "num_drafter_losses": engine.num_drafter_losses,
                 "num_drafter_restarts": self.actors.num_drafter_restarts,
+                # a lost target (None: live); losses so far and target actors restarted (its requests prefilled
+                # again on the new one)
+                "target_lost": engine.target_lost,
+                "num_target_losses": engine.num_target_losses,
+                "num_target_restarts": self.actors.num_target_restarts,
                 "worker_pids": {"target": self.actors.target_proxy.pid,
                                 "drafter": getattr(self.actors.drafter_proxy, "pid", None)},
                 # the closed loop's measurements per batch-size bucket (auto budget; None otherwise)
@@ -152,7 +161,9 @@ class DDTreeEngine:
 
         state = await self.loop.call(read)
         # what leaks would show (each 0 or flat once the replica is idle), read off the loop thread
-        state["kv_cache_bytes_used"] = (await self.actors.target.kv_cache_stats.remote())["bytes_used"]
+        state["kv_cache_bytes_used"] = None
+        with contextlib.suppress(Exception):  # (a dead target, being replaced: None)
+            state["kv_cache_bytes_used"] = (await self.actors.target.kv_cache_stats.remote())["bytes_used"]
         drafter = self.actors.drafter
         state["num_drafter_contexts"] = None
         if drafter is not None and state["drafter_lost"] is None:
@@ -169,13 +180,18 @@ class DDTreeEngine:
 
     async def check_health(self) -> None:
         """Fails (and Serve replaces the replica) when the engine loop stopped, a round has run past
-        `max_round_seconds` (a hung worker) or the target actor died. The last two give up on the engine first: its
-        requests fail now, so that stopping the replica does not wait for them (graceful_shutdown_timeout_s).
+        `max_round_seconds` (a hung worker), or a target actor that died could not be replaced. The last two give
+        up on the engine first: its requests fail now (503, retriable), so that stopping the replica does not wait
+        for them (graceful_shutdown_timeout_s).
 
-        A dead drafter actor is not a failure: the engine decodes on without drafts (its running requests lose
-        nothing), and this check starts a new drafter actor in the old one's bundle; once it has loaded, the engine
-        drafts with it again (requests admitted from the loss on; those running at the loss lost their drafter
-        context and decode plain to their end)."""
+        A dead target actor is not a failure by itself: its requests wait (no round runs), this check starts a new
+        target actor and a new drafter actor in the old ones' bundles, and once they have loaded every running
+        request is prefilled again from its prompt and committed tokens and goes on (`Engine.attach_target`).
+
+        A dead drafter actor is not a failure either: the engine decodes on without drafts (its running requests
+        lose nothing), and this check starts a new drafter actor in the old one's bundle; once it has loaded, the
+        engine drafts with it again (requests admitted from the loss on; those running at the loss lost their
+        drafter context and decode plain to their end)."""
         from deployments.engine_loop import EngineDeadError
 
         if not self.loop.is_alive:  # (its requests have failed already; abandoning again refuses new ones too)
@@ -184,13 +200,63 @@ class DDTreeEngine:
             problem = (f"an engine round has run for {self.loop.seconds_in_round:.0f} s (max_round_seconds "
                        f"{self.args.max_round_seconds:g}): a worker is hung")
         else:
-            problem = await self.actors.find_dead(names=("target",))
+            problem = self._workers_restart_error
         if problem is not None:
             logger.error("engine replica unhealthy: %s; failing its requests", problem)
             self.loop.abandon(EngineDeadError(problem))
             raise RuntimeError(problem)
+        if await self._recover_target():
+            return  # (the drafter is replaced with it)
         if self.actors.drafter is not None:
             await self._recover_drafter()
+
+    async def _recover_target(self) -> bool:
+        """Start a new target actor (and drafter actor) when the engine lost its target, or the target actor died
+        unnoticed (no round since); True while one is starting. If it fails to start, the engine's requests fail
+        with a retriable error and the replica with them (the next check)."""
+        from ddtree.workers import WorkerLostError
+
+        if self._workers_restart is not None and not self._workers_restart.done():
+            return True
+        if self.engine.target_lost is None:  # (a str set on the loop thread: reading it here is safe)
+            dead = await self.actors.find_dead(names=("target",))
+            if dead is None:
+                return False
+            await self.loop.call(lambda engine: engine.lose_target(WorkerLostError(dead)))
+        if self._drafter_restart is not None and not self._drafter_restart.done():
+            await self._drafter_restart  # (a drafter for the dead target: replaced below)
+        self._workers_restart = asyncio.ensure_future(self._restart_workers())
+        return True
+
+    async def _restart_workers(self) -> None:
+        import time
+
+        from deployments.engine_loop import EngineDeadError
+
+        logger.warning("starting a new target actor: %d requests wait for it", len(self.engine.requests))
+        t0 = time.monotonic()
+        try:
+            # (a start that takes longer than a round may is as hung as that round)
+            fresh = await asyncio.to_thread(self.actors.start_workers, self.args.max_round_seconds)
+        except Exception as exc:  # noqa: BLE001 - the requests fail retriably, then the replica (check_health)
+            self._workers_restart_error = f"the target actor died and a new one failed to start: {exc!r}"
+            logger.error("%s; failing the engine's requests", self._workers_restart_error)
+            self.loop.abandon(EngineDeadError(self._workers_restart_error))
+            return
+
+        def install(engine) -> None:
+            self.actors.install_workers(fresh)
+            engine.attach_target(fresh.target_proxy, fresh.drafter_proxy)
+
+        try:
+            await self.loop.call(install)
+        except Exception as exc:  # noqa: BLE001 - as a failed start
+            self._workers_restart_error = f"the target actor died and a new one could not be attached: {exc!r}"
+            logger.error("%s; failing the engine's requests", self._workers_restart_error)
+            self.loop.abandon(EngineDeadError(self._workers_restart_error))
+            return
+        logger.warning("a new target actor serves (started in %.1f s); its requests are prefilled again",
+                       time.monotonic() - t0)
 
     async def _recover_drafter(self) -> None:
         """Start a new drafter actor when the engine lost its drafter, or the drafter actor died unnoticed (no
@@ -274,9 +340,12 @@ def _as_api_error(exc: Exception, request: EngineRequest) -> APIError:
     """The engine's admission errors as the API errors a client should see."""
     from ddtree.engine import PromptTooLongError
     from ddtree.scheduler import EngineFullError
+    from deployments.engine_loop import EngineDeadError
 
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, EngineDeadError):
+        return engine_unavailable(str(exc))
     if isinstance(exc, PromptTooLongError):
         return prompt_too_long(str(exc), request.prompt_param)
     if isinstance(exc, EngineFullError):

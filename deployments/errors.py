@@ -9,19 +9,24 @@ class APIError(Exception):
     """An error the client should see as it is. Raised by the engine replica and the ingress alike; it crosses Ray's
     process boundary intact (see __reduce__)."""
 
-    def __init__(self, status: int, message: str, type: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, type: str, param: str | None = None, code: str | None = None,
+                 retry_after: int | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.param = param
         self.code = code
+        self.retry_after = retry_after  # seconds: a retriable error (429, 503) says when to try again
 
     def __reduce__(self):
-        return (APIError, (self.status, self.message, self.type, self.param, self.code))
+        return (APIError, (self.status, self.message, self.type, self.param, self.code, self.retry_after))
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def headers(self) -> dict[str, str]:
+        return {} if self.retry_after is None else {"Retry-After": str(self.retry_after)}
 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -46,7 +51,17 @@ def model_not_found(model: str, served: str) -> APIError:
 
 
 def queue_full(message: str) -> APIError:
-    return APIError(429, message, "rate_limit_error", None, "engine_queue_full")
+    return APIError(429, message, "rate_limit_error", None, "engine_queue_full", retry_after=1)
+
+
+def engine_not_ready(message: str) -> APIError:
+    return APIError(503, message, "server_error", None, "engine_not_ready", retry_after=5)
+
+
+def engine_unavailable(message: str) -> APIError:
+    """The engine replica failed (a worker died and could not be replaced): the request may be sent again, and
+    Serve's new replica, or another one, answers it."""
+    return APIError(503, message, "server_error", None, "engine_unavailable", retry_after=5)
 
 
 def not_found(path: str) -> APIError:

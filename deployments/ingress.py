@@ -27,8 +27,8 @@ from ddtree.sampling_params import SamplingParams
 from deployments import protocol
 from deployments.config import AppArgs, IngressSettings, parse_args
 from deployments.engine_request import EngineRequest
-from deployments.errors import (APIError, bad_request, body_too_large, internal_error, model_not_found, not_found,
-                                unauthorized, unwrap)
+from deployments.errors import (APIError, bad_request, body_too_large, engine_not_ready, internal_error,
+                                model_not_found, not_found, unauthorized, unwrap)
 
 logger = logging.getLogger(__name__)
 
@@ -91,15 +91,15 @@ def _wants_msgpack(request: Request) -> bool:
     return msgpack_q > 0 and msgpack_q >= json_q
 
 
-def _answer(request: Request, body: dict, status: int = 200) -> Response:
+def _answer(request: Request, body: dict, status: int = 200, headers: dict[str, str] | None = None) -> Response:
     if _wants_msgpack(request):
-        return Response(msgpack.packb(body), status_code=status, media_type=MSGPACK_MEDIA_TYPES[0])
-    return JSONResponse(body, status_code=status)
+        return Response(msgpack.packb(body), status_code=status, media_type=MSGPACK_MEDIA_TYPES[0], headers=headers)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 @api.exception_handler(APIError)
 async def _api_error(request: Request, exc: APIError) -> Response:
-    return _answer(request, exc.body(), exc.status)
+    return _answer(request, exc.body(), exc.status, exc.headers())
 
 
 @api.exception_handler(RequestValidationError)
@@ -135,7 +135,8 @@ async def _engine_call(awaitable):
     except Exception as exc:  # noqa: BLE001 - every failure must reach the client in the API's shape
         cause = unwrap(exc)
         if isinstance(cause, APIError):
-            raise APIError(cause.status, cause.message, cause.type, cause.param, cause.code) from None
+            raise APIError(cause.status, cause.message, cause.type, cause.param, cause.code,
+                           cause.retry_after) from None
         if isinstance(exc, RequestCancelledError) or isinstance(cause, RequestCancelledError):
             raise  # the client went away (Serve cancels its request): nothing failed, no one to answer
         logger.exception("engine call failed")
@@ -236,7 +237,7 @@ class OpenAIIngress:
             await asyncio.wait_for(_engine_call(response), HEALTH_TIMEOUT_S)
         except (asyncio.TimeoutError, APIError):
             response.cancel()
-            raise APIError(503, "The engine is not ready.", "server_error", None, "engine_not_ready") from None
+            raise engine_not_ready("The engine is not ready.") from None
         self._has_answered = True
 
     @api.get("/v1/models")

@@ -23,6 +23,10 @@ the last round's values; Ray also stops exporting a gauge nobody sets).
                                                         loss until a restarted one is attached (speculating modes)
     ddtree_drafter_losses_total              Counter    drafter actors lost while the engine ran (each one's
                                                         requests decoded on without drafts)
+    ddtree_target_available                  Gauge      1 while the engine has a live target, 0 from its loss until
+                                                        a restarted one is attached (its requests wait meanwhile)
+    ddtree_target_losses_total               Counter    target actors lost while the engine ran (each one's requests
+                                                        prefilled again on the restarted target)
     ddtree_actor_hop_seconds_total           Counter    time in actor calls beyond the actors' own work (overlaps
                                                         the stages: prefill and draft are timed around the call,
                                                         verify and accept inside the target actor, so a verify's
@@ -72,6 +76,9 @@ class EngineMetrics:
         self.drafter_available = Gauge("ddtree_drafter_available", "1 while the drafter is live, 0 after its loss.")
         self.drafter_losses = Counter("ddtree_drafter_losses_total", "Drafter actors lost while the engine ran.")
         self._last_drafter_losses = 0
+        self.target_available = Gauge("ddtree_target_available", "1 while the target is live, 0 after its loss.")
+        self.target_losses = Counter("ddtree_target_losses_total", "Target actors lost while the engine ran.")
+        self._last_target_losses = 0
         self._last_timings = engine.timings.as_dict()
         self._last_hop_seconds = hops.seconds
         self._rounds_seen: dict[str, int] = {}
@@ -79,23 +86,29 @@ class EngineMetrics:
         self._last_kv_time = 0.0
 
     def on_idle(self) -> None:
-        """Nothing running or queued (the engine loop calls this while it waits for requests). No worker call here:
-        a hung worker must not block the idle loop, where no round would time it; with no request in the engine,
-        no KV cache entry is in use."""
+        """No round runs: nothing is running or queued, or the target is lost and its requests wait for a new one
+        (the engine loop calls this while it waits on its inbox). No worker call here: a hung worker must not block
+        the idle loop, where no round would time it; no KV cache entry is in use on a live target then."""
         now = time.monotonic()
         self.tokens_per_second.set(self._tokens_per_second(now, 0))
-        for gauge in (self.speculative, self.fallback, self.running, self.queue_depth, self.pipelined, self.kv_bytes):
+        for gauge in (self.speculative, self.fallback, self.pipelined, self.kv_bytes):
             gauge.set(0)
-        self._drafter_state()
+        self.running.set(self.engine.num_running)
+        self.queue_depth.set(self.engine.num_waiting)
+        self._worker_state()
 
-    def _drafter_state(self) -> None:
-        if self.engine.drafter is None:
+    def _worker_state(self) -> None:
+        engine = self.engine
+        self.target_available.set(0 if engine.target_lost is not None else 1)
+        if engine.num_target_losses > self._last_target_losses:
+            self.target_losses.inc(engine.num_target_losses - self._last_target_losses)
+            self._last_target_losses = engine.num_target_losses
+        if engine.drafter is None:
             return
-        self.drafter_available.set(0 if self.engine.drafter_lost is not None else 1)
-        losses = self.engine.num_drafter_losses
-        if losses > self._last_drafter_losses:
-            self.drafter_losses.inc(losses - self._last_drafter_losses)
-            self._last_drafter_losses = losses
+        self.drafter_available.set(0 if engine.drafter_lost is not None else 1)
+        if engine.num_drafter_losses > self._last_drafter_losses:
+            self.drafter_losses.inc(engine.num_drafter_losses - self._last_drafter_losses)
+            self._last_drafter_losses = engine.num_drafter_losses
 
     def _tokens_per_second(self, now: float, num_tokens: int) -> float:
         self._window.append((now, num_tokens))
@@ -134,7 +147,7 @@ class EngineMetrics:
         self.queue_depth.set(report.num_waiting)
         self.round_seconds.observe(report.wall_seconds)
         self.pipelined.set(1 if delta["num_pipelined_phases"] else 0)
-        self._drafter_state()
+        self._worker_state()
 
         hop_seconds = self.hops.seconds - self._last_hop_seconds
         self._last_hop_seconds = self.hops.seconds
@@ -149,6 +162,7 @@ class EngineMetrics:
         if other > 0 and not delta["num_pipelined_phases"]:
             self.stage_seconds.inc(other, tags={"stage": "other"})
 
-        if self.kv_cache_stats is not None and now - self._last_kv_time >= self.kv_every_s:
+        if (self.kv_cache_stats is not None and self.engine.target_lost is None
+                and now - self._last_kv_time >= self.kv_every_s):
             self._last_kv_time = now
             self.kv_bytes.set(self.kv_cache_stats()["bytes_used"])

@@ -534,6 +534,7 @@ def test_full_queue_answers_429_and_disconnects_abort(served):
     assert (info["num_running"], info["num_waiting"]) == (MAX_NUM_SEQS, MAX_WAITING)
     r = _post(served, "/v1/completions", {**long_body, "stream": False})
     assert r.status_code == 429 and r.json()["error"]["code"] == "engine_queue_full"
+    assert r.headers["Retry-After"] == "1"
 
     # Clients going away abort their requests: the engine empties long before 400 tokens each.
     while any(t.is_alive() for t in threads) or streams:
@@ -783,7 +784,7 @@ def test_a_dead_worker_actor_is_found_by_the_health_check(served, app_args):
 
 def test_a_dead_worker_fails_its_call_at_once(served, app_args):
     """A worker actor that dies closes its channel: the engine's call in flight, or its next one, raises at once
-    (the engine loop then fails its requests and the health check replaces the replica) instead of waiting."""
+    (the engine then decodes on without drafts, or waits for a new target) instead of waiting for an answer."""
     from deployments.actors import start_worker_actors
     from deployments.channel import ChannelClosedError
     from deployments.config import ActorPlace, WorkerSpec, parse_args
@@ -813,72 +814,126 @@ def test_a_dead_worker_fails_its_call_at_once(served, app_args):
         actors.kill()
 
 
-def test_a_drafter_actor_killed_mid_stream_loses_no_request_and_comes_back(served, app_args, offline):
-    """The drafter actor's process is killed (SIGKILL) while streams run and others wait: every request finishes
-    with the offline answer, none fails; the health check starts a new drafter actor, and requests admitted after
-    it drafts again speculate."""
-    import os
-    import signal
-
+@pytest.fixture(scope="module")
+def fault_app(served, app_args):
+    """An app whose worker actors the fault tests kill, with its handle and a client. A fixed budget: every request
+    drafts while a drafter is there (auto's policy may decode a random tiny model's requests plain, which would
+    leave "speculation resumed" unobservable)."""
     from ray import serve
 
     from deployments.app import build_app
 
-    name, prefix = "ddtree-drafter-kill", "/drafter-kill"
-    # a fixed budget: every request drafts while a drafter is there (auto's policy may decode a random tiny
-    # model's requests plain, which would leave "speculation resumed" unobservable)
+    name, prefix = "ddtree-faults", "/faults"
     serve.run(build_app({**app_args, "budget": 4}), name=name, route_prefix=prefix)
-    handle = serve.get_app_handle(name)
+    client = openai.OpenAI(base_url=served["base_url"] + prefix + "/v1", api_key=API_KEY, max_retries=0,
+                           timeout=120)
     try:
-        pid = handle.info.remote().result()["worker_pids"]["drafter"]
-        client = openai.OpenAI(base_url=served["base_url"] + prefix + "/v1", api_key=API_KEY, max_retries=0,
-                               timeout=60)
-        messages = [[{"role": "user", "content": p}] for p in ["hello world", "the cat sat on", "12 + 7 =", "abc"]]
-        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-        expected = [o.text for o in offline.chat(messages, params)]
-        texts: dict[int, str] = {}
-        errors: list[BaseException] = []
-        streaming = [threading.Event() for _ in messages]  # set at a request's first chunk (once admitted)
-
-        def stream(i: int) -> None:
-            parts = []
-            try:
-                for chunk in client.chat.completions.create(
-                        model=MODEL_NAME, messages=messages[i], temperature=0, max_tokens=200, stream=True,
-                        extra_body={"ignore_eos": True}):
-                    streaming[i].set()
-                    parts.extend(c.delta.content or "" for c in chunk.choices)
-                texts[i] = "".join(parts)
-            except BaseException as exc:  # noqa: BLE001 - the test reports it
-                errors.append(exc)
-
-        threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(messages))]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 60  # the first requests stream, the others wait for their seats: kill now
-        while sum(e.is_set() for e in streaming) < MAX_NUM_SEQS and time.monotonic() < deadline:
-            time.sleep(0.005)
-        os.kill(pid, signal.SIGKILL)
-        num_done_at_kill = len(texts)
-        for t in threads:
-            t.join(120)
-        assert not errors and num_done_at_kill < len(messages)
-        assert [texts[i] for i in range(len(messages))] == expected
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            info = handle.info.remote().result()
-            if info["num_drafter_restarts"] >= 1 and info["drafter_lost"] is None:
-                break
-            time.sleep(0.5)
-        assert info["num_drafter_losses"] == 1 and info["num_drafter_restarts"] == 1 and info["drafter_lost"] is None
-        assert info["worker_pids"]["drafter"] not in (None, pid)
-        rounds = info["timings"]["num_speculative_request_rounds"]
-        out = client.chat.completions.create(model=MODEL_NAME, messages=messages[0], temperature=0, max_tokens=200,
-                                             extra_body={"ignore_eos": True})
-        assert out.choices[0].message.content == expected[0]
-        assert handle.info.remote().result()["timings"]["num_speculative_request_rounds"] > rounds
+        yield serve.get_app_handle(name), client
     finally:
         serve.delete(name)
+
+
+FAULT_MESSAGES = [[{"role": "user", "content": p}] for p in ["hello world", "the cat sat on", "12 + 7 =", "abc"]]
+
+
+def _streams_through_a_kill(client, worker: str, handle, samplings: list[dict]) -> tuple[dict, int]:
+    """Stream every FAULT_MESSAGES request (200 tokens each; `samplings`: each one's temperature and seed) and
+    SIGKILL the `worker` actor's process once MAX_NUM_SEQS of them stream (the others wait for their seats):
+    (each request's streamed text, how many had finished at the kill). Raises the first request that failed."""
+    import os
+    import signal
+
+    pid = handle.info.remote().result()["worker_pids"][worker]
+    texts: dict[int, str] = {}
+    errors: list[BaseException] = []
+    streaming = [threading.Event() for _ in FAULT_MESSAGES]  # set at a request's first chunk (once admitted)
+
+    def stream(i: int) -> None:
+        parts = []
+        try:
+            for chunk in client.chat.completions.create(
+                    model=MODEL_NAME, messages=FAULT_MESSAGES[i], max_tokens=200, stream=True, **samplings[i],
+                    extra_body={"ignore_eos": True}):
+                streaming[i].set()
+                parts.extend(c.delta.content or "" for c in chunk.choices)
+            texts[i] = "".join(parts)
+        except BaseException as exc:  # noqa: BLE001 - the test reports it
+            errors.append(exc)
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(FAULT_MESSAGES))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60  # the first requests stream, the others wait for their seats: kill now
+    while sum(e.is_set() for e in streaming) < MAX_NUM_SEQS and time.monotonic() < deadline:
+        time.sleep(0.005)
+    os.kill(pid, signal.SIGKILL)
+    num_done_at_kill = len(texts)
+    for t in threads:
+        t.join(180)
+    if errors:
+        raise errors[0]
+    return texts, num_done_at_kill
+
+
+def _wait_for_info(handle, ready, seconds: float = 90) -> dict:
+    deadline = time.monotonic() + seconds
+    while True:
+        info = handle.info.remote().result()
+        if ready(info) or time.monotonic() > deadline:
+            return info
+        time.sleep(0.5)
+
+
+def test_a_drafter_actor_killed_mid_stream_loses_no_request_and_comes_back(fault_app, offline):
+    """The drafter actor's process is killed (SIGKILL) while streams run and others wait: every request finishes
+    with the offline answer, none fails; the health check starts a new drafter actor, and requests admitted after
+    it drafts again speculate."""
+    handle, client = fault_app
+    pid = handle.info.remote().result()["worker_pids"]["drafter"]
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    expected = [o.text for o in offline.chat(FAULT_MESSAGES, params)]
+    before = handle.info.remote().result()
+    texts, num_done_at_kill = _streams_through_a_kill(client, "drafter", handle, [{"temperature": 0}] * 4)
+    assert num_done_at_kill < len(FAULT_MESSAGES)
+    assert [texts[i] for i in range(len(FAULT_MESSAGES))] == expected
+    info = _wait_for_info(handle, lambda i: i["num_drafter_restarts"] > before["num_drafter_restarts"]
+                          and i["drafter_lost"] is None)
+    assert info["num_drafter_losses"] == before["num_drafter_losses"] + 1
+    assert info["num_drafter_restarts"] == before["num_drafter_restarts"] + 1 and info["drafter_lost"] is None
+    assert info["worker_pids"]["drafter"] not in (None, pid)
+    rounds = info["timings"]["num_speculative_request_rounds"]
+    out = client.chat.completions.create(model=MODEL_NAME, messages=FAULT_MESSAGES[0], temperature=0, max_tokens=200,
+                                         extra_body={"ignore_eos": True})
+    assert out.choices[0].message.content == expected[0]
+    assert handle.info.remote().result()["timings"]["num_speculative_request_rounds"] > rounds
+
+
+def test_a_target_actor_killed_mid_stream_loses_no_request_and_no_token(fault_app, offline):
+    """The target actor's process is killed (SIGKILL) while streams run and others wait: the health check starts a
+    new target actor (and drafter actor), every running request is prefilled again from its prompt and committed
+    tokens, and every stream ends with the offline answer: no request fails, no token is repeated or missing, and
+    seeded sampled requests give the text they give without the fault. Speculation goes on with the new pair."""
+    handle, client = fault_app
+    samplings = [{"temperature": 0}, {"temperature": 0.9, "seed": 11}, {"temperature": 0},
+                 {"temperature": 0.7, "seed": 5}]
+    params = [SamplingParams(temperature=s["temperature"], seed=s.get("seed"), max_tokens=200, ignore_eos=True)
+              for s in samplings]
+    expected = [o.text for o in offline.chat(FAULT_MESSAGES, params)]
+    before = handle.info.remote().result()
+    texts, num_done_at_kill = _streams_through_a_kill(client, "target", handle, samplings)
+    assert num_done_at_kill < len(FAULT_MESSAGES)
+    assert [texts[i] for i in range(len(FAULT_MESSAGES))] == expected
+    info = _wait_for_info(handle, lambda i: i["num_target_restarts"] > before["num_target_restarts"])
+    assert info["num_target_losses"] == before["num_target_losses"] + 1 and info["target_lost"] is None
+    assert info["num_target_restarts"] == before["num_target_restarts"] + 1
+    assert info["worker_pids"]["target"] != before["worker_pids"]["target"]
+    assert info["worker_pids"]["drafter"] != before["worker_pids"]["drafter"]
+    assert info["kv_cache_bytes_used"] == 0 and info["num_drafter_contexts"] == 0
+    rounds = info["timings"]["num_speculative_request_rounds"]
+    out = client.chat.completions.create(model=MODEL_NAME, messages=FAULT_MESSAGES[0], temperature=0, max_tokens=200,
+                                         extra_body={"ignore_eos": True})
+    assert out.choices[0].message.content == expected[0]
+    assert handle.info.remote().result()["timings"]["num_speculative_request_rounds"] > rounds
 
 
 FUZZ_EXAMPLES = int(os.environ.get("DDTREE_FUZZ_EXAMPLES", "50"))  # per operation that takes a request body

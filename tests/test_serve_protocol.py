@@ -321,9 +321,20 @@ def test_an_echoed_assistant_message_is_accepted_when_its_extra_fields_are_empty
 
 
 def test_api_error_survives_pickling():
-    err = pickle.loads(pickle.dumps(APIError(429, "full", "rate_limit_error", None, "engine_queue_full")))
+    err = pickle.loads(pickle.dumps(APIError(429, "full", "rate_limit_error", None, "engine_queue_full", 1)))
     assert err.status == 429 and err.body() == {
         "error": {"message": "full", "type": "rate_limit_error", "param": None, "code": "engine_queue_full"}}
+    assert err.headers() == {"Retry-After": "1"} and APIError(400, "bad", "invalid_request_error").headers() == {}
+
+
+def test_a_failed_engine_answers_a_retriable_503():
+    from deployments.engine_loop import EngineDeadError
+    from deployments.engine_request import EngineRequest
+    from deployments.engine_server import _as_api_error
+
+    request = object.__new__(EngineRequest)
+    error = _as_api_error(EngineDeadError("the target actor died and a new one failed to start"), request)
+    assert (error.status, error.code, error.headers()) == (503, "engine_unavailable", {"Retry-After": "5"})
 
 
 # ---- the built application (no Ray start needed to build) -------------------------------------------------------
@@ -459,15 +470,23 @@ def test_autoscaling_and_worker_settings_are_checked_and_defaulted():
         build_app({"placement": "gpu-per-worker", "device": "cuda:1"})
 
 
-def test_health_check_gives_up_on_a_hung_or_dead_worker_first():
-    """check_health fails when a round runs past max_round_seconds or the target actor died, and abandons the
-    engine loop first (its requests fail at once, so that the replica's graceful stop has nothing to wait for). A
-    dead drafter is not a failure (tests/test_serve.py: the engine decodes on and a new drafter starts)."""
+def test_health_check_gives_up_on_a_hung_worker_and_on_a_target_it_cannot_replace():
+    """check_health fails when a round runs past max_round_seconds, and abandons the engine loop first (its
+    requests fail at once, so that the replica's graceful stop has nothing to wait for). A dead drafter is not a
+    failure, nor is a dead target by itself: the engine is told it lost its target and a new one starts
+    (tests/test_serve.py: requests then go on). Where that start fails, the requests fail with EngineDeadError (a
+    retriable 503) and the next check fails the replica."""
     import asyncio
 
     from deployments.config import parse_args
     from deployments.engine_loop import EngineDeadError
     from deployments.engine_server import DDTreeEngine
+
+    class Engine:
+        target_lost, drafter_lost, requests = None, None, {}
+
+        def lose_target(self, exc):
+            self.target_lost = str(exc)
 
     class Loop:
         is_alive, error, seconds_in_round = True, None, 0.0
@@ -478,6 +497,9 @@ def test_health_check_gives_up_on_a_hung_or_dead_worker_first():
         def abandon(self, exc):
             self.abandoned.append(exc)
 
+        async def call(self, fn):
+            return fn(server.engine)
+
         def stop(self):  # (the replica's __del__)
             pass
 
@@ -487,26 +509,40 @@ def test_health_check_gives_up_on_a_hung_or_dead_worker_first():
         async def find_dead(self, names=("target", "drafter")):
             return self.dead if self.dead is not None and self.dead.split()[1] in names else None
 
+        def start_workers(self, timeout_s):
+            raise RuntimeError("no room for a new target actor")
+
         def kill(self):
             pass
 
     server = object.__new__(DDTreeEngine)
-    server.args, server.loop, server.actors = parse_args({"max_round_seconds": 5}), Loop(), Actors()
-    asyncio.run(server.check_health())  # healthy: nothing abandoned
-    assert server.loop.abandoned == []
-    server.loop.seconds_in_round = 6.0
-    with pytest.raises(RuntimeError, match="a worker is hung"):
-        asyncio.run(server.check_health())
-    server.loop.seconds_in_round, server.actors.dead = 0.0, "the drafter actor died: gone"
-    asyncio.run(server.check_health())
-    server.actors.dead = "the target actor died: gone"
-    with pytest.raises(RuntimeError, match="target actor died"):
-        asyncio.run(server.check_health())
-    assert [type(e) for e in server.loop.abandoned] == [EngineDeadError, EngineDeadError]
+    server.args, server.loop, server.actors, server.engine = (parse_args({"max_round_seconds": 5}), Loop(), Actors(),
+                                                              Engine())
+    server._drafter_restart = server._workers_restart = server._workers_restart_error = None
+
+    async def scenario():
+        await server.check_health()  # healthy: nothing abandoned
+        assert server.loop.abandoned == []
+        server.loop.seconds_in_round = 6.0
+        with pytest.raises(RuntimeError, match="a worker is hung"):
+            await server.check_health()
+        server.loop.seconds_in_round, server.actors.dead = 0.0, "the drafter actor died: gone"
+        await server.check_health()
+        assert len(server.loop.abandoned) == 1
+        server.actors.dead = "the target actor died: gone"
+        await server.check_health()  # a new target starts; the requests wait for it
+        assert server.engine.target_lost == "the target actor died: gone" and len(server.loop.abandoned) == 1
+        await server._workers_restart  # ... and fails to start
+        assert "failed to start" in str(server.loop.abandoned[-1])
+        with pytest.raises(RuntimeError, match="failed to start"):
+            await server.check_health()
+
+    asyncio.run(scenario())
+    assert [type(e) for e in server.loop.abandoned] == [EngineDeadError] * 3
     server.actors.dead, server.loop.is_alive = None, False  # the loop thread stopped: abandoned too (idempotent)
     with pytest.raises(RuntimeError, match="engine loop stopped"):
         asyncio.run(server.check_health())
-    assert len(server.loop.abandoned) == 3
+    assert len(server.loop.abandoned) == 4
 
 
 def test_the_ingress_settings_change_in_place_over_the_args():
