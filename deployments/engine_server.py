@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import copy
 import logging
+import os
 import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -153,6 +154,7 @@ class DDTreeEngine:
                 "target_lost": engine.target_lost,
                 "num_target_losses": engine.num_target_losses,
                 "num_target_restarts": self.actors.num_target_restarts,
+                "pid": os.getpid(),  # the replica's process
                 "worker_pids": {"target": self.actors.target_proxy.pid,
                                 "drafter": getattr(self.actors.drafter_proxy, "pid", None)},
                 # the closed loop's measurements per batch-size bucket (auto budget; None otherwise)

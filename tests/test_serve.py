@@ -936,6 +936,58 @@ def test_a_target_actor_killed_mid_stream_loses_no_request_and_no_token(fault_ap
     assert handle.info.remote().result()["timings"]["num_speculative_request_rounds"] > rounds
 
 
+def test_a_replica_killed_mid_stream_fails_only_its_requests_and_is_replaced(fault_app, offline):
+    """The engine replica's process is killed (SIGKILL) while its streams run and others wait: each of them ends
+    with an error (none hangs, none ends as if complete), Serve starts a new replica with new workers, and the
+    next request gets the offline answer."""
+    import os
+    import signal
+
+    handle, client = fault_app
+    before = handle.info.remote().result()
+    params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    expected = [o.text for o in offline.chat(FAULT_MESSAGES, params)]
+    ends: dict[int, str] = {}  # how each stream ended: "error" or its finish reason
+    streaming = [threading.Event() for _ in FAULT_MESSAGES]
+
+    def stream(i: int) -> None:
+        reason = None
+        try:
+            for chunk in client.chat.completions.create(
+                    model=MODEL_NAME, messages=FAULT_MESSAGES[i], temperature=0, max_tokens=200, stream=True,
+                    extra_body={"ignore_eos": True}):
+                streaming[i].set()
+                if chunk.choices and chunk.choices[0].finish_reason:
+                    reason = chunk.choices[0].finish_reason
+            ends[i] = reason or "ended without a finish reason"
+        except Exception as exc:  # noqa: BLE001 - the client's error for a broken stream (its type varies)
+            ends[i] = f"error: {type(exc).__name__}: {exc}"
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(FAULT_MESSAGES))]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while sum(e.is_set() for e in streaming) < MAX_NUM_SEQS and time.monotonic() < deadline:
+        time.sleep(0.005)
+    os.kill(before["pid"], signal.SIGKILL)
+    t0 = time.monotonic()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads) and time.monotonic() - t0 < 60
+    assert len(ends) == len(FAULT_MESSAGES) and all(e.startswith("error") for e in ends.values()), ends
+    deadline, out = time.monotonic() + 180, None
+    while out is None and time.monotonic() < deadline:  # (Serve notices the death, then loads a new replica)
+        try:
+            out = client.chat.completions.create(model=MODEL_NAME, messages=FAULT_MESSAGES[0], temperature=0,
+                                                 max_tokens=200, extra_body={"ignore_eos": True})
+        except openai.APIError:
+            time.sleep(1)
+    assert out is not None and out.choices[0].message.content == expected[0]
+    after = handle.info.remote().result()
+    assert after["pid"] != before["pid"]
+    assert set(after["worker_pids"].values()).isdisjoint(before["worker_pids"].values())
+
+
 FUZZ_EXAMPLES = int(os.environ.get("DDTREE_FUZZ_EXAMPLES", "50"))  # per operation that takes a request body
 
 
