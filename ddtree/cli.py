@@ -38,6 +38,11 @@ def main(argv: list[str] | None = None) -> int:
 
     sweep_module.add_arguments(sweep)
     sweep.set_defaults(handler=sweep_module.run)
+    from loadtest import soak as soak_module
+
+    soak = loadtest_commands.add_parser("soak", help="one server under a steady load for a long time, watched for leaks")
+    soak_module.add_arguments(soak)
+    soak.set_defaults(handler=soak_module.run)
 
     import sys
 

@@ -76,6 +76,9 @@ class EngineConfig:
     # auto mode: the closed loop over the policy (guard.py) runs the faster of "as the policy plans" and plain
     # decoding per batch size, as measured, and the other in at most this share of the time. 0: the policy alone.
     max_explore_share: float = 0.03
+    # A request still waiting for admission after this many seconds leaves unserved, finish_reason "queue_timeout"
+    # (the server answers it with a retriable 503). None: it waits as long as it takes.
+    max_queue_seconds: float | None = None
 
     def __post_init__(self) -> None:
         if self.speculation not in SPECULATION_MODES:
@@ -95,6 +98,10 @@ class EngineConfig:
         if self.max_model_len is not None and (not isinstance(self.max_model_len, int) or self.max_model_len < 2):
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         check_max_explore_share(self.max_explore_share)
+        if self.max_queue_seconds is not None and (
+                isinstance(self.max_queue_seconds, bool) or not isinstance(self.max_queue_seconds, (int, float))
+                or not self.max_queue_seconds > 0):
+            raise ValueError(f"max_queue_seconds must be a positive number or None, got {self.max_queue_seconds!r}")
 
     @property
     def fixed_budget(self) -> int | None:
@@ -392,6 +399,7 @@ class Engine:
         """One round; the outputs of every request that committed tokens or finished in it. With the target lost,
         nothing runs (the caller waits for `attach_target`)."""
         outputs: list[RequestOutput] = []
+        self._expire_waiting(outputs)
         if self.target_lost is not None:
             return outputs
         try:
@@ -405,6 +413,19 @@ class Engine:
         except WorkerLostError as exc:  # the target's (the drafter's are handled where its calls are read)
             self.lose_target(exc)
         return outputs  # (what was committed before a loss included: a stream must not miss it)
+
+    def _expire_waiting(self, outputs: list[RequestOutput]) -> None:
+        """Requests waiting for admission past `max_queue_seconds` leave (oldest first: the queue is in arrival
+        order)."""
+        if self.config.max_queue_seconds is None:
+            return
+        now = time.perf_counter()
+        while self.scheduler.waiting:
+            req = self.requests[self.scheduler.waiting[0]]
+            if now - req.stats.arrival_time <= self.config.max_queue_seconds:
+                return
+            req.output.finish_reason = "queue_timeout"
+            outputs.append(self._finish(req, new_text="", new_token_ids=[]))
 
     def _sequential_step(self, outputs: list[RequestOutput]) -> None:
         self._admit_and_prefill(outputs)
@@ -766,17 +787,18 @@ class Engine:
         if self._drafted_group is not None:
             # Aborted while its tree waits for a verify: drop the tree now, before the id can be reused.
             self._drafted_group = _without(self._drafted_group, {rid})
+        was_admitted = rid in self.scheduler.running  # (a waiting request holds nothing in the workers)
         self.scheduler.remove(rid)
         self.budget.remove(rid)
         if rid in self._to_restore:  # (no KV on the new target yet)
             self._to_restore.remove(rid)
-        elif self.target_lost is None:  # (a lost target's KV went with it)
+        elif was_admitted and self.target_lost is None:  # (a lost target's KV went with it)
             try:
                 self.target.free(rid)
             except WorkerLostError as exc:  # the request is finished all the same
                 self.lose_target(exc)
         self._without_draft_context.discard(rid)
-        if self._can_draft:
+        if was_admitted and self._can_draft:
             try:
                 self.drafter.free(rid)
             except WorkerLostError as exc:

@@ -55,6 +55,9 @@ class AppArgs(BaseModel):
     max_waiting: PositiveInt = Field(
         256, description="Requests queued per engine replica beyond its free seats (max_num_seqs); beyond it the "
         "API answers 429.")
+    max_queue_seconds: float | None = Field(
+        60.0, gt=0, description="A request still waiting for admission after this long is answered 503 "
+        "(queue_timeout, with Retry-After) instead of waiting on. None: requests wait as long as it takes.")
     max_model_len: int | None = Field(None, ge=2, description="Context window cap. None: the model's own.")
     default_max_tokens: PositiveInt | None = Field(
         None, description="max_tokens of a chat request that gives none. None: the rest of the context window "

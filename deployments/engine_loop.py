@@ -212,13 +212,17 @@ class EngineLoop:
             # Block on the inbox only when there is nothing to step (waking every idle_every_s for on_idle), or
             # when nothing can run until a new target is attached (the replica's health check sends it here).
             item = None
-            if not engine.has_unfinished_requests() or engine.target_lost is not None:
+            is_target_lost = engine.target_lost is not None
+            if not engine.has_unfinished_requests() or is_target_lost:
                 self._busy_since = None
                 try:
-                    item = self._inbox.get(timeout=self.idle_every_s if self.on_idle is not None else None)
+                    item = self._inbox.get(
+                        timeout=self.idle_every_s if self.on_idle is not None or is_target_lost else None)
                 except queue.Empty:
                     self._call_back(self.on_idle)
-                    continue
+                    if not is_target_lost:
+                        continue
+            # (with the target lost, a step does nothing but let queued requests time out: it runs once per wake-up)
             self._busy_since = time.monotonic()
             if item is not None and not self._handle(item):
                 return
@@ -229,7 +233,7 @@ class EngineLoop:
                     break
                 if not self._handle(item):
                     return
-            if not engine.has_unfinished_requests() or engine.target_lost is not None:
+            if not engine.has_unfinished_requests():
                 continue
             t0 = time.perf_counter()
             outputs = engine.step()

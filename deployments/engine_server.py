@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 from deployments.config import AppArgs, WorkerSpec, parse_args
 from deployments.engine_request import EngineRequest
 from deployments.errors import (APIError, bad_request, engine_unavailable, internal_error, prompt_too_long,
-                                queue_full)
+                                queue_full, queue_timeout)
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,7 @@ class DDTreeEngine:
             ngram_tokens=self.args.ngram_tokens,
             pipeline=self.args.pipeline,
             max_explore_share=self.args.max_explore_share,
+            max_queue_seconds=self.args.max_queue_seconds,
         )
         target = self.actors.target_proxy
         self.engine = Engine(config, target, self.actors.drafter_proxy, target.tokenizer)
@@ -122,6 +123,10 @@ class DDTreeEngine:
             prompt_token_ids = await self._prompt_token_ids(request)
             async for output in self.loop.stream(prompt_token_ids, request.params, request.request_id,
                                                  interval_s=self.args.stream_interval_ms / 1000):
+                if output.finish_reason == "queue_timeout":  # (its only output: it was never admitted)
+                    yield queue_timeout(f"the request waited {self.args.max_queue_seconds:g} s (max_queue_seconds) "
+                                        f"without a seat in the engine; retry later")
+                    return
                 yield output if output.finished else output.increment()
         except Exception as exc:  # noqa: BLE001 - sorted into client errors and engine failures below
             error = _as_api_error(exc, request)

@@ -54,6 +54,10 @@ def queue_full(message: str) -> APIError:
     return APIError(429, message, "rate_limit_error", None, "engine_queue_full", retry_after=1)
 
 
+def queue_timeout(message: str) -> APIError:
+    return APIError(503, message, "server_error", None, "queue_timeout", retry_after=5)
+
+
 def engine_not_ready(message: str) -> APIError:
     return APIError(503, message, "server_error", None, "engine_not_ready", retry_after=5)
 

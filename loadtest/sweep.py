@@ -308,11 +308,15 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     sweep = commands.add_parser("sweep", help="locust against several servers at several concurrencies")
     add_arguments(sweep)
+    from loadtest import soak
+
+    soak.add_arguments(commands.add_parser("soak", help="one server under a steady load for a long time, watched "
+                                                        "for leaks (loadtest/soak.py)"))
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     args.argv = argv[1:]
     try:
-        return run(args)
+        return soak.run(args) if args.command == "soak" else run(args)
     except (ValueError, FileNotFoundError) as exc:
         print(f"loadtest: error: {exc}", file=sys.stderr)
         return 2

@@ -893,6 +893,47 @@ def test_features_kept_for_the_drafter_hold_only_their_own_rows(workers):
             target.free(rid)
 
 
+@pytest.mark.parametrize("value", [0, -1.0, True, "60"])
+def test_max_queue_seconds_must_be_a_positive_number(value):
+    with pytest.raises(ValueError, match="max_queue_seconds"):
+        EngineConfig(max_queue_seconds=value)
+
+
+def test_a_request_waiting_past_max_queue_seconds_leaves_unserved(workers):
+    """With one seat, the second and third requests wait; once they have waited max_queue_seconds they leave with
+    finish_reason "queue_timeout" and no token (oldest first), without a call to a worker, while the running request
+    goes on to off's answer."""
+    import time
+
+    target, _, tok = workers
+    reference = make_llm(workers, speculation="off").generate(PROMPTS[:1], greedy(20))[0]
+    calls: list[str] = []
+    original = target.free
+
+    def counting_free(request_id):
+        calls.append(request_id)
+        return original(request_id)
+
+    engine = Engine(EngineConfig(speculation="off", max_num_seqs=1, max_queue_seconds=0.2), target, None, tok,
+                    cost=copy.deepcopy(FLAT_COST))
+    target.free = counting_free
+    try:
+        running = engine.add_request(PROMPTS[0], greedy(20))
+        engine.step()  # admitted: it holds the one seat
+        waiting = [engine.add_request(p, greedy(20)) for p in PROMPTS[1:3]]
+        finals = {o.request_id: o for o in engine.step() if o.finished}
+        assert not finals  # (not waited long enough yet)
+        time.sleep(0.25)
+        finals = {o.request_id: o for o in engine.step() if o.finished}
+        assert [finals[r].finish_reason for r in waiting] == ["queue_timeout", "queue_timeout"]
+        assert all(finals[r].token_ids == [] for r in waiting) and not set(waiting) & set(calls)
+        while engine.has_unfinished_requests():
+            finals.update({o.request_id: o for o in engine.step() if o.finished})
+        assert finals[running].token_ids == reference.token_ids and calls == [running]
+    finally:
+        del target.free
+
+
 class _DyingTarget:
     """The in-process target, until its `lives`-th call: from then on every call raises WorkerLostError, as the
     proxy of a target actor that died does."""

@@ -470,6 +470,35 @@ def test_autoscaling_and_worker_settings_are_checked_and_defaulted():
         build_app({"placement": "gpu-per-worker", "device": "cuda:1"})
 
 
+def test_a_request_that_timed_out_in_the_queue_is_a_retriable_503():
+    """The engine's "queue_timeout" output (a request never admitted) reaches the caller as a 503 with Retry-After,
+    in place of an empty answer."""
+    import asyncio
+
+    from ddtree.outputs import RequestOutput, RequestStats
+    from deployments.config import parse_args
+    from deployments.engine_request import EngineRequest
+    from deployments.engine_server import DDTreeEngine
+
+    class Loop:
+        async def stream(self, prompt, params, request_id, interval_s):
+            yield RequestOutput(request_id="r", prompt_token_ids=[1], text="", token_ids=[], new_text="",
+                                new_token_ids=[], finished=True, finish_reason="queue_timeout", stats=RequestStats())
+
+    server = object.__new__(DDTreeEngine)
+    server.args, server.loop = parse_args({"max_queue_seconds": 7}), Loop()
+
+    async def prompt_token_ids(request):
+        return [1]
+
+    server._prompt_token_ids = prompt_token_ids
+    request = object.__new__(EngineRequest)
+    request.params, request.request_id = None, "r"
+    error = asyncio.run(server.generate(request))
+    assert isinstance(error, APIError) and (error.status, error.code) == (503, "queue_timeout")
+    assert error.headers() == {"Retry-After": "5"} and "7 s" in error.message
+
+
 def test_health_check_gives_up_on_a_hung_worker_and_on_a_target_it_cannot_replace():
     """check_health fails when a round runs past max_round_seconds, and abandons the engine loop first (its
     requests fail at once, so that the replica's graceful stop has nothing to wait for). A dead drafter is not a
