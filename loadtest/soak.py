@@ -20,6 +20,7 @@ import argparse
 import csv
 import json
 import os
+import re
 import signal
 import statistics
 import sys
@@ -136,6 +137,22 @@ def memory_summary(samples: list[dict], under_load: tuple[float, float]) -> dict
     return out
 
 
+def failures_by_status(path: Path) -> dict[str, int]:
+    """locust's failures CSV, counted by HTTP status ("HTTP 429") or, for a failure without one, its error type."""
+    counts: dict[str, int] = {}
+    try:
+        with open(path, newline="") as f:
+            rows = list(csv.DictReader(f))
+    except OSError:
+        return counts
+    for row in rows:
+        error = row.get("Error") or ""
+        match = re.search(r"HTTP (\d{3})", error)
+        key = f"HTTP {match.group(1)}" if match else (error.split("(")[0].split(":")[0].strip() or "unknown")
+        counts[key] = counts.get(key, 0) + int(row.get("Occurrences") or 0)
+    return counts
+
+
 def offline_outputs(prompts: list[dict], max_tokens: int, sets: dict) -> list[str]:
     """The check prompts' T=0 texts from the offline engine (the served model, speculation off)."""
     from ddtree import LLM, SamplingParams
@@ -231,13 +248,15 @@ def run(args: argparse.Namespace) -> int:
     summary = record["summary"]
     agreement = {"before_equals_offline": sum(a == b for a, b in zip(before, offline)),
                  "after_equals_offline": sum(a == b for a, b in zip(after, offline)), "num_prompts": len(checks)}
-    result = {"settings": settings, "summary": summary, "locust": record["locust"], "memory": memory,
-              "agreement": agreement, "sampler_errors": sampler.errors, "locust_command": record["command"]}
+    failures = failures_by_status(folder / f"{server.spec.name}_c{args.users}_failures.csv")
+    result = {"settings": settings, "summary": summary, "locust": record["locust"], "failures": failures,
+              "memory": memory, "agreement": agreement, "sampler_errors": sampler.errors,
+              "locust_command": record["command"]}
     (folder / "soak.json").write_text(json.dumps(result, indent=2))
     growth = max((m["growth"] for k, m in memory.items() if k in ("rss_replica_mib", "rss_target_mib",
                                                                    "rss_drafter_mib")), default=0.0)
     print(f"requests: {summary['num_completed_requests']} completed, {summary['num_failed_requests']} failed, "
-          f"{summary['overall_output_tokens_per_s']:.1f} output tokens/s")
+          f"{summary['overall_output_tokens_per_s']:.1f} output tokens/s" + (f"; failures {failures}" if failures else ""))
     for key, m in memory.items():
         if key.startswith("rss_"):
             print(f"{key}: {m['first_tenth']:.0f} -> {m['last_tenth']:.0f} MiB (max {m['max']:.0f}, "

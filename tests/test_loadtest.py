@@ -236,3 +236,29 @@ def test_passes_are_averaged_with_their_range_and_counts_summed(tmp_path):
     assert auto["x_off"] == pytest.approx(42 / 32) and auto["completed"] == 20 and auto["failed"] == 1
     text = report.write_all(results, tmp_path)
     assert "| ddtree-auto | 1 | 42.0 (40.0-44.0) | 1.31 | 20 | 1 | 0 |" in text and "2 passes in A B B A order" in text
+
+
+def test_soak_memory_summary_and_failures_by_status(tmp_path):
+    from loadtest.soak import failures_by_status, memory_summary, rss_bytes
+
+    samples = [{"t_s": t, "rss_session_mib": 1000.0 + t, "rss_replica_mib": 400.0, "rss_target_mib": 1800.0 + t / 10,
+                "rss_drafter_mib": None, "kv_cache_bytes_used": 0 if t in (0, 200) else 1000 * t,
+                "num_running": 0, "num_waiting": 0, "num_threads": 9, "num_asyncio_tasks": 4}
+               for t in range(0, 210, 10)]
+    memory = memory_summary(samples, (10, 190))  # 19 samples under load: a tenth is one sample
+    assert memory["rss_session_mib"] == {"first_tenth": 1010.0, "last_tenth": 1190.0, "max": 1190.0,
+                                         "growth": round(1190 / 1010 - 1, 4)}
+    assert memory["rss_replica_mib"]["growth"] == 0.0 and "rss_drafter_mib" not in memory  # (no values: not read)
+    assert memory["kv_cache_bytes_used"] == {"max_under_load": 190000, "after": 0}
+    assert memory["num_threads"] == [9] and memory["num_asyncio_tasks_max"] == 4
+    assert rss_bytes(os.getpid()) > 0 and rss_bytes(None) == 0
+    path = tmp_path / "failures.csv"
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(["Method", "Name", "Error", "Occurrences", "First Seen", "Last Seen"])
+        writer.writerow(["POST", "chat", "StreamError('HTTP 429: {\"error\": ...}')", "30", "", ""])
+        writer.writerow(["POST", "chat", "StreamError('HTTP 503: queue_timeout')", "4", "", ""])
+        writer.writerow(["POST", "chat", "StreamError('HTTP 429: another message')", "2", "", ""])
+        writer.writerow(["POST", "chat", "ConnectionResetError(104, 'reset')", "1", "", ""])
+    assert failures_by_status(path) == {"HTTP 429": 32, "HTTP 503": 4, "ConnectionResetError": 1}
+    assert failures_by_status(tmp_path / "missing.csv") == {}
