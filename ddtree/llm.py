@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from ddtree.engine import Engine, EngineConfig
+from ddtree.config import EngineConfig
+from ddtree.engine import Engine
 from ddtree.outputs import RequestOutput
 from ddtree.sampling_params import SamplingParams
 from ddtree.scheduler import EngineFullError
@@ -24,7 +25,8 @@ class LLM:
     to this many tokens proposed from the request's own history (prompt lookup) join its tree, or are verified
     alone by a request in fallback; 0 turns them off. `max_explore_share` (auto budget): the engine runs, per batch
     size, the faster of "as the policy plans" and plain decoding, as measured, and the other in at most this share
-    of the time (docs/engine.md, "The closed loop"); 0: the policy alone.
+    of the time (docs/engine.md, "The closed loop"); 0: the policy alone. Every engine setting and its default:
+    `ddtree.config.EngineConfig`.
     """
 
     def __init__(
@@ -38,13 +40,16 @@ class LLM:
         budget: int | str = "auto",
         max_budget: int = 64,
         max_num_seqs: int = 16,
+        max_waiting: int = 256,
         max_model_len: int | None = None,
         kv_cache_bytes: int | None = None,
         attention: str = "auto",
         allow_fallback: bool = True,
         max_probe_overhead: float = 0.03,
         ngram_tokens: int = 3,
+        pipeline: bool | str = "auto",
         max_explore_share: float = 0.03,
+        max_queue_seconds: float | None = None,
     ) -> None:
         from ddtree.workers import build_workers
 
@@ -53,11 +58,14 @@ class LLM:
             budget=budget,
             max_budget=max_budget,
             max_num_seqs=max_num_seqs,
+            max_waiting=max_waiting,
             max_model_len=max_model_len,
             allow_fallback=allow_fallback,
             max_probe_overhead=max_probe_overhead,
             ngram_tokens=ngram_tokens,
+            pipeline=pipeline,
             max_explore_share=max_explore_share,
+            max_queue_seconds=max_queue_seconds,
         )
         target, drafter_worker, tokenizer = build_workers(
             model,

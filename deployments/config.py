@@ -24,6 +24,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, SecretStr, field_validator, model_validator
 
+from ddtree.config import SERVE_DEFAULTS, EngineConfig
+
+# The engine's settings take their defaults from EngineConfig (and SERVE_DEFAULTS): one source for both APIs.
+_ENGINE = EngineConfig(**SERVE_DEFAULTS)
+
 PLACEMENTS = ("cpu", "gpu-per-worker", "shared-gpu")
 DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
 
@@ -47,18 +52,18 @@ class AppArgs(BaseModel):
         None, description="Weights dtype (float32, bfloat16, float16, float64). None: float32 on CPU, bfloat16 on "
                           "CUDA. bfloat16 on a CPU with bf16 dot products: bf16 weights, float32 activations and KV.")
     speculation: Literal["ddtree", "dflash", "off"] = Field(
-        "ddtree", description="'ddtree': draft trees; 'dflash': the drafter's argmax chain; 'off': autoregressive.")
+        _ENGINE.speculation, description="'ddtree': draft trees; 'dflash': the drafter's argmax chain; 'off': autoregressive.")
     budget: Literal["auto"] | PositiveInt = Field(
-        "auto", description="Draft tree nodes per speculative request: 'auto' (adaptive per round) or a fixed count.")
-    max_budget: PositiveInt = Field(64, description="Cap on nodes per request in 'auto' mode.")
-    max_num_seqs: PositiveInt = Field(16, description="Requests decoded together by one engine replica.")
+        _ENGINE.budget, description="Draft tree nodes per speculative request: 'auto' (adaptive per round) or a fixed count.")
+    max_budget: PositiveInt = Field(_ENGINE.max_budget, description="Cap on nodes per request in 'auto' mode.")
+    max_num_seqs: PositiveInt = Field(_ENGINE.max_num_seqs, description="Requests decoded together by one engine replica.")
     max_waiting: PositiveInt = Field(
-        256, description="Requests queued per engine replica beyond its free seats (max_num_seqs); beyond it the "
+        _ENGINE.max_waiting, description="Requests queued per engine replica beyond its free seats (max_num_seqs); beyond it the "
         "API answers 429.")
     max_queue_seconds: float | None = Field(
-        60.0, gt=0, description="A request still waiting for admission after this long is answered 503 "
+        _ENGINE.max_queue_seconds, gt=0, description="A request still waiting for admission after this long is answered 503 "
         "(queue_timeout, with Retry-After) instead of waiting on. None: requests wait as long as it takes.")
-    max_model_len: int | None = Field(None, ge=2, description="Context window cap. None: the model's own.")
+    max_model_len: int | None = Field(_ENGINE.max_model_len, ge=2, description="Context window cap. None: the model's own.")
     default_max_tokens: PositiveInt | None = Field(
         None, description="max_tokens of a chat request that gives none. None: the rest of the context window "
         "(OpenAI's behaviour); each request reserves its prompt + max_tokens in the KV cache when admitted, so a "
@@ -70,18 +75,18 @@ class AppArgs(BaseModel):
     attention: Literal["auto", "sdpa", "flex"] = Field(
         "auto", description="Attention backend of the workers ('auto', 'sdpa', 'flex').")
     allow_fallback: bool = Field(
-        True, description="In 'auto' budget mode, requests whose drafts do not pay decode autoregressively.")
+        _ENGINE.allow_fallback, description="In 'auto' budget mode, requests whose drafts do not pay decode autoregressively.")
     max_probe_overhead: float = Field(
-        0.03, gt=0, le=1, description="Fallback probes may cost at most this fraction of a request's time.")
+        _ENGINE.max_probe_overhead, gt=0, le=1, description="Fallback probes may cost at most this fraction of a request's time.")
     max_explore_share: float = Field(
-        0.03, ge=0, le=0.5, description="In 'auto' budget mode, the engine measures the tokens/s of rounds run as the "
+        _ENGINE.max_explore_share, ge=0, le=0.5, description="In 'auto' budget mode, the engine measures the tokens/s of rounds run as the "
         "policy plans them and of plain decoding, per batch size, runs the faster, and the other in at most this "
         "share of the time (so that a change of load is seen). 0: the policy alone (docs/engine.md).")
     ngram_tokens: int = Field(
-        3, ge=0, description="In 'auto' budget mode, up to this many tokens proposed from the request's own history "
+        _ENGINE.ngram_tokens, ge=0, description="In 'auto' budget mode, up to this many tokens proposed from the request's own history "
         "(prompt lookup) join its draft tree, or are verified alone by a request in fallback. 0: none.")
     pipeline: bool | Literal["auto"] = Field(
-        "auto", description="Two request groups in flight: the drafter actor drafts one while the target actor "
+        _ENGINE.pipeline, description="Two request groups in flight: the drafter actor drafts one while the target actor "
                            "verifies the other. Pays when the drafter has its own device and verify passes are "
                            "compute-bound (large batches); 'auto' decides each phase from the cost model; see "
                            "docs/serving.md.")
@@ -164,6 +169,12 @@ class AppArgs(BaseModel):
 
     # ------------------------------------------------------------------------------------------------------------
     # Derived settings
+
+    def engine_config(self) -> EngineConfig:
+        """The engine's settings: the args named as EngineConfig's fields."""
+        from dataclasses import fields
+
+        return EngineConfig(**{f.name: getattr(self, f.name) for f in fields(EngineConfig)})
 
     @property
     def worker_device(self) -> str:

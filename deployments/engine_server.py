@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 class DDTreeEngine:
     def __init__(self, args: AppArgs | dict) -> None:
-        from ddtree.engine import Engine, EngineConfig
+        from ddtree.engine import Engine
         from deployments.actors import start_worker_actors
         from deployments.engine_loop import EngineLoop
         from deployments.metrics import EngineMetrics
@@ -33,20 +33,7 @@ class DDTreeEngine:
         self.args = parse_args(args)
         layout = self.args.worker_layout()
         self.actors = start_worker_actors(WorkerSpec.from_args(self.args), layout.target, layout.drafter)
-        config = EngineConfig(
-            speculation=self.args.speculation,
-            budget=self.args.budget,
-            max_budget=self.args.max_budget,
-            max_num_seqs=self.args.max_num_seqs,
-            max_waiting=self.args.max_waiting,
-            max_model_len=self.args.max_model_len,
-            allow_fallback=self.args.allow_fallback,
-            max_probe_overhead=self.args.max_probe_overhead,
-            ngram_tokens=self.args.ngram_tokens,
-            pipeline=self.args.pipeline,
-            max_explore_share=self.args.max_explore_share,
-            max_queue_seconds=self.args.max_queue_seconds,
-        )
+        config = self.args.engine_config()
         target = self.actors.target_proxy
         self.engine = Engine(config, target, self.actors.drafter_proxy, target.tokenizer)
         self.metrics = EngineMetrics(self.engine, self.actors.hops,

@@ -661,3 +661,25 @@ def test_the_api_key_is_compared_in_constant_time(monkeypatch):
     assert [authorize(t) for t in tried] == [False] * len(tried)
     assert authorize("s3cret-key")
     assert len(calls) == len(tried) + 1 and all(b == b"s3cret-key" for _, b in calls)
+
+
+def test_the_engine_settings_have_one_source():
+    """Every EngineConfig field is an app arg and an LLM argument, with EngineConfig's default (the app: where
+    SERVE_DEFAULTS says otherwise): a field added to one and not the others fails here."""
+    import dataclasses
+    import inspect
+
+    from ddtree.config import SERVE_DEFAULTS, EngineConfig
+    from ddtree.llm import LLM
+    from deployments.config import AppArgs, parse_args
+
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineConfig)}
+    assert set(SERVE_DEFAULTS) <= set(defaults)
+    app_fields = AppArgs.model_fields
+    llm_params = inspect.signature(LLM.__init__).parameters
+    for name, default in defaults.items():
+        assert name in app_fields and app_fields[name].default == SERVE_DEFAULTS.get(name, default), name
+        assert name in llm_params and llm_params[name].default == default, name
+    assert parse_args({}).engine_config() == EngineConfig(**SERVE_DEFAULTS)
+    args = parse_args({"speculation": "off", "max_waiting": 3, "pipeline": False, "max_queue_seconds": None})
+    assert args.engine_config() == EngineConfig(speculation="off", max_waiting=3, pipeline=False)
