@@ -286,8 +286,7 @@ class BudgetPolicy:
         """A request leaves. One that never drafted (it started in fallback and left before its first probe) taught
         nothing: the population's gain moves one weight back toward the optimistic `initial_gain`, so that a run of
         requests that did not pay (a long sampled one that accepted nothing for thousands of rounds, say) cannot
-        keep drafting off for every short request after it, none of which would live to be probed (a review saw
-        35+ requests in a row without a draft after one 8k-token request at T=1)."""
+        keep drafting off for every short request after it, none of which would live to be probed."""
         s = self.states.pop(request_id, None)
         if s is not None and s.gain is None and self.population_gain is not None:
             pw = self.config.ema_weight

@@ -266,9 +266,8 @@ class DFlashDrafter:
     def _cached_attention(self, layer: int, contexts: list[_Context]):
         """The block's attention for one layer, per request over its cache read in place: the block's keys/values
         go in the slots after the context, and the block (bidirectional, seeing its whole context) attends to the
-        view of both, with no mask. Padding the requests' contexts to one batch copied every context each draft,
-        and its masked attention ran slower: at 16 requests of ~2k tokens, 56-77 ms per draft against 43-46 (this
-        CPU, docs/engine.md)."""
+        view of both, with no mask. Padding the requests' contexts to one batch would copy every context each draft,
+        and its masked attention runs slower (docs/engine.md)."""
         gqa = self.config.num_attention_heads != self.config.num_key_value_heads
 
         def attend(q: torch.Tensor, block_k: torch.Tensor, block_v: torch.Tensor) -> torch.Tensor:

@@ -177,8 +177,8 @@ def build_trees_from_topk(values: torch.Tensor, token_ids: torch.Tensor, budgets
 
 
 # On a CPU, up to this many nodes in all (sum of the budgets), the reference heap builds a round's trees faster
-# than the batched builder: ~0.1 ms for one request of 64 nodes against 1-1.5 ms (docs/tree_benchmark.md). On GPUs
-# the batched builder stays (the heap would add host copies per request; not measured there).
+# than the batched builder (docs/tree_benchmark.md). On GPUs the batched builder stays (the heap would add host
+# copies per request).
 HEAP_MAX_TOTAL_NODES = 512
 
 

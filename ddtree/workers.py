@@ -86,8 +86,8 @@ class VerifyResult:
 
 # From this many packed tokens a verify runs the LM head only on the rows its acceptance walk reaches (each pass an
 # LM head call and a host sync; `TargetWorker._accept_on_demand`), below it on all rows at once. CPU: one LM head
-# call costs the same up to ~8 rows (the weights' read) and ~0.27 ms per row beyond (SmolLM2, 2 threads):
-# docs/runtime_benchmark.md. GPU: not measured here; a GPU's LM head is flat to far more rows, so a high guess.
+# call costs about the same up to ~8 rows (the weights' read) and grows per row beyond: docs/runtime_benchmark.md.
+# GPU: a GPU's LM head is flat to far more rows, so a high bound.
 LM_HEAD_ON_DEMAND_MIN_TOKENS = {False: 16, True: 1024}  # by "is on a GPU"
 
 LOGPROB_ROWS_PER_CHUNK = 512  # rows of [rows, vocab] float32 log-softmax held at once (a GPU's vocab: 150k x 4 B)

@@ -50,9 +50,9 @@ from deployments.channel import ChannelAddress, ChannelClient, ChannelClosedErro
 from deployments.config import ActorPlace, WorkerSpec
 
 
-# OpenMP threads spin after each parallel region by default (libgomp: ~0.3 s of busy-waiting). The target and the
-# drafter take turns on the same cores, so a spinning pool in one actor would steal the cores from the other:
-# every stage measured 5-10x slower on 2 cores. Passive waiting must be set before torch loads OpenMP, so it goes in
+# OpenMP threads spin after each parallel region by default (libgomp). The target and the drafter take turns on the
+# same cores, so a spinning pool in one actor would steal the cores from the other (docs/serving.md gives the
+# cost). Passive waiting must be set before torch loads OpenMP, so it goes in
 # the actor's environment.
 OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
 

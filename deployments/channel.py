@@ -1,8 +1,7 @@
 """Worker channels: messages between the processes of one engine replica over Unix domain sockets.
 
-An engine replica calls its target and drafter actors every round. A Ray actor call costs ~1-2.5 ms of scheduling
-and gRPC on a small CPU machine (docs/serving.md), as much as a tenth of a round; Ray Compiled Graph channels
-cost ~0.1 ms but busy-wait: each idle actor, and the caller waiting for a reply, keeps a core at 100%, which on a
+An engine replica calls its target and drafter actors every round. A Ray actor call pays for scheduling and gRPC,
+a noticeable share of a CPU round (docs/serving.md); Ray Compiled Graph channels are cheaper but busy-wait: each idle actor, and the caller waiting for a reply, keeps a core at 100%, which on a
 CPU replica takes the cores the target computes on. These channels block in the kernel instead (a `recv` on a
 socket): a call costs a few process wake-ups and no CPU while nothing happens.
 

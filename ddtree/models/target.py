@@ -576,8 +576,8 @@ class TargetModel:
             use_packed = self.packed_layers is not None and (num_tokens > 1 or torch.get_num_threads() > 1)
             linear, norm = (self._packed_linear if use_packed else self._plain_linear), self._norm
         # Each request's attention block (rotary, KV write, attention) in one native call, faster than SDPA and the
-        # torch ops around it at every size measured (1-256 new tokens over 0-2048 cached: docs/runtime_benchmark.md,
-        # tenth session), Qwen3's q/k norms included; Flex: torch ops.
+        # torch ops around it at every size measured (1-256 new tokens over 0-2048 cached: docs/runtime_benchmark.md),
+        # Qwen3's q/k norms included; Flex: torch ops.
         native_attention = ops is not None and batch.packed is None
         if not native_attention:
             cos = cos.unsqueeze(1)  # [N, 1, head_dim], broadcast over heads
@@ -748,10 +748,10 @@ FLEX_RECOMPILE_LIMIT = 64
 
 
 def _is_stored_out_in(out_features: int, in_features: int, dtype: torch.dtype) -> bool:
-    """Weight storage, measured with MKL/oneDNN on this CPU at one row (a decode step streams every weight once):
-    float32 `x @ W` ran at 14-22 GB/s with W stored [in, out] when out > in (q/k/v, gate/up, the LM head), but
-    only 8-12 GB/s for out <= in (o_proj, down_proj), where the [out, in] storage ran 20-40% faster; at 16-32
-    rows the two are on par. In bfloat16 the [out, in] storage is the faster one for every shape."""
+    """Weight storage for MKL/oneDNN at one row (a decode step streams every weight once): float32 `x @ W` reads
+    W faster stored [in, out] when out > in (q/k/v, gate/up, the LM head), and stored [out, in] when out <= in
+    (o_proj, down_proj); at 16-32 rows the two are on par. In bfloat16 the [out, in] storage is the faster one for
+    every shape (docs/runtime_benchmark.md)."""
     if dtype in (torch.float16, torch.bfloat16):
         return True
     return out_features <= in_features
