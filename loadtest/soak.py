@@ -128,12 +128,15 @@ def memory_summary(samples: list[dict], under_load: tuple[float, float]) -> dict
         out[key] = {"first_tenth": round(first, 1), "last_tenth": round(last, 1), "max": round(max(values), 1),
                     "growth": round(last / first - 1, 4)}
     kv = [s["kv_cache_bytes_used"] for s in loaded if s["kv_cache_bytes_used"] is not None]
+    # after the load: the idle samples before the check prompts run again (the smallest values after its end)
     after = [s for s in samples if s["t_s"] > end and s["kv_cache_bytes_used"] is not None]
     out["kv_cache_bytes_used"] = {"max_under_load": max(kv, default=None),
-                                  "after": after[-1]["kv_cache_bytes_used"] if after else None}
+                                  "after": min((s["kv_cache_bytes_used"] for s in after), default=None)}
     out["num_threads"] = sorted({s["num_threads"] for s in samples if s["num_threads"] is not None})
     out["num_asyncio_tasks_max"] = max((s["num_asyncio_tasks"] for s in samples if s["num_asyncio_tasks"]),
                                        default=None)
+    out["num_asyncio_tasks_after"] = min((s["num_asyncio_tasks"] for s in after if s["num_asyncio_tasks"]),
+                                         default=None)
     return out
 
 
@@ -262,7 +265,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"{key}: {m['first_tenth']:.0f} -> {m['last_tenth']:.0f} MiB (max {m['max']:.0f}, "
                   f"{m['growth']:+.1%})")
     print(f"KV cache: max {memory['kv_cache_bytes_used']['max_under_load']} bytes under load, "
-          f"{memory['kv_cache_bytes_used']['after']} after; threads {memory['num_threads']}")
+          f"{memory['kv_cache_bytes_used']['after']} after; threads {memory['num_threads']}; asyncio tasks at most "
+          f"{memory['num_asyncio_tasks_max']}, {memory['num_asyncio_tasks_after']} after")
     print(f"T=0 texts equal to the offline engine's: before {agreement['before_equals_offline']}/{len(checks)}, "
           f"after {agreement['after_equals_offline']}/{len(checks)}")
     print(f"wrote {folder}")

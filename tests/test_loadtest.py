@@ -251,6 +251,7 @@ def test_soak_memory_summary_and_failures_by_status(tmp_path):
     assert memory["rss_replica_mib"]["growth"] == 0.0 and "rss_drafter_mib" not in memory  # (no values: not read)
     assert memory["kv_cache_bytes_used"] == {"max_under_load": 190000, "after": 0}
     assert memory["num_threads"] == [9] and memory["num_asyncio_tasks_max"] == 4
+    assert memory["num_asyncio_tasks_after"] == 4
     assert rss_bytes(os.getpid()) > 0 and rss_bytes(None) == 0
     path = tmp_path / "failures.csv"
     with open(path, "w", newline="") as f:
