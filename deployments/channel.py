@@ -55,8 +55,9 @@ class _Failure:
 
 def _send(sock: socket.socket, message: object) -> None:
     data = pickle.dumps(message, protocol=5)
-    sock.sendall(_HEADER.pack(len(data)))
-    sock.sendall(data)
+    # One write: the length and the pickle reach the peer together, so its read of the length never wakes it
+    # before the rest has arrived (two writes can cost the receiver a second sleep and wake-up)
+    sock.sendall(_HEADER.pack(len(data)) + data)
 
 
 def _recv_exact(sock: socket.socket, num_bytes: int) -> bytearray:
