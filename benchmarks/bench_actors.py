@@ -211,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                           cost=cost)
     run_engine(local_engine, prompts, params, args.concurrency, "warm-up")
     run_engine(actor_engine, prompts, params, args.concurrency, "warm-up", actors.hops)
+    actors.hops.by_op.clear()  # (the measured passes only)
     local, remote = Result("in-process"), Result("actors")
     for _ in range(args.passes):
         for total, run in ((local, run_engine(local_engine, prompts, params, args.concurrency, "in-process")),
@@ -249,6 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     extra = statistics.fmean(remote.round_seconds) - statistics.fmean(local.round_seconds)
     print(f"actors - in-process: {1000 * extra:+.2f} ms per round "
           f"({100 * extra / statistics.fmean(local.round_seconds):+.1f}%)")
+    print("worker calls, ms each (there: submission until the worker began, pickling and the worker's wake-up "
+          "included; back: the worker's end until the result was read):")
+    for op, (calls, there, back) in sorted(actors.hops.by_op.items(), key=lambda kv: -kv[1][0]):
+        print(f"  {op:<14}{calls:>6} calls  there {1000 * there / calls:6.3f}  back {1000 * back / calls:6.3f}")
     print(f"bare no-op actor round trip: {1000 * noop:.2f} ms; a call taking features actor A returned earlier "
           f"(8 x 1728 fp32) to actor B: {1000 * handoff:.2f} ms")
     return 0 if same else 1

@@ -40,7 +40,7 @@ import contextlib
 import os
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import ray
@@ -409,11 +409,18 @@ class HopTimes:
     seconds: float = 0.0
     num_calls: int = 0
     there_seconds: float = 0.0
+    # per operation (Verify, Draft, ...): [calls, seconds there, seconds back] (fixed size: one entry per op type)
+    by_op: dict[str, list] = field(default_factory=dict)
 
-    def add(self, wall_seconds: float, inside_seconds: float, there_seconds: float = 0.0) -> None:
-        self.seconds += max(0.0, wall_seconds - inside_seconds)
-        self.there_seconds += max(0.0, there_seconds)
+    def add(self, wall_seconds: float, inside_seconds: float, there_seconds: float = 0.0, op: str = "") -> None:
+        hop, there = max(0.0, wall_seconds - inside_seconds), max(0.0, there_seconds)
+        self.seconds += hop
+        self.there_seconds += there
         self.num_calls += 1
+        entry = self.by_op.setdefault(op, [0, 0.0, 0.0])
+        entry[0] += 1
+        entry[1] += there
+        entry[2] += max(0.0, hop - there)
 
 
 class PendingCall:
@@ -425,6 +432,7 @@ class PendingCall:
         self.hops = hops
         self.convert = convert  # applied to the worker's result (e.g. numpy arrays back into tensors)
         self.on_reply = on_reply  # called with the Reply (the target proxy reads its feature batch number)
+        self.op_name = type(op).__name__
         self.start = time.perf_counter()
         self.channel = channel
         self.ticket = channel.send(op)
@@ -438,7 +446,7 @@ class PendingCall:
             reply = self.channel.receive(self.ticket)
             self.wall_seconds = time.perf_counter() - self.start
             self.seconds = reply.seconds
-            self.hops.add(self.wall_seconds, reply.seconds, reply.started_at - self.start)
+            self.hops.add(self.wall_seconds, reply.seconds, reply.started_at - self.start, self.op_name)
             if self.on_reply is not None:
                 self.on_reply(reply)
             self._value = reply.result if self.convert is None else self.convert(reply.result)
