@@ -242,10 +242,9 @@ class Engine:
         restore = self._to_restore
         for rid in restore:
             req = self.requests[rid]
-            capacity = len(req.prompt_token_ids) + req.output.max_new_tokens + 1 + self.max_tree_nodes
-            if not self.target.allocate(rid, capacity, req.output.params):
-                raise RuntimeError(f"the new target has no room for request {rid!r} ({capacity} tokens), which "
-                                   f"the lost one held")
+            if not self.target.allocate(rid, self._kv_capacity(req), req.output.params):
+                raise RuntimeError(f"the new target has no room for request {rid!r} ({self._kv_capacity(req)} "
+                                   f"tokens), which the lost one held")
         t0 = time.perf_counter()
         sequences = [self.requests[r].prompt_token_ids + self.requests[r].output.token_ids[:-1] for r in restore]
         prefilled = self.target.prefill(restore, sequences)
@@ -476,12 +475,14 @@ class Engine:
         return [rid for rid in self.scheduler.running
                 if rid not in busy and self.requests[rid].root_token_id is not None]
 
+    def _kv_capacity(self, req: _Request) -> int:
+        """The KV entries a request reserves: its prompt, every new token, and one verify pass's scratch."""
+        return len(req.prompt_token_ids) + req.output.max_new_tokens + 1 + self.max_tree_nodes
+
     def _admit_and_prefill(self, outputs: list[RequestOutput]) -> None:
         def try_allocate(rid: str) -> bool:
             req = self.requests[rid]
-            # Room for the prompt, every new token, and one verify pass's scratch entries.
-            capacity = len(req.prompt_token_ids) + req.output.max_new_tokens + 1 + self.max_tree_nodes
-            return self.target.allocate(rid, capacity, req.output.params)
+            return self.target.allocate(rid, self._kv_capacity(req), req.output.params)
 
         admitted = self.scheduler.admit(try_allocate)
         if not admitted:

@@ -225,17 +225,13 @@ class DDTreeEngine:
     async def _restart_workers(self) -> None:
         import time
 
-        from deployments.engine_loop import EngineDeadError
-
         logger.warning("starting a new target actor: %d requests wait for it", len(self.engine.requests))
         t0 = time.monotonic()
         try:
             # (a start that takes longer than a round may is as hung as that round)
             fresh = await asyncio.to_thread(self.actors.start_workers, self.args.max_round_seconds)
         except Exception as exc:  # noqa: BLE001 - the requests fail retriably, then the replica (check_health)
-            self._workers_restart_error = f"the target actor died and a new one failed to start: {exc!r}"
-            logger.error("%s; failing the engine's requests", self._workers_restart_error)
-            self.loop.abandon(EngineDeadError(self._workers_restart_error))
+            self._give_up_on_target(f"the target actor died and a new one failed to start: {exc!r}")
             return
 
         def install(engine) -> None:
@@ -245,9 +241,7 @@ class DDTreeEngine:
         try:
             await self.loop.call(install)
         except Exception as exc:  # noqa: BLE001 - as a failed start
-            self._workers_restart_error = f"the target actor died and a new one could not be attached: {exc!r}"
-            logger.error("%s; failing the engine's requests", self._workers_restart_error)
-            self.loop.abandon(EngineDeadError(self._workers_restart_error))
+            self._give_up_on_target(f"the target actor died and a new one could not be attached: {exc!r}")
             return
         logger.warning("a new target actor serves (started in %.1f s); its requests are prefilled again",
                        time.monotonic() - t0)
@@ -295,6 +289,14 @@ class DDTreeEngine:
         await self.loop.call(install)
         self._num_failed_drafter_restarts = 0
         logger.warning("a new drafter actor is drafting (started in %.1f s)", time.monotonic() - t0)
+
+    def _give_up_on_target(self, problem: str) -> None:
+        """No new target: the requests fail now (503, retriable), and the next health check fails the replica."""
+        from deployments.engine_loop import EngineDeadError
+
+        self._workers_restart_error = problem
+        logger.error("%s; failing the engine's requests", problem)
+        self.loop.abandon(EngineDeadError(problem))
 
     def __del__(self) -> None:
         loop = getattr(self, "loop", None)

@@ -934,22 +934,29 @@ def test_a_request_waiting_past_max_queue_seconds_leaves_unserved(workers):
         del target.free
 
 
-class _DyingTarget:
-    """The in-process target, until its `lives`-th call: from then on every call raises WorkerLostError, as the
-    proxy of a target actor that died does."""
+class _DyingWorker:
+    """An in-process worker until its `lives`-th call: from then on every call raises WorkerLostError, as the proxy
+    of a worker actor that died does."""
 
-    def __init__(self, target, lives: int) -> None:
-        self.inner, self.lives = target, lives
-        for name in ("vocab_size", "eos_token_ids", "max_request_tokens", "max_model_len", "can_overlap"):
-            setattr(self, name, getattr(target, name))
+    inner, lives, name = None, 0, "worker"
 
-    def _call(self, name, *args):
+    def _call(self, method, *args):
         from ddtree.workers import WorkerLostError
 
         self.lives -= 1
         if self.lives < 0:
-            raise WorkerLostError("the target worker died")
-        return getattr(self.inner, name)(*args)
+            raise WorkerLostError(f"the {self.name} worker died")
+        return getattr(self.inner, method)(*args)
+
+
+class _DyingTarget(_DyingWorker):
+    """The in-process target, until its `lives`-th call: from then on every call raises WorkerLostError, as the
+    proxy of a target actor that died does."""
+
+    def __init__(self, target, lives: int) -> None:
+        self.inner, self.lives, self.name = target, lives, "target"
+        for name in ("vocab_size", "eos_token_ids", "max_request_tokens", "max_model_len", "can_overlap"):
+            setattr(self, name, getattr(target, name))
 
     def allocate(self, *args):
         return self._call("allocate", *args)
@@ -1025,21 +1032,12 @@ def test_a_lost_target_costs_no_request_and_no_token(workers, spare_workers, pip
                 worker.free(rid)
 
 
-class _DyingDrafter:
-    """The in-process drafter, until its `lives`-th call: from then on every call raises WorkerLostError, as a
-    proxy of a drafter actor that died does."""
+class _DyingDrafter(_DyingWorker):
+    """The in-process drafter, until its `lives`-th call (`_DyingWorker`)."""
 
     def __init__(self, drafter, lives: int) -> None:
-        self.inner, self.lives = drafter, lives
+        self.inner, self.lives, self.name = drafter, lives, "drafter"
         self.block_len, self.can_overlap = drafter.block_len, drafter.can_overlap
-
-    def _call(self, name, *args):
-        from ddtree.workers import WorkerLostError
-
-        self.lives -= 1
-        if self.lives < 0:
-            raise WorkerLostError("the drafter worker died")
-        return getattr(self.inner, name)(*args)
 
     def draft_async(self, *args):
         return self._call("draft_async", *args)

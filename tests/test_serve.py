@@ -884,6 +884,15 @@ def _wait_for_info(handle, ready, seconds: float = 90) -> dict:
         time.sleep(0.5)
 
 
+def _assert_a_new_request_speculates(handle, client, info: dict, expected: str) -> None:
+    """The first fault message, sent after the fault, gets `expected` and drafts (`info`: read before it)."""
+    rounds = info["timings"]["num_speculative_request_rounds"]
+    out = client.chat.completions.create(model=MODEL_NAME, messages=FAULT_MESSAGES[0], temperature=0, max_tokens=200,
+                                         extra_body={"ignore_eos": True})
+    assert out.choices[0].message.content == expected
+    assert handle.info.remote().result()["timings"]["num_speculative_request_rounds"] > rounds
+
+
 def test_a_drafter_actor_killed_mid_stream_loses_no_request_and_comes_back(fault_app, offline):
     """The drafter actor's process is killed (SIGKILL) while streams run and others wait: every request finishes
     with the offline answer, none fails; the health check starts a new drafter actor, and requests admitted after
@@ -901,11 +910,7 @@ def test_a_drafter_actor_killed_mid_stream_loses_no_request_and_comes_back(fault
     assert info["num_drafter_losses"] == before["num_drafter_losses"] + 1
     assert info["num_drafter_restarts"] == before["num_drafter_restarts"] + 1 and info["drafter_lost"] is None
     assert info["worker_pids"]["drafter"] not in (None, pid)
-    rounds = info["timings"]["num_speculative_request_rounds"]
-    out = client.chat.completions.create(model=MODEL_NAME, messages=FAULT_MESSAGES[0], temperature=0, max_tokens=200,
-                                         extra_body={"ignore_eos": True})
-    assert out.choices[0].message.content == expected[0]
-    assert handle.info.remote().result()["timings"]["num_speculative_request_rounds"] > rounds
+    _assert_a_new_request_speculates(handle, client, info, expected[0])
 
 
 def test_a_target_actor_killed_mid_stream_loses_no_request_and_no_token(fault_app, offline):
@@ -929,11 +934,7 @@ def test_a_target_actor_killed_mid_stream_loses_no_request_and_no_token(fault_ap
     assert info["worker_pids"]["target"] != before["worker_pids"]["target"]
     assert info["worker_pids"]["drafter"] != before["worker_pids"]["drafter"]
     assert info["kv_cache_bytes_used"] == 0 and info["num_drafter_contexts"] == 0
-    rounds = info["timings"]["num_speculative_request_rounds"]
-    out = client.chat.completions.create(model=MODEL_NAME, messages=FAULT_MESSAGES[0], temperature=0, max_tokens=200,
-                                         extra_body={"ignore_eos": True})
-    assert out.choices[0].message.content == expected[0]
-    assert handle.info.remote().result()["timings"]["num_speculative_request_rounds"] > rounds
+    _assert_a_new_request_speculates(handle, client, info, expected[0])
 
 
 def test_a_replica_killed_mid_stream_fails_only_its_requests_and_is_replaced(fault_app, offline):
