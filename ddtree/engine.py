@@ -257,7 +257,7 @@ class Engine:
 
     def _context_window(self, requested: int | None, target: TargetWorker) -> int:
         """The model's window, capped by `requested` and by what one request can reserve in the KV cache (its
-        prompt, every new token and one verify pass's scratch: `_admit_and_prefill`), so that every request
+        prompt, every new token and one verify pass's scratch: `_kv_capacity`), so that every request
         accepted here can be admitted once the cache is free instead of waiting forever."""
         window = min(requested or target.max_model_len, target.max_model_len)
         fits = target.max_request_tokens - 1 - self.max_tree_nodes
