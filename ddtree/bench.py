@@ -2,8 +2,9 @@
 
 Every mode runs the same prompts in the same process on the same loaded weights, one request at a time (or
 `--concurrency` at once), so the table compares like with like; ratios are against `off` and against HF generate.
-With `--passes N` the modes run N times in turn (pass 1 of every mode, then pass 2, ...), so that a slow spell of a
-shared machine hits every mode alike; tokens/s is the median over passes, with the range beside it.
+The modes alternate group by group (the first `--concurrency` prompts on every mode, then the next ones, ...), and
+with `--passes N` the whole run repeats N times, so that a slow spell of a shared machine hits every mode alike;
+tokens/s is the median over passes, with the range beside it.
 """
 
 from __future__ import annotations
@@ -43,6 +44,16 @@ class ModeResult:
             return statistics.median(self.pass_rates)
         return self.num_tokens / self.seconds if self.seconds else 0.0
 
+    def extend(self, run: "ModeResult") -> None:
+        """Add a later group of the same pass."""
+        self.num_tokens += run.num_tokens
+        self.seconds += run.seconds
+        self.acceptance_lengths += run.acceptance_lengths
+        self.budgets += run.budgets
+        self.num_ngram_tokens += run.num_ngram_tokens
+        self.outputs += run.outputs
+        self.timings = {k: self.timings.get(k, 0) + v for k, v in run.timings.items()}
+
     def absorb(self, run: "ModeResult") -> None:
         """Add one pass of this mode (the first pass included: `record` starts from an empty result)."""
         if self.pass_rates:
@@ -74,6 +85,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-prompts", type=int, default=4,
                         help="prompts per category (with --prompts: the first N of the file, 0 for all)")
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sampling temperature (> 0: every request is seeded with --seed, so each mode must "
+                             "produce the same tokens as `off`)")
+    parser.add_argument("--seed", type=int, default=0, help="the requests' seed where --temperature > 0")
     parser.add_argument("--budgets", default="8,16,32,64,128", help="fixed DDTree budgets to run")
     parser.add_argument("--modes", default="hf,off,dflash,ddtree,auto",
                         help="which modes to run (also: auto-no-ngram, auto without n-gram proposals)")
@@ -132,21 +147,35 @@ def _prompt_line(line: str, where: str) -> tuple[str, list[dict]]:
     return str(d.get("category", "file")), messages
 
 
-def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams, concurrency: int, name: str):
+def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams, name: str) -> ModeResult:
+    """One group of prompts submitted together (they decode as one batch, which shrinks as they finish)."""
     result = ModeResult(name)
     llm = LLM.from_engine(engine)
     engine.timings.__init__()
     t0 = time.perf_counter()
-    for start in range(0, len(prompts), concurrency):
-        for out in llm.generate(prompts[start : start + concurrency], params):
-            result.num_tokens += len(out.token_ids)
-            result.acceptance_lengths.extend(out.acceptance_lengths)
-            result.budgets.extend(out.stats.budgets)
-            result.num_ngram_tokens += out.stats.num_ngram_tokens
-            result.outputs.append(out.token_ids)
+    for out in llm.generate(prompts, params):
+        result.num_tokens += len(out.token_ids)
+        result.acceptance_lengths.extend(out.acceptance_lengths)
+        result.budgets.extend(out.stats.budgets)
+        result.num_ngram_tokens += out.stats.num_ngram_tokens
+        result.outputs.append(out.token_ids)
     result.seconds = time.perf_counter() - t0
     result.timings = engine.timings.as_dict()
     return result
+
+
+def run_pass(engines: list[tuple[str, Engine]], prompts: list[list[int]], params: SamplingParams,
+             concurrency: int, record) -> None:
+    """One pass of every engine over the prompts, in groups of `concurrency`: each group runs on every engine in
+    turn before the next group, so a slow spell of the machine (seconds, not minutes) hits all modes alike.
+    `record(result)` gets each engine's pass once its last group has run."""
+    results = [ModeResult(name) for name, _ in engines]
+    starts = range(0, len(prompts), concurrency)
+    for start in starts:
+        for result, (name, engine) in zip(results, engines):
+            result.extend(run_engine(engine, prompts[start : start + concurrency], params, name))
+            if start == starts[-1]:
+                record(result)
 
 
 def run_hf(model_dir: str, prompts: list[list[int]], max_tokens: int, eos_token_id: int) -> ModeResult:
@@ -193,6 +222,8 @@ def check_arguments(args) -> tuple[list[str], list[int]]:
             raise ValueError(f"{flag} must be >= {least}, got {value}")
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {args.threads}")
+    if not 0 <= args.temperature < float("inf"):
+        raise ValueError(f"--temperature must be a finite number >= 0, got {args.temperature}")
     modes = args.modes.split(",")
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
@@ -207,6 +238,18 @@ def check_arguments(args) -> tuple[list[str], list[int]]:
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {out} is a file; it must be a folder (results.json and the plot go there)")
     return modes, budgets
+
+
+def sampling_params(args) -> SamplingParams:
+    """T=0 (greedy), or seeded sampling: a request's samples are keyed by its seed and position, so every mode
+    that decodes losslessly gives the same tokens."""
+    if args.temperature <= 0:
+        return SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    return SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+
+
+def outputs_label(params: SamplingParams) -> str:
+    return "T=0" if params.is_greedy else f"T={params.temperature:g} seeded"
 
 
 def run(args) -> int:
@@ -233,7 +276,7 @@ def run(args) -> int:
         list(tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False))
         for _, m in messages
     ]
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    params = sampling_params(args)
     concurrencies = parse_concurrencies(args.concurrency)
     max_concurrency = max(concurrencies)
     base = Engine(EngineConfig(speculation="off", max_num_seqs=max_concurrency), target, None, tokenizer)
@@ -241,8 +284,11 @@ def run(args) -> int:
     model = target.model
     is_mixed = model.uses_cpu_kernels and model.kernel_weight_dtype != model.dtype
     weights = f", {model.kernel_weight_dtype} weights" if is_mixed else ""
-    print(f"{len(prompts)} prompts, max_tokens={args.max_tokens}, concurrency={','.join(map(str, concurrencies))}, "
+    print(f"{len(prompts)} prompts, max_tokens={args.max_tokens}, {outputs_label(params)}, "
+          f"concurrency={','.join(map(str, concurrencies))}, "
           f"{torch.get_num_threads()} torch thread(s), {model.dtype}{weights}".replace("torch.", ""), flush=True)
+    if "hf" in modes and not params.is_greedy:
+        print("  (hf generate runs greedy only: skipped at T > 0)", flush=True)
 
     configs: list[tuple[str, EngineConfig]] = []
     if "off" in modes:
@@ -269,20 +315,19 @@ def run(args) -> int:
     def report() -> None:
         if len(concurrencies) == 1:
             results = list(by_key.values())
-            print_table(results)
+            print_table(results, outputs_label(params))
             save(results, args)
         else:
-            print_concurrency_table(by_key)
+            print_concurrency_table(by_key, outputs_label(params))
             save_concurrency(by_key, args)
 
     p = 0
     try:
         for c in concurrencies:
             for p in range(args.passes):
-                if "hf" in modes and c == 1:
+                if "hf" in modes and c == 1 and params.is_greedy:
                     record(c, run_hf(target.model_dir, prompts, args.max_tokens, tokenizer.eos_token_id))
-                for name, engine in engines:
-                    record(c, run_engine(engine, prompts, params, c, name))
+                run_pass(engines, prompts, params, c, lambda result: record(c, result))
                 print(f"  done: concurrency {c}, pass {p + 1} of {args.passes}", flush=True)
     except KeyboardInterrupt:  # Ctrl-C: the runs finished so far are reported and saved, then the command stops
         if by_key:
@@ -294,7 +339,7 @@ def run(args) -> int:
     return 0
 
 
-def print_concurrency_table(by_key: dict[tuple[int, str], ModeResult]) -> None:
+def print_concurrency_table(by_key: dict[tuple[int, str], ModeResult], label: str = "T=0") -> None:
     """One row per concurrency and mode: off, auto, dflash and the fastest fixed B of that concurrency."""
     print("| concurrency | mode | tokens/s | x off | drafted | tokens/round | tau |")
     print("|---|---|---|---|---|---|---|")
@@ -323,7 +368,7 @@ def print_concurrency_table(by_key: dict[tuple[int, str], ModeResult]) -> None:
             if off and r is not off and r.outputs and "hf" not in r.name and (r.outputs != off.outputs
                                                                                or r.outputs_vary):
                 same.append(f"{r.name} at {c}")
-    print(f"\nT=0 outputs identical to `off`: {'all modes, every concurrency' if not same else 'NOT for ' + ', '.join(same)}")
+    print(f"\n{label} outputs identical to `off`: {'all modes, every concurrency' if not same else 'NOT for ' + ', '.join(same)}")
 
 
 def save_concurrency(by_key: dict[tuple[int, str], ModeResult], args) -> None:
@@ -335,7 +380,7 @@ def save_concurrency(by_key: dict[tuple[int, str], ModeResult], args) -> None:
     (out / "results.json").write_text(json.dumps(rows, indent=2))
 
 
-def print_table(results: list[ModeResult]) -> None:
+def print_table(results: list[ModeResult], label: str = "T=0") -> None:
     by_name = {r.name: r for r in results}
     off = by_name.get("off")
     hf = by_name.get("hf generate")
@@ -362,7 +407,7 @@ def print_table(results: list[ModeResult]) -> None:
     if off:
         same = [r.name for r in results if r.outputs and r.name != "off" and (r.outputs != off.outputs
                                                                                or r.outputs_vary)]
-        print(f"\nT=0 outputs identical to `off`: {'all modes' if not same else 'NOT for ' + ', '.join(same)}")
+        print(f"\n{label} outputs identical to `off`: {'all modes' if not same else 'NOT for ' + ', '.join(same)}")
 
 
 def save(results: list[ModeResult], args) -> None:

@@ -54,6 +54,31 @@ def test_bench_sweeps_concurrency_in_one_table(tmp_path, capsys):
     assert all(r["num_tokens"] == 3 * 6 for r in rows)
 
 
+
+def test_bench_samples_seeded_and_checks_every_mode_against_off(tmp_path, capsys):
+    """--temperature > 0: the requests are seeded, so every lossless mode gives `off`'s tokens; the check says so
+    (and would name a mode that did not). hf generate runs greedy only, so it is skipped."""
+    target = make_tiny_target(tmp_path / "target", logit_scale=2.0)
+    drafter = make_tiny_drafter(tmp_path / "drafter", target)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["hello world", "the cat sat on", "a"]))
+    out = tmp_path / "out"
+    common = ["bench", "--model", str(target), "--drafter", str(drafter), "--dtype", "float64", "--prompts",
+              str(prompts), "--num-prompts", "0", "--max-tokens", "8", "--budgets", "4", "--threads", "1",
+              "--out", str(out), "--concurrency", "1,2", "--modes", "hf,off,dflash,ddtree,auto"]
+    assert main(common + ["--temperature", "0.9", "--seed", "3"]) == 0
+    printed = capsys.readouterr().out
+    assert "T=0.9 seeded outputs identical to `off`: all modes, every concurrency" in printed
+    assert "hf generate runs greedy only" in printed
+    sampled = {(r["concurrency"], r["mode"]): r for r in json.loads((out / "results.json").read_text())}
+    assert (1, "hf generate") not in sampled
+    assert main(common + ["--temperature", "0"]) == 0
+    greedy = {(r["concurrency"], r["mode"]): r for r in json.loads((out / "results.json").read_text())}
+    assert "T=0 outputs identical" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="--temperature"):
+        main(common + ["--temperature", "-1"])
+    assert set(greedy) - set(sampled) == {(1, "hf generate")}
+
 def test_bench_compares_two_drafters_on_one_target(tmp_path, capsys):
     target = make_tiny_target(tmp_path / "target", logit_scale=8.0)
     first = make_tiny_drafter(tmp_path / "first", target)
