@@ -179,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     from ddtree.engine import Engine, EngineConfig
     from ddtree.sampling_params import SamplingParams
     from ddtree.training.prompts import load_eval_prompts
-    from ddtree.workers import build_workers
+    from ddtree.loaders import build_workers
     from deployments.actors import start_worker_actors
     from deployments.config import AppArgs, WorkerSpec
 

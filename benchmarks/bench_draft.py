@@ -27,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from ddtree.drafter import DFlashDrafter
-    from ddtree.workers import load_target_worker, resolve_drafter_path
+    from ddtree.loaders import load_target_worker, resolve_drafter_path
 
     torch.set_num_threads(args.threads)
     path = resolve_drafter_path(None, args.drafter)

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from ddtree.workers import build_workers
+from ddtree.loaders import build_workers
 
 
 def main() -> None:

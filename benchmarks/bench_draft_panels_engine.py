@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     from ddtree.engine import Engine, EngineConfig
     from ddtree.sampling_params import SamplingParams
     from ddtree.training.prompts import load_eval_prompts
-    from ddtree.workers import DrafterWorker, build_workers, resolve_drafter_path
+    from ddtree.workers import DrafterWorker
+    from ddtree.loaders import build_workers, resolve_drafter_path
 
     torch.set_num_threads(args.threads)
     target, drafter, tokenizer = build_workers(None, None)

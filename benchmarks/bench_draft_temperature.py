@@ -32,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ddtree.training.evaluate import (drafts_of_sequences, load_evaluation_set, load_for_evaluation,
                                           simulate_rounds)
-    from ddtree.workers import DEFAULT_DRAFTER_DIR
+    from ddtree.loaders import DEFAULT_DRAFTER_DIR
 
     torch.set_num_threads(args.threads)
     drafter, embed, lm_head, draft_token_ids = load_for_evaluation(Path(args.drafter or DEFAULT_DRAFTER_DIR))

@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     from ddtree.training.data import FeatureReader, read_sequences, stored_layer_ids
     from ddtree.training.evaluate import evaluate_tau, load_for_evaluation
     from ddtree.training.prompts import CATEGORIES
-    from ddtree.workers import resolve_drafter_path
+    from ddtree.loaders import resolve_drafter_path
 
     torch.set_num_threads(args.threads)
     drafter_dir = resolve_drafter_path(None, args.drafter)

@@ -18,7 +18,7 @@ from pathlib import Path
 from ddtree.budget import CostModel
 from ddtree.engine import Engine, EngineConfig
 from ddtree.sampling_params import SamplingParams
-from ddtree.workers import build_workers
+from ddtree.loaders import build_workers
 
 
 def main() -> None:

@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     from ddtree.llm import LLM
     from ddtree.sampling_params import SamplingParams
     from ddtree.training.prompts import load_eval_prompts
-    from ddtree.workers import build_workers
+    from ddtree.loaders import build_workers
 
     target, drafter, tokenizer = build_workers(None, None, device="cpu")
     per_category = -(-args.requests // 3)

@@ -21,7 +21,7 @@ import time
 from ddtree.engine import Engine, EngineConfig
 from ddtree.sampling_params import SamplingParams
 from ddtree.training.prompts import load_eval_prompts
-from ddtree.workers import build_workers
+from ddtree.loaders import build_workers
 
 MODES = {"all rows": 10**9, "walked rows": 1}
 

@@ -167,7 +167,7 @@ def main(argv=None) -> int:
 
     from ddtree.engine import Engine, EngineConfig
     from ddtree.sampling_params import SamplingParams
-    from ddtree.workers import build_workers
+    from ddtree.loaders import build_workers
     from deployments.app import build_app
     from deployments.config import parse_args
 

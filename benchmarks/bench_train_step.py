@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     from ddtree.training.data import FeatureReader, read_sequences, stored_layer_ids
     from ddtree.training.target import load_target
     from ddtree.training.train import FrozenTargetHead, block_loss, compute_precision, make_batch
-    from ddtree.workers import resolve_drafter_path
+    from ddtree.loaders import resolve_drafter_path
 
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)

@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     from ddtree.training.evaluate import (accepted_length, drafts_of_sequences, load_evaluation_set,
                                           load_for_evaluation)
     from ddtree.training.prompts import CATEGORIES
-    from ddtree.workers import DEFAULT_DRAFTER_DIR
+    from ddtree.loaders import DEFAULT_DRAFTER_DIR
 
     torch.set_num_threads(args.threads)
     drafter_dir = args.drafter or DEFAULT_DRAFTER_DIR

@@ -97,7 +97,7 @@ def drafter_attention_modes(device: str, models: dict, concurrency: int, rows: l
     GPU's choice: one kernel per layer, not one per request; chosen by launch count, not measured)."""
     import torch
 
-    from ddtree.workers import build_workers
+    from ddtree.loaders import build_workers
 
     _, worker, _ = build_workers(device=device, **models)
     drafter = worker.drafter
@@ -138,7 +138,7 @@ def main() -> int:
     from ddtree import LLM, SamplingParams
     from ddtree.training.prompts import load_eval_prompts
 
-    from ddtree.workers import DEFAULT_DRAFTER_DIR
+    from ddtree.loaders import DEFAULT_DRAFTER_DIR
 
     models = {}  # LLM / build_workers arguments: the embedded pair by default
     if args.random_weights_from is not None:

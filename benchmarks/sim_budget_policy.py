@@ -77,7 +77,7 @@ def _matched_nodes(tree, target_next: list[int]) -> list[int]:
 
 def measure_cost_model(max_budget: int) -> CostModel:
     from ddtree.engine import Engine, EngineConfig
-    from ddtree.workers import build_workers
+    from ddtree.loaders import build_workers
 
     target, drafter, tokenizer = build_workers()
     engine = Engine(EngineConfig(max_num_seqs=16, max_budget=max_budget), target, drafter, tokenizer)
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     from ddtree.training.prompts import CATEGORIES
-    from ddtree.workers import resolve_drafter_path
+    from ddtree.loaders import resolve_drafter_path
 
     torch.set_num_threads(args.threads)
     drafter_dir = resolve_drafter_path(None, args.drafter)

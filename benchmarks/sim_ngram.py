@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     from ddtree.training.evaluate import draft_topk_at_every_anchor, load_for_evaluation
     from ddtree.training.prompts import CATEGORIES
     from ddtree.tree import build_tree_from_topk
-    from ddtree.workers import resolve_drafter_path
+    from ddtree.loaders import resolve_drafter_path
 
     if not args.cost.exists():
         raise ValueError(f"{args.cost} is missing: run benchmarks/sim_budget_policy.py first (it measures it)")

@@ -255,7 +255,7 @@ def outputs_label(params: SamplingParams) -> str:
 def run(args) -> int:
     import torch
 
-    from ddtree.workers import build_workers, load_drafter_worker, resolve_drafter_path
+    from ddtree.loaders import build_workers, load_drafter_worker, resolve_drafter_path
 
     modes, budgets = check_arguments(args)
     messages = load_prompts(args)

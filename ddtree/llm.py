@@ -51,7 +51,7 @@ class LLM:
         max_explore_share: float = 0.03,
         max_queue_seconds: float | None = None,
     ) -> None:
-        from ddtree.workers import build_workers
+        from ddtree.loaders import build_workers
 
         config = EngineConfig(
             speculation=speculation,

@@ -216,7 +216,7 @@ class TargetActor:
     """Owns the target model and its KV cache."""
 
     def __init__(self, spec: WorkerSpec, need_drafter: bool) -> None:
-        from ddtree.workers import load_target_worker, resolve_drafter_path
+        from ddtree.loaders import load_target_worker, resolve_drafter_path
 
         _set_torch_threads(spec)
         drafter_path = resolve_drafter_path(spec.model, spec.drafter) if need_drafter else None
@@ -348,7 +348,7 @@ class DrafterActor:
     """Owns the DFlash drafter and its per-request context caches."""
 
     def __init__(self, spec: WorkerSpec, head) -> None:
-        from ddtree.workers import load_drafter_worker, resolve_drafter_path
+        from ddtree.loaders import load_drafter_worker, resolve_drafter_path
 
         _set_torch_threads(spec)
         path = resolve_drafter_path(spec.model, spec.drafter)

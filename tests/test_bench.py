@@ -249,7 +249,7 @@ def test_generate_reads_stdin_and_stops_and_chat_survives_a_bad_turn(tmp_path, c
 def test_an_unusable_device_is_refused_before_anything_loads(tmp_path):
     import torch
 
-    from ddtree.workers import build_workers
+    from ddtree.loaders import build_workers
 
     missing = str(tmp_path / "no-model")
     with pytest.raises(ValueError, match="'tpu' is not a torch device"):

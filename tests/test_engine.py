@@ -15,7 +15,7 @@ from ddtree.engine import Engine, EngineConfig, PromptTooLongError
 from ddtree.llm import LLM
 from ddtree.sampling_params import SamplingParams
 from ddtree.scheduler import EngineFullError
-from ddtree.workers import build_workers
+from ddtree.loaders import build_workers
 from tests.factories import make_tiny_drafter, make_tiny_target
 from tests.tiny_tokenizer import make_sentencepiece_tokenizer
 

@@ -143,7 +143,7 @@ def test_the_loop_over_the_policy_ends_within_its_bound_of_the_better_mode(case)
 
 @pytest.fixture(scope="module")
 def workers(tmp_path_factory):
-    from ddtree.workers import build_workers
+    from ddtree.loaders import build_workers
     from tests.factories import make_tiny_drafter, make_tiny_target
 
     root = tmp_path_factory.mktemp("guard_tiny")

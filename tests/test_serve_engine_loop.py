@@ -10,7 +10,7 @@ from ddtree import LLM, SamplingParams
 from ddtree.budget import CostModel
 from ddtree.engine import Engine, EngineConfig, PromptTooLongError
 from ddtree.scheduler import EngineFullError
-from ddtree.workers import build_workers
+from ddtree.loaders import build_workers
 from deployments.engine_loop import EngineDeadError, EngineLoop
 from tests.factories import make_tiny_drafter, make_tiny_target
 

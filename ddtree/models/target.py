@@ -224,7 +224,7 @@ class TargetModel:
 
     def resize_kv_cache(self, max_bytes: int) -> None:
         """A KV cache of `max_bytes` in place of the current one, which must hold no request (sizing it once the
-        weights are loaded: `ddtree.workers.load_target_worker` on a GPU)."""
+        weights are loaded: `ddtree.loaders.load_target_worker` on a GPU)."""
         if self.kv.num_bytes_used:
             raise ValueError("the KV cache holds requests: it can only be resized empty")
         self.kv = self._new_kv_cache(max_bytes)  # built first: a failure keeps the old one

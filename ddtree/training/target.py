@@ -18,7 +18,7 @@ def resolve_device(device: str | torch.device) -> torch.device:
     """The torch device named by `--device` (cpu, cuda, cuda:N), or a ValueError saying why it cannot be used here.
 
     Checked before any step runs, so a run meant for a GPU never silently falls back to hours of CPU work."""
-    from ddtree.workers import resolve_device as resolve
+    from ddtree.loaders import resolve_device as resolve
 
     return resolve(device, what="--device")
 
