@@ -46,13 +46,8 @@ class ModeResult:
 
     def extend(self, run: "ModeResult") -> None:
         """Add a later group of the same pass."""
-        self.num_tokens += run.num_tokens
-        self.seconds += run.seconds
-        self.acceptance_lengths += run.acceptance_lengths
-        self.budgets += run.budgets
-        self.num_ngram_tokens += run.num_ngram_tokens
+        self._add_counts(run)
         self.outputs += run.outputs
-        self.timings = {k: self.timings.get(k, 0) + v for k, v in run.timings.items()}
 
     def absorb(self, run: "ModeResult") -> None:
         """Add one pass of this mode (the first pass included: `record` starts from an empty result)."""
@@ -61,6 +56,9 @@ class ModeResult:
         else:
             self.outputs = run.outputs
         self.pass_rates.append(run.num_tokens / run.seconds)
+        self._add_counts(run)
+
+    def _add_counts(self, run: "ModeResult") -> None:
         self.num_tokens += run.num_tokens
         self.seconds += run.seconds
         self.acceptance_lengths += run.acceptance_lengths
