@@ -6,10 +6,15 @@ The guard does not second-guess the policy's decisions; it measures what they de
 buckets: 1, 2, 3-4, 5-8, ...) it keeps the committed tokens per second of the rounds run as the policy planned them
 ("policy" arm) and of rounds run as plain decoding (no draft, no n-gram chain: what `speculation: off` does), each as
 a ratio of exponential moving averages (tokens and seconds apart, so that a round's size weighs as it should). It
-runs the arm that measures faster, and the other in a bounded share of the time (`max_explore_share` of the
-bucket's round seconds), so that a change of load or of text brings the other arm back when it pays again.
-Exploring thus costs at most that share of the difference between the two arms' speeds, plus each arm's first
-`min_rounds` rounds per bucket.
+runs the arm that measures faster.
+
+The other arm is explored in windows of `window_rounds` consecutive rounds, each measuring it afresh (its old
+estimate is dropped), and only while the time spent on the arm measured slower stays within `max_explore_share` of
+the bucket's round seconds. Exploring thus costs at most that share of the difference between the two arms' speeds,
+plus each arm's first window per bucket. Why windows and a fresh estimate: a speculative round's tokens vary a lot
+(none accepted in a third of rounds, streaks of them on hard passages), so the arm that runs is averaged over many
+rounds (`weight`), and the arm left behind was typically left at a low point of its noise. Updated one exploring
+round at a time it would stay low for thousands of rounds; a window's fresh mean is unbiased.
 
 Policy only: integers and floats, no tensors (the engine times the rounds and counts their tokens).
 """
@@ -30,16 +35,19 @@ def check_max_explore_share(value) -> None:
 class _Arm:
     tokens: float = 0.0  # EMA of committed tokens per round
     seconds: float = 0.0  # EMA of round seconds
-    num_rounds: int = 0
+    num_rounds: int = 0  # since the estimate was last started afresh
+    total_rounds: int = 0
+
+    def restart(self) -> None:
+        self.tokens = self.seconds = 0.0
+        self.num_rounds = 0
 
     def observe(self, num_tokens: int, seconds: float, weight: float) -> None:
-        if self.num_rounds == 0:
-            self.tokens, self.seconds = float(num_tokens), seconds
-        else:
-            w = max(weight, 1.0 / (self.num_rounds + 1))  # the first rounds: their plain mean
-            self.tokens += w * (num_tokens - self.tokens)
-            self.seconds += w * (seconds - self.seconds)
+        w = max(weight, 1.0 / (self.num_rounds + 1))  # the first rounds: their plain mean
+        self.tokens += w * (num_tokens - self.tokens)
+        self.seconds += w * (seconds - self.seconds)
         self.num_rounds += 1
+        self.total_rounds += 1
 
     @property
     def rate(self) -> float:
@@ -52,13 +60,15 @@ class _Bucket:
     num_rounds: int = 0
     seconds: float = 0.0  # of every round once both arms were measured
     explored_seconds: float = 0.0  # of those, on the arm that measured slower
+    window_arm: str | None = None  # the arm being explored, while a window runs
+    window_rounds_left: int = 0
 
 
 @dataclass
 class ThroughputGuard:
     max_explore_share: float = 0.03  # at most this share of a bucket's time on the arm measured slower
-    weight: float = 0.1  # EMA weight of a new round
-    min_rounds: int = 4  # rounds of an arm before its measurement is trusted
+    weight: float = 0.02  # EMA weight of a new round of the arm that runs (~50 rounds' memory)
+    window_rounds: int = 4  # rounds per exploring window (and per arm's first measurement)
     buckets: dict[int, _Bucket] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -69,27 +79,34 @@ class ThroughputGuard:
         return max(0, num_requests - 1).bit_length()  # 1 -> 0, 2 -> 1, 3-4 -> 2, 5-8 -> 3, ...
 
     def best(self, num_requests: int) -> str:
-        """The arm measured faster at this batch size (the policy's while either is not measured enough)."""
+        """The arm measured faster at this batch size (the policy's while either is not measured yet, and the one
+        that was faster when the window began while an exploring window runs)."""
         bucket = self.buckets.get(self.bucket_of(num_requests))
         if bucket is None:
             return POLICY
+        if bucket.window_arm is not None:
+            return PLAIN if bucket.window_arm == POLICY else POLICY
         policy, plain = bucket.arms[POLICY], bucket.arms[PLAIN]
-        if min(policy.num_rounds, plain.num_rounds) < self.min_rounds:
+        if min(policy.num_rounds, plain.num_rounds) < self.window_rounds:
             return POLICY
         return PLAIN if plain.rate > policy.rate else POLICY
 
     def choose(self, num_requests: int) -> str:
-        """The arm of the next round of `num_requests` requests: the faster, or the other while the time spent
-        exploring stays within the share. An arm not yet measured `min_rounds` times is run first, once per bucket
-        (a bounded, one-off cost)."""
+        """The arm of the next round of `num_requests` requests: the faster, or the other in an exploring window
+        while the time spent exploring stays within the share. An arm not yet measured `window_rounds` times is run
+        first, once per bucket (a bounded, one-off cost)."""
         bucket = self.buckets.setdefault(self.bucket_of(num_requests), _Bucket())
+        if bucket.window_arm is not None:
+            return bucket.window_arm
         for arm in (POLICY, PLAIN):
-            if bucket.arms[arm].num_rounds < self.min_rounds:
+            if bucket.arms[arm].num_rounds < self.window_rounds:
                 return arm
         best = self.best(num_requests)
         other = PLAIN if best == POLICY else POLICY
-        expected = bucket.arms[other].seconds  # what an exploring round would add (its arm's EMA)
+        expected = self.window_rounds * bucket.arms[other].seconds  # what the window would add (its arm's EMA)
         if bucket.explored_seconds + expected <= self.max_explore_share * (bucket.seconds + expected):
+            bucket.window_arm, bucket.window_rounds_left = other, self.window_rounds
+            bucket.arms[other].restart()  # measured afresh: the old estimate is where the arm was left
             return other
         return best
 
@@ -98,12 +115,17 @@ class ThroughputGuard:
         if seconds <= 0:
             return
         bucket = self.buckets.setdefault(self.bucket_of(num_requests), _Bucket())
-        if min(a.num_rounds for a in bucket.arms.values()) >= self.min_rounds:
+        is_window = bucket.window_arm == arm
+        if is_window or min(a.num_rounds for a in bucket.arms.values()) >= self.window_rounds:
             bucket.seconds += seconds
             if arm != self.best(num_requests):
                 bucket.explored_seconds += seconds
         bucket.num_rounds += 1
         bucket.arms[arm].observe(num_tokens, seconds, self.weight)
+        if is_window:
+            bucket.window_rounds_left -= 1
+            if bucket.window_rounds_left <= 0:
+                bucket.window_arm = None
 
     def describe(self) -> list[dict]:
         """Per bucket: batch sizes, rounds, the share of time explored, each arm's measured tokens/s and rounds."""
@@ -114,5 +136,5 @@ class ThroughputGuard:
             rows.append({"batch_sizes": [low, high], "num_rounds": bucket.num_rounds,
                          "explored_share": bucket.explored_seconds / bucket.seconds if bucket.seconds else 0.0,
                          **{f"{name}_tokens_per_second": arm.rate for name, arm in bucket.arms.items()},
-                         **{f"{name}_rounds": arm.num_rounds for name, arm in bucket.arms.items()}})
+                         **{f"{name}_rounds": arm.total_rounds for name, arm in bucket.arms.items()}})
         return rows

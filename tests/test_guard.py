@@ -53,6 +53,45 @@ def test_speculation_comes_back_when_it_pays_again():
     assert second_half >= 0.9 * 150.0
 
 
+def run_passages(guard: ThroughputGuard | None, num_rounds: int, seed: int) -> float:
+    """One request decoding text of easy and hard passages (about 20 tokens each, keyed by the tokens committed so
+    far, whichever arm committed them): a speculative round accepts 0-6 draft nodes (each after its parent with
+    chance 0.7) on easy text, at most one (chance 0.3) on hard text, and costs 1.25x a plain round. Speculation pays
+    on the whole, while a hard passage leaves it a streak of rounds below plain decoding. Returns tokens/s."""
+    rng, passages = random.Random(seed), random.Random(seed + 1)
+    hard, is_hard = False, []
+    tokens = seconds = 0.0
+    for _ in range(num_rounds):
+        while len(is_hard) <= tokens:
+            hard = hard != (passages.random() < 0.05)
+            is_hard.append(hard)
+        arm = guard.choose(1) if guard is not None else POLICY
+        accepted = 0
+        if arm == POLICY and is_hard[int(tokens)]:
+            accepted = int(rng.random() < 0.3)
+        elif arm == POLICY:
+            while accepted < 6 and rng.random() < 0.7:
+                accepted += 1
+        round_seconds = (0.0175 if arm == POLICY else 0.014) * rng.uniform(0.8, 1.2)
+        if guard is not None:
+            guard.observe(1, arm, 1 + accepted, round_seconds)
+        tokens += 1 + accepted
+        seconds += round_seconds
+    return tokens / seconds
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_streak_of_rejections_does_not_leave_speculation_off(seed):
+    """A hard passage makes plain decoding measure faster for a while, and the guard switches to it. Speculation
+    must come back once the text is easy again: an arm left at a low point of its noise is measured afresh when it is
+    explored, not nudged one round at a time (which kept the loop ~5-15% below the policy alone here)."""
+    policy_alone, plain = run_passages(None, 3000, seed), 1 / 0.014
+    assert policy_alone > 1.5 * plain
+    best = max(policy_alone, plain)
+    bound = best - (0.03 + 0.02) * abs(policy_alone - plain) - 0.02 * best  # exploring, first rounds, the noise
+    assert run_passages(ThroughputGuard(max_explore_share=0.03), 3000, seed) >= bound
+
+
 def test_batch_sizes_are_measured_apart():
     guard = ThroughputGuard(max_explore_share=0.03)
     run(guard, lambda i: {POLICY: 150.0, PLAIN: 100.0}, 500, num_requests=1)
@@ -175,7 +214,7 @@ def test_where_plain_decoding_measured_faster_the_engine_drafts_nothing_and_answ
     engine = _engine(workers)
     guard = engine.guard
     for num_requests in (1, 2, 4):  # measured: the policy's rounds slow, plain ones fast, at every batch size
-        for _ in range(guard.min_rounds):
+        for _ in range(guard.window_rounds):
             guard.observe(num_requests, POLICY, num_requests, 1.0)
             guard.observe(num_requests, PLAIN, num_requests, 0.01)
     guard.max_explore_share = 0.0  # and no exploring: every round is plain
