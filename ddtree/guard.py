@@ -60,8 +60,7 @@ class _Bucket:
     num_rounds: int = 0
     seconds: float = 0.0  # of every round once both arms were measured
     explored_seconds: float = 0.0  # of those, on the arm that measured slower
-    window_arm: str | None = None  # the arm being explored, while a window runs
-    window_rounds_left: int = 0
+    window_arm: str | None = None  # the arm being measured afresh, until it has `window_rounds` rounds again
 
 
 @dataclass
@@ -96,16 +95,14 @@ class ThroughputGuard:
         while the time spent exploring stays within the share. An arm not yet measured `window_rounds` times is run
         first, once per bucket (a bounded, one-off cost)."""
         bucket = self.buckets.setdefault(self.bucket_of(num_requests), _Bucket())
-        if bucket.window_arm is not None:
-            return bucket.window_arm
-        for arm in (POLICY, PLAIN):
+        for arm in (POLICY, PLAIN):  # (an exploring window's arm included: it was restarted)
             if bucket.arms[arm].num_rounds < self.window_rounds:
                 return arm
         best = self.best(num_requests)
         other = PLAIN if best == POLICY else POLICY
         expected = self.window_rounds * bucket.arms[other].seconds  # what the window would add (its arm's EMA)
         if bucket.explored_seconds + expected <= self.max_explore_share * (bucket.seconds + expected):
-            bucket.window_arm, bucket.window_rounds_left = other, self.window_rounds
+            bucket.window_arm = other
             bucket.arms[other].restart()  # measured afresh: the old estimate is where the arm was left
             return other
         return best
@@ -122,10 +119,8 @@ class ThroughputGuard:
                 bucket.explored_seconds += seconds
         bucket.num_rounds += 1
         bucket.arms[arm].observe(num_tokens, seconds, self.weight)
-        if is_window:
-            bucket.window_rounds_left -= 1
-            if bucket.window_rounds_left <= 0:
-                bucket.window_arm = None
+        if is_window and bucket.arms[arm].num_rounds >= self.window_rounds:
+            bucket.window_arm = None
 
     def describe(self) -> list[dict]:
         """Per bucket: batch sizes, rounds, the share of time explored, each arm's measured tokens/s and rounds."""
