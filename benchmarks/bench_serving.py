@@ -14,8 +14,11 @@ the median over passes.
 The table gives output tokens/s (completion tokens over the wall time of the whole run), the served/offline ratio,
 and a served round broken down, per engine round, into compute (inside the worker actors, plus the engine's own
 work between calls), actor hops (the actor calls' wall time minus the time inside the actors) and the rest of a
-served round's wall time beyond those (serving: HTTP, the ingress, streaming, the loop's wake-ups). T=0 outputs
-are compared token for token between offline and served.
+served round's wall time beyond those (serving: HTTP, the ingress, streaming, the loop's wake-ups). For offline
+and served alike it gives the share of request-rounds that drafted ("spec share") and the output tokens per
+request-round: where served speculation makes less than offline at the same round time, these say whether it
+drafted less often or committed less per draft. T=0 outputs are compared token for token between offline and
+served.
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ class Run:
     per_round: dict[str, float] = field(default_factory=dict)  # ms per engine round, served runs
     num_rounds: int = 0
     engine_state: dict = field(default_factory=dict)  # the engine's closed loop and cumulative timings, last pass
+    # summed over passes: output tokens, request-rounds speculative and in fallback (offline and served alike)
+    mix: dict[str, int] = field(default_factory=dict)
 
     @property
     def median(self) -> float:
@@ -94,8 +99,9 @@ def load_messages(num_prompts: int) -> list[list[dict]]:
             for category in ("code", "math", "chat") for text in load_eval_prompts(category)[:num_prompts]]
 
 
-def run_offline(engine, prompts: list[list[int]], params, concurrency: int) -> tuple[float, dict[int, str]]:
-    """Closed loop in the engine: `concurrency` requests in flight, a finished one replaced at once."""
+def run_offline(engine, prompts: list[list[int]], params, concurrency: int) -> tuple[float, dict[int, str], int]:
+    """Closed loop in the engine: `concurrency` requests in flight, a finished one replaced at once; returns
+    tokens/s, text per prompt, output tokens."""
     ids: dict[str, int] = {}
     outputs: dict[int, list[int]] = {}
     num_tokens, pending = 0, list(enumerate(prompts))
@@ -108,12 +114,12 @@ def run_offline(engine, prompts: list[list[int]], params, concurrency: int) -> t
             if out.finished:
                 outputs[ids[out.request_id]] = out.text
                 num_tokens += len(out.token_ids)
-    return num_tokens / (time.perf_counter() - t0), outputs
+    return num_tokens / (time.perf_counter() - t0), outputs, num_tokens
 
 
 async def run_served(url: str, model: str, messages: list[list[dict]], max_tokens: int,
-                     concurrency: int) -> tuple[float, dict[int, str], list[float]]:
-    """Closed loop of `concurrency` streaming clients; returns tokens/s, text per prompt, TTFTs."""
+                     concurrency: int) -> tuple[float, dict[int, str], list[float], int]:
+    """Closed loop of `concurrency` streaming clients; returns tokens/s, text per prompt, TTFTs, output tokens."""
     import aiohttp
 
     queue: asyncio.Queue = asyncio.Queue()
@@ -156,7 +162,7 @@ async def run_served(url: str, model: str, messages: list[list[dict]], max_token
         t0 = time.perf_counter()
         await asyncio.gather(*(client(http) for _ in range(concurrency)))
         seconds = time.perf_counter() - t0
-    return num_tokens / seconds, outputs, ttfts
+    return num_tokens / seconds, outputs, ttfts, num_tokens
 
 
 def main(argv=None) -> int:
@@ -221,14 +227,16 @@ def main(argv=None) -> int:
             for p in range(args.passes):
                 for mode in args.modes:
                     off_run = results.setdefault(("offline", mode, c), Run())
-                    rate, outs = run_offline(engines[mode], prompts, params, c)
+                    timings_before = engines[mode].timings.as_dict()
+                    rate, outs, num_tokens = run_offline(engines[mode], prompts, params, c)
                     off_run.tokens_per_second.append(rate)
                     off_run.outputs = outs
+                    _add_mix(off_run, timings_before, engines[mode].timings.as_dict(), num_tokens)
                     served_run = results.setdefault(("served", mode, c), Run())
                     handle = serve.get_app_handle(mode)
                     before = handle.info.remote().result()
                     t0 = time.perf_counter()
-                    rate, outs, ttfts = asyncio.run(run_served(f"http://127.0.0.1:8123/{mode}", model_name,
+                    rate, outs, ttfts, num_tokens = asyncio.run(run_served(f"http://127.0.0.1:8123/{mode}", model_name,
                                                                messages, args.max_tokens, c))
                     wall = time.perf_counter() - t0
                     after = handle.info.remote().result()
@@ -236,6 +244,7 @@ def main(argv=None) -> int:
                     served_run.outputs = outs
                     served_run.ttft += ttfts
                     _add_breakdown(served_run, before, after, wall)
+                    _add_mix(served_run, before["timings"], after["timings"], num_tokens)
                     served_run.engine_state = {"guard": after["guard"], "timings": after["timings"]}
                     off_run.engine_state = {"guard": engines[mode].guard.describe() if engines[mode].guard else None,
                                             "timings": engines[mode].timings.as_dict()}
@@ -248,7 +257,7 @@ def main(argv=None) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(
             [{"where": w, "mode": m, "concurrency": c, "tokens_per_second": r.tokens_per_second,
-              "per_round_ms": r.per_round, "ttft_p50_s": statistics.median(r.ttft) if r.ttft else None,
+              "per_round_ms": r.per_round, "mix": r.mix, "ttft_p50_s": statistics.median(r.ttft) if r.ttft else None,
               "engine_state": r.engine_state}
              for (w, m, c), r in results.items()], indent=2))
     return 0
@@ -270,12 +279,31 @@ def _add_breakdown(run: Run, before: dict, after: dict, wall: float) -> None:
     run.num_rounds += rounds
 
 
+def _add_mix(run: Run, before: dict, after: dict, num_tokens: int) -> None:
+    """Adds a run's output tokens and its request-rounds, speculative and in fallback (`RoundTimings` deltas)."""
+    delta = {"tokens": num_tokens}
+    for k in ("num_speculative_request_rounds", "num_autoregressive_request_rounds"):
+        delta[k] = after[k] - before[k]
+    for k, v in delta.items():
+        run.mix[k] = run.mix.get(k, 0) + v
+
+
+def _mix_columns(run: Run) -> str:
+    """'speculative share | tokens per request-round' of a run (a prefill's first token counts in the tokens)."""
+    spec = run.mix.get("num_speculative_request_rounds", 0)
+    total = spec + run.mix.get("num_autoregressive_request_rounds", 0)
+    if not total:
+        return "- | -"
+    return f"{spec / total:.2f} | {run.mix['tokens'] / total:.2f}"
+
+
 def print_table(args, results: dict) -> None:
     print(f"\n{len(args.modes)} mode(s), {3 * args.num_prompts} prompts, max_tokens={args.max_tokens}, T=0, "
           f"{args.passes} pass(es); tokens/s: median over passes\n")
     print("| mode | concurrency | offline tok/s | served tok/s | served / offline | served x off | batch | round ms "
-          "| compute ms | hops ms (there) | serving ms | T=0 equal |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| compute ms | hops ms (there) | serving ms | spec share offline | tok/req-round offline "
+          "| spec share served | tok/req-round served | T=0 equal |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for c in args.concurrency:
         for mode in args.modes:
             off, srv = results[("offline", mode, c)], results[("served", mode, c)]
@@ -290,7 +318,8 @@ def print_table(args, results: dict) -> None:
             batch = srv.per_round["request_rounds"] / rounds
             print(f"| {mode} | {c} | {off.median:.1f} | {srv.median:.1f} | {srv.median / off.median:.2f} | {x_off} "
                   f"| {batch:.1f} "
-                  f"| {wall:.1f} | {compute:.1f} | {hops:.2f} ({there:.2f}) | {wall - compute - hops:.1f} | {equal} |")
+                  f"| {wall:.1f} | {compute:.1f} | {hops:.2f} ({there:.2f}) | {wall - compute - hops:.1f} "
+                  f"| {_mix_columns(off)} | {_mix_columns(srv)} | {equal} |")
 
 
 if __name__ == "__main__":
