@@ -10,6 +10,13 @@ import pytest
 from ddtree.guard import PLAIN, POLICY, ThroughputGuard
 
 
+def loop_bound(a: float, b: float, share: float = 0.03, noise: float = 0.02) -> float:
+    """The least the loop may deliver over arms of speeds `a` and `b`: the faster one, less the exploring share
+    (plus 0.02 for the first rounds) of the difference, less `noise` of the faster one."""
+    best = max(a, b)
+    return best - (share + 0.02) * abs(a - b) - noise * best
+
+
 def run(guard: ThroughputGuard | None, rates, num_rounds: int, num_requests: int = 8, seed: int = 0) -> float:
     """Tokens/s over `num_rounds` rounds whose true tokens/s per arm is `rates(round)[arm]` (each round's time
     jittered +-20%, as on a noisy machine); without a guard every round follows the policy."""
@@ -31,8 +38,7 @@ def test_the_loop_ends_within_its_bound_of_the_faster_arm(policy_rate, plain_rat
     """Whatever the policy believes, the loop delivers the faster arm's speed less at most its exploring share of
     the difference (and the noise); where the policy is the slower arm, the policy alone falls below that bound."""
     share = 0.03
-    best, worst = max(policy_rate, plain_rate), min(policy_rate, plain_rate)
-    bound = best - (share + 0.02) * (best - worst) - 0.01 * best  # exploring, the first rounds, the noise
+    bound = loop_bound(policy_rate, plain_rate, share, noise=0.01)
     rates = lambda i: {POLICY: policy_rate, PLAIN: plain_rate}  # noqa: E731
     guard = ThroughputGuard(max_explore_share=share)
     assert run(guard, rates, 3000) >= bound
@@ -87,8 +93,7 @@ def test_a_streak_of_rejections_does_not_leave_speculation_off(seed):
     explored, not nudged one round at a time (which kept the loop ~5-15% below the policy alone here)."""
     policy_alone, plain = run_passages(None, 3000, seed), 1 / 0.014
     assert policy_alone > 1.5 * plain
-    best = max(policy_alone, plain)
-    bound = best - (0.03 + 0.02) * abs(policy_alone - plain) - 0.02 * best  # exploring, first rounds, the noise
+    bound = loop_bound(policy_alone, plain)
     assert run_passages(ThroughputGuard(max_explore_share=0.03), 3000, seed) >= bound
 
 
@@ -168,8 +173,7 @@ def test_the_loop_over_the_policy_ends_within_its_bound_of_the_better_mode(case)
     accept = 0.55
     policy_alone, plain = run_policy(true_seconds, accept, 2000, with_guard=False)
     looped, _ = run_policy(true_seconds, accept, 2000, with_guard=True)
-    best = max(policy_alone, plain)
-    bound = best - (0.03 + 0.02) * abs(policy_alone - plain) - 0.02 * best  # exploring, first rounds, the noise
+    bound = loop_bound(policy_alone, plain)
     assert looped >= bound, (looped, policy_alone, plain)
     if case == "speculation pays":
         assert policy_alone > 1.2 * plain
