@@ -236,8 +236,8 @@ def main(argv=None) -> int:
                     handle = serve.get_app_handle(mode)
                     before = handle.info.remote().result()
                     t0 = time.perf_counter()
-                    rate, outs, ttfts, num_tokens = asyncio.run(run_served(f"http://127.0.0.1:8123/{mode}", model_name,
-                                                               messages, args.max_tokens, c))
+                    rate, outs, ttfts, num_tokens = asyncio.run(run_served(
+                        f"http://127.0.0.1:8123/{mode}", model_name, messages, args.max_tokens, c))
                     wall = time.perf_counter() - t0
                     after = handle.info.remote().result()
                     served_run.tokens_per_second.append(rate)
