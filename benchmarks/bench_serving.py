@@ -271,9 +271,7 @@ def _add_breakdown(run: Run, before: dict, after: dict, wall: float) -> None:
     compute = sum(t1[k] - t0[k] for k in ("prefill", "draft", "tree", "verify", "accept", "emit"))
     hops = after["actor_hop_seconds"] - before["actor_hop_seconds"]
     there = after["actor_hop_there_seconds"] - before["actor_hop_there_seconds"]
-    request_rounds = sum(t1[k] - t0[k] for k in ("num_speculative_request_rounds", "num_autoregressive_request_rounds"))
-    total = {"compute": compute, "hops": hops, "hops_there": there, "wall": wall,
-             "request_rounds": request_rounds}
+    total = {"compute": compute, "hops": hops, "hops_there": there, "wall": wall}
     for k, v in total.items():
         run.per_round[k] = run.per_round.get(k, 0.0) + v
     run.num_rounds += rounds
@@ -315,7 +313,7 @@ def print_table(args, results: dict) -> None:
             there = 1000 * srv.per_round["hops_there"] / rounds
             equal = off.outputs == srv.outputs
             x_off = f"{srv.median / base.median:.2f}" if base and base.median else "-"
-            batch = srv.per_round["request_rounds"] / rounds
+            batch = (srv.mix["num_speculative_request_rounds"] + srv.mix["num_autoregressive_request_rounds"]) / rounds
             print(f"| {mode} | {c} | {off.median:.1f} | {srv.median:.1f} | {srv.median / off.median:.2f} | {x_off} "
                   f"| {batch:.1f} "
                   f"| {wall:.1f} | {compute:.1f} | {hops:.2f} ({there:.2f}) | {wall - compute - hops:.1f} "
