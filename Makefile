@@ -28,6 +28,8 @@ serve: install
 	$(BIN)/python -m deployments.run ray_config.yaml
 
 test: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/python -m pytest -q
 
 clean-venv:

@@ -9,8 +9,8 @@ work per round, and T=0, so that the outputs must be identical) by:
   actors       Engine here, target and drafter each on a Ray actor, called through deployments/actors.py proxies
                over their channels (features sent target -> drafter over a channel of their own)
 After a warm-up pass of each, the modes alternate for `--passes` measured passes (so that load from other jobs on
-the machine hits both alike); the table reports every measured round. The table shows the mean round time, the actor call
-overhead per round (wall time of the proxy calls minus the time the actors spent working), tokens/s, and the round
+the machine hits both alike); the table reports every measured round. The table shows the mean round time, the actor
+call overhead per round (wall time of the proxy calls minus the time the actors spent working), tokens/s, and the round
 split into the engine's stages (draft is timed around the drafter call, hops included; verify and accept inside the
 target; "other" is the rest: admission, the verify call's hop); last, the bare cost of one actor round trip and of a
 call taking features another actor returned.
@@ -32,7 +32,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-
 
 # Engine stages (RoundTimings): draft is timed around the drafter call (hops included), verify and accept inside the
 # target worker (hops excluded).
@@ -145,13 +144,21 @@ def make_random_drafter(model: str | None, out: Path, block_size: int = 8) -> Pa
     t = json.loads((target_dir / "config.json").read_text())
     num_layers = t["num_hidden_layers"]
     config = DFlashConfig(
-        hidden_size=t["hidden_size"], intermediate_size=t["intermediate_size"], num_hidden_layers=1,
-        num_attention_heads=t["num_attention_heads"], num_key_value_heads=t["num_key_value_heads"],
+        hidden_size=t["hidden_size"],
+        intermediate_size=t["intermediate_size"],
+        num_hidden_layers=1,
+        num_attention_heads=t["num_attention_heads"],
+        num_key_value_heads=t["num_key_value_heads"],
         head_dim=t.get("head_dim") or t["hidden_size"] // t["num_attention_heads"],
-        rms_norm_eps=t.get("rms_norm_eps", 1e-6), rope_theta=t.get("rope_theta", 10000.0),
-        vocab_size=t["vocab_size"], max_position_embeddings=t["max_position_embeddings"], block_size=block_size,
-        num_target_layers=num_layers, mask_token_id=0,
-        target_layer_ids=[1, num_layers // 2, num_layers - 3])
+        rms_norm_eps=t.get("rms_norm_eps", 1e-6),
+        rope_theta=t.get("rope_theta", 10000.0),
+        vocab_size=t["vocab_size"],
+        max_position_embeddings=t["max_position_embeddings"],
+        block_size=block_size,
+        num_target_layers=num_layers,
+        mask_token_id=0,
+        target_layer_ids=[1, num_layers // 2, num_layers - 3],
+    )
     torch.manual_seed(0)
     save_dflash(DFlashDraftModel(config), config, out, dtype=torch.float32)
     return out
@@ -160,8 +167,9 @@ def make_random_drafter(model: str | None, out: Path, block_size: int = 8) -> Pa
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="target (default: embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--drafter", default=None,
-                        help="DFlash drafter (default: the shipped one); 'random': a random 1-layer drafter")
+    parser.add_argument(
+        "--drafter", default=None, help="DFlash drafter (default: the shipped one); 'random': a random 1-layer drafter"
+    )
     parser.add_argument("--speculation", default="ddtree", choices=("ddtree", "dflash", "off"))
     parser.add_argument("--budget", type=int, default=16, help="fixed nodes per request (same work in each mode)")
     parser.add_argument("--num-prompts", type=int, default=4)
@@ -175,30 +183,52 @@ def main(argv: list[str] | None = None) -> int:
         args.drafter = str(make_random_drafter(args.model, Path("work/bench_actors/random-drafter")))
 
     import ray
+    import torch
 
     from ddtree.engine import Engine, EngineConfig
+    from ddtree.loaders import build_workers
     from ddtree.sampling_params import SamplingParams
     from ddtree.training.prompts import load_eval_prompts
-    from ddtree.loaders import build_workers
     from deployments.actors import start_worker_actors
     from deployments.config import AppArgs, WorkerSpec
 
-    import torch
-
     torch.set_num_threads(args.threads)
-    app_args = AppArgs(model=args.model, drafter=args.drafter, speculation=args.speculation, budget=args.budget,
-                       max_budget=max(args.budget, 1), max_num_seqs=args.concurrency,
-                       worker_torch_threads=args.threads)
+    app_args = AppArgs(
+        model=args.model,
+        drafter=args.drafter,
+        speculation=args.speculation,
+        budget=args.budget,
+        max_budget=max(args.budget, 1),
+        max_num_seqs=args.concurrency,
+        worker_torch_threads=args.threads,
+    )
     # No fallback: the budget policy would decide from live timings, which differ between the modes.
-    config = EngineConfig(speculation=args.speculation, budget=args.budget, max_budget=args.budget,
-                          max_num_seqs=args.concurrency, allow_fallback=False)
+    config = EngineConfig(
+        speculation=args.speculation,
+        budget=args.budget,
+        max_budget=args.budget,
+        max_num_seqs=args.concurrency,
+        allow_fallback=False,
+    )
     need_drafter = args.speculation != "off"
     target, drafter, tokenizer = build_workers(
-        args.model, args.drafter, device="cpu", dtype=None, need_drafter=need_drafter,
-        kv_cache_bytes=None, attention="auto")
+        args.model,
+        args.drafter,
+        device="cpu",
+        dtype=None,
+        need_drafter=need_drafter,
+        kv_cache_bytes=None,
+        attention="auto",
+    )
     texts = [p for c in ("chat", "code", "math") for p in load_eval_prompts(c)][: args.num_prompts]
-    prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                                  tokenize=True, return_dict=False)) for t in texts]
+    prompts = [
+        list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+        for t in texts
+    ]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
 
     local_engine = Engine(config, target, drafter, tokenizer)
@@ -207,16 +237,16 @@ def main(argv: list[str] | None = None) -> int:
     ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
     layout = app_args.worker_layout()
     actors = start_worker_actors(WorkerSpec.from_args(app_args), layout.target, layout.drafter)
-    actor_engine = Engine(config, actors.target_proxy, actors.drafter_proxy, actors.target_proxy.tokenizer,
-                          cost=cost)
+    actor_engine = Engine(config, actors.target_proxy, actors.drafter_proxy, actors.target_proxy.tokenizer, cost=cost)
     run_engine(local_engine, prompts, params, args.concurrency, "warm-up")
     run_engine(actor_engine, prompts, params, args.concurrency, "warm-up", actors.hops)
     actors.hops.by_op.clear()  # (the measured passes only)
     local, remote = Result("in-process"), Result("actors")
     for _ in range(args.passes):
-        for total, run in ((local, run_engine(local_engine, prompts, params, args.concurrency, "in-process")),
-                           (remote, run_engine(actor_engine, prompts, params, args.concurrency, "actors",
-                                               actors.hops))):
+        for total, run in (
+            (local, run_engine(local_engine, prompts, params, args.concurrency, "in-process")),
+            (remote, run_engine(actor_engine, prompts, params, args.concurrency, "actors", actors.hops)),
+        ):
             total.round_seconds += run.round_seconds
             total.num_tokens += run.num_tokens
             total.seconds += run.seconds
@@ -231,31 +261,46 @@ def main(argv: list[str] | None = None) -> int:
     ray.shutdown()
 
     same = local.outputs == remote.outputs
-    print(f"\n{len(prompts)} prompts, max_tokens={args.max_tokens}, concurrency={args.concurrency}, "
-          f"speculation={args.speculation}, budget={args.budget}; outputs identical: {same}")
-    print(f"{'mode':<12}{'rounds':>8}{'round ms':>10}{'p50 ms':>9}{'hop ms/round':>14}{'calls/round':>13}"
-          f"{'tokens/s':>10}{'tau':>7}")
+    print(
+        f"\n{len(prompts)} prompts, max_tokens={args.max_tokens}, concurrency={args.concurrency}, "
+        f"speculation={args.speculation}, budget={args.budget}; outputs identical: {same}"
+    )
+    print(
+        f"{'mode':<12}{'rounds':>8}{'round ms':>10}{'p50 ms':>9}{'hop ms/round':>14}{'calls/round':>13}"
+        f"{'tokens/s':>10}{'tau':>7}"
+    )
     for r in (local, remote):
         n = len(r.round_seconds)
-        print(f"{r.name:<12}{n:>8}{1000 * statistics.fmean(r.round_seconds):>10.2f}"
-              f"{1000 * statistics.median(r.round_seconds):>9.2f}{1000 * r.hop_seconds / n:>14.2f}"
-              f"{r.hop_calls / n:>13.2f}{r.num_tokens / r.seconds:>10.1f}"
-              f"{r.tau if r.tau is not None else float('nan'):>7.2f}")
+        print(
+            f"{r.name:<12}{n:>8}{1000 * statistics.fmean(r.round_seconds):>10.2f}"
+            f"{1000 * statistics.median(r.round_seconds):>9.2f}{1000 * r.hop_seconds / n:>14.2f}"
+            f"{r.hop_calls / n:>13.2f}{r.num_tokens / r.seconds:>10.1f}"
+            f"{r.tau if r.tau is not None else float('nan'):>7.2f}"
+        )
     print("per round, ms: " + "  ".join(f"{k:>8}" for k in STAGES) + "     other")
     for r in (local, remote):
         n = len(r.round_seconds)
         staged = sum(r.stage_seconds.values())
-        print(f"{r.name:<12}  " + "  ".join(f"{1000 * r.stage_seconds[k] / n:>8.2f}" for k in STAGES)
-              + f"  {1000 * (sum(r.round_seconds) - staged) / n:>8.2f}")
+        print(
+            f"{r.name:<12}  "
+            + "  ".join(f"{1000 * r.stage_seconds[k] / n:>8.2f}" for k in STAGES)
+            + f"  {1000 * (sum(r.round_seconds) - staged) / n:>8.2f}"
+        )
     extra = statistics.fmean(remote.round_seconds) - statistics.fmean(local.round_seconds)
-    print(f"actors - in-process: {1000 * extra:+.2f} ms per round "
-          f"({100 * extra / statistics.fmean(local.round_seconds):+.1f}%)")
-    print("worker calls, ms each (there: submission until the worker began, pickling and the worker's wake-up "
-          "included; back: the worker's end until the result was read):")
+    print(
+        f"actors - in-process: {1000 * extra:+.2f} ms per round "
+        f"({100 * extra / statistics.fmean(local.round_seconds):+.1f}%)"
+    )
+    print(
+        "worker calls, ms each (there: submission until the worker began, pickling and the worker's wake-up "
+        "included; back: the worker's end until the result was read):"
+    )
     for op, (calls, there, back) in sorted(actors.hops.by_op.items(), key=lambda kv: -kv[1][0]):
         print(f"  {op:<14}{calls:>6} calls  there {1000 * there / calls:6.3f}  back {1000 * back / calls:6.3f}")
-    print(f"bare no-op actor round trip: {1000 * noop:.2f} ms; a call taking features actor A returned earlier "
-          f"(8 x 1728 fp32) to actor B: {1000 * handoff:.2f} ms")
+    print(
+        f"bare no-op actor round trip: {1000 * noop:.2f} ms; a call taking features actor A returned earlier "
+        f"(8 x 1728 fp32) to actor B: {1000 * handoff:.2f} ms"
+    )
     return 0 if same else 1
 
 

@@ -32,10 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     path = resolve_drafter_path(None, args.drafter)
     head = load_target_worker(None, path).model.head()
-    drafters = {"full vocab, torch": DFlashDrafter.load(path, head, use_draft_vocab=False, cpu_kernels=False),
-                "draft vocab, torch": DFlashDrafter.load(path, head, cpu_kernels=False),
-                "draft vocab, native f32": DFlashDrafter.load(path, head, kernel_weight_dtype=torch.float32),
-                "draft vocab, native bf16": DFlashDrafter.load(path, head, kernel_weight_dtype=torch.bfloat16)}
+    drafters = {
+        "full vocab, torch": DFlashDrafter.load(path, head, use_draft_vocab=False, cpu_kernels=False),
+        "draft vocab, torch": DFlashDrafter.load(path, head, cpu_kernels=False),
+        "draft vocab, native f32": DFlashDrafter.load(path, head, kernel_weight_dtype=torch.float32),
+        "draft vocab, native bf16": DFlashDrafter.load(path, head, kernel_weight_dtype=torch.bfloat16),
+    }
     if drafters["draft vocab, torch"].draft_token_ids is None:
         raise ValueError(f"{path} has no draft_vocab.json")
     if not drafters["draft vocab, native bf16"].uses_cpu_kernels:  # no compiler here: torch's kernels only
@@ -46,8 +48,10 @@ def main(argv: list[str] | None = None) -> int:
             for b, seconds in drafter.measure_draft_cost(args.batch_sizes, args.top_k, num_repeats=1):
                 best[name][b] = min(best[name][b], seconds)
     vocab_size = drafters["draft vocab, torch"].draft_token_ids.numel()
-    print(f"\n{path.name}: draft vocabulary {vocab_size} of {head.config.vocab_size} tokens; top-K {args.top_k}, "
-          f"{args.threads} thread(s), best of {args.repeats}; ms per draft forward (x the last column)")
+    print(
+        f"\n{path.name}: draft vocabulary {vocab_size} of {head.config.vocab_size} tokens; top-K {args.top_k}, "
+        f"{args.threads} thread(s), best of {args.repeats}; ms per draft forward (x the last column)"
+    )
     names = list(drafters)
     print(f"{'requests':>9}" + "".join(f"{name:>26}" for name in names))
     for b in args.batch_sizes:

@@ -46,8 +46,10 @@ def main() -> None:
                 else:
                     drafter.add_contexts(ids, features)
                 best[mode] = min(best[mode], time.perf_counter() - start)
-        print(f"| {size} | {best['each'] * 1000:.2f} | {best['batched'] * 1000:.2f} | "
-              f"{best['each'] / best['batched']:.1f}x |")
+        print(
+            f"| {size} | {best['each'] * 1000:.2f} | {best['batched'] * 1000:.2f} | "
+            f"{best['each'] / best['batched']:.1f}x |"
+        )
         for seq_id in ids:
             drafter.free(seq_id)
 

@@ -30,10 +30,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from ddtree.drafter import DFlashDrafter
     from ddtree.engine import Engine, EngineConfig
+    from ddtree.loaders import build_workers, resolve_drafter_path
     from ddtree.sampling_params import SamplingParams
     from ddtree.training.prompts import load_eval_prompts
     from ddtree.workers import DrafterWorker
-    from ddtree.loaders import build_workers, resolve_drafter_path
 
     torch.set_num_threads(args.threads)
     target, drafter, tokenizer = build_workers(None, None)
@@ -44,14 +44,19 @@ def main(argv: list[str] | None = None) -> int:
     f32_drafter = DrafterWorker(DFlashDrafter.load(path, head, kernel_weight_dtype=torch.float32))
     bf16_drafter = DrafterWorker(DFlashDrafter.load(path, head, kernel_weight_dtype=torch.bfloat16))
     drafters = {"float32 panels": f32_drafter, "bfloat16 panels": bf16_drafter}
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
-                                             tokenize=True, return_dict=False)
-               for category in ("code", "math", "chat") for p in load_eval_prompts(category)[:args.num_prompts]]
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        for category in ("code", "math", "chat")
+        for p in load_eval_prompts(category)[: args.num_prompts]
+    ]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
 
     def run(drafter) -> tuple[float, float, list[list[int]]]:
-        engine = Engine(EngineConfig(speculation="ddtree", budget=args.budget, max_num_seqs=1), target, drafter,
-                        tokenizer)
+        engine = Engine(
+            EngineConfig(speculation="ddtree", budget=args.budget, max_num_seqs=1), target, drafter, tokenizer
+        )
         outputs, acceptance, start = [], [], time.perf_counter()
         for i, ids in enumerate(prompts):
             engine.add_request(list(ids), params, request_id=str(i))

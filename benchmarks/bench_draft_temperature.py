@@ -30,9 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(REPO))
     import torch
 
-    from ddtree.training.evaluate import (drafts_of_sequences, load_evaluation_set, load_for_evaluation,
-                                          simulate_rounds)
     from ddtree.loaders import DEFAULT_DRAFTER_DIR
+    from ddtree.training.evaluate import drafts_of_sequences, load_evaluation_set, load_for_evaluation, simulate_rounds
 
     torch.set_num_threads(args.threads)
     drafter, embed, lm_head, draft_token_ids = load_for_evaluation(Path(args.drafter or DEFAULT_DRAFTER_DIR))
@@ -42,16 +41,21 @@ def main(argv: list[str] | None = None) -> int:
         sequences, reader = load_evaluation_set(args.eval_dir / category, drafter, args.num_sequences)
         rounds = {(t, b): 0 for t in args.temperatures for b in args.budgets}
         num_tokens = 0
-        for seq, first, values, ids in drafts_of_sequences(drafter, embed, lm_head, sequences, reader,
-                                                           max(64, *args.budgets), draft_token_ids):
+        for seq, first, values, ids in drafts_of_sequences(
+            drafter, embed, lm_head, sequences, reader, max(64, *args.budgets), draft_token_ids
+        ):
             num_tokens += len(seq.token_ids) - 1 - first
             for t in args.temperatures:
                 tempered = values if t == 1 else torch.log_softmax(values / t, dim=-1)
                 for b in args.budgets:
                     rounds[(t, b)] += simulate_rounds(seq.token_ids, first, ids, tempered, b)
         for t in args.temperatures:
-            print(f"| {category} | {num_tokens} | {t:g} | "
-                  + " | ".join(f"{num_tokens / rounds[(t, b)]:.3f}" for b in args.budgets) + " |", flush=True)
+            print(
+                f"| {category} | {num_tokens} | {t:g} | "
+                + " | ".join(f"{num_tokens / rounds[(t, b)]:.3f}" for b in args.budgets)
+                + " |",
+                flush=True,
+            )
     return 0
 
 

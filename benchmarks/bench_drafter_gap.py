@@ -32,10 +32,10 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from ddtree.loaders import resolve_drafter_path
     from ddtree.training.data import FeatureReader, read_sequences, stored_layer_ids
     from ddtree.training.evaluate import evaluate_tau, load_for_evaluation
     from ddtree.training.prompts import CATEGORIES
-    from ddtree.loaders import resolve_drafter_path
 
     torch.set_num_threads(args.threads)
     drafter_dir = resolve_drafter_path(None, args.drafter)
@@ -46,8 +46,10 @@ def main(argv: list[str] | None = None) -> int:
     seen, unseen = sequences[: args.num_seen], sequences[args.num_seen :]
     reader = FeatureReader(args.data_dir, stored_layer_ids(args.data_dir), drafter.config.target_layer_ids)
     budgets = tuple(args.budgets)
-    print(f"\n{drafter_dir}: {len(seen)} seen, {len(unseen)} unseen sequences; {args.num_sequences} per category and "
-          f"group\n")
+    print(
+        f"\n{drafter_dir}: {len(seen)} seen, {len(unseen)} unseen sequences; {args.num_sequences} per category and "
+        f"group\n"
+    )
     print("| category | group | seqs | tokens | tau chain | " + " | ".join(f"tau B={b}" for b in budgets) + " |")
     print("|---" * (5 + len(budgets)) + "|")
     for category in CATEGORIES:
@@ -55,14 +57,28 @@ def main(argv: list[str] | None = None) -> int:
         groups = {
             "seen (trained on)": ([s for s in seen if s.category == category][-args.num_sequences :], reader),
             "unseen, same generators": ([s for s in unseen if s.category == category][: args.num_sequences], reader),
-            "evaluation set": (read_sequences(eval_dir)[: args.num_sequences],
-                               FeatureReader(eval_dir, stored_layer_ids(eval_dir), drafter.config.target_layer_ids)),
+            "evaluation set": (
+                read_sequences(eval_dir)[: args.num_sequences],
+                FeatureReader(eval_dir, stored_layer_ids(eval_dir), drafter.config.target_layer_ids),
+            ),
         }
         for group, (group_sequences, group_reader) in groups.items():
-            r = evaluate_tau(drafter, embed, lm_head, group_sequences, group_reader, category, budgets,
-                             draft_token_ids=draft_token_ids)
-            print(f"| {category} | {group} | {r.num_sequences} | {r.num_tokens} | {r.tau_chain:.2f} | "
-                  + " | ".join(f"{r.tau_tree(b):.2f}" for b in budgets) + " |", flush=True)
+            r = evaluate_tau(
+                drafter,
+                embed,
+                lm_head,
+                group_sequences,
+                group_reader,
+                category,
+                budgets,
+                draft_token_ids=draft_token_ids,
+            )
+            print(
+                f"| {category} | {group} | {r.num_sequences} | {r.num_tokens} | {r.tau_chain:.2f} | "
+                + " | ".join(f"{r.tau_tree(b):.2f}" for b in budgets)
+                + " |",
+                flush=True,
+            )
     return 0
 
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 from ddtree.budget import CostModel
 from ddtree.engine import Engine, EngineConfig
-from ddtree.sampling_params import SamplingParams
 from ddtree.loaders import build_workers
+from ddtree.sampling_params import SamplingParams
 
 
 def main() -> None:
@@ -36,13 +36,21 @@ def main() -> None:
     target, drafter, tokenizer = build_workers(args.model, args.drafter)
     # Drafting looks ruinous: the planner sends every request to fallback after its first probe.
     never_pays = CostModel([(1, 0.03), (2, 1.0), (4096, 100.0)], [(1, 10.0), (64, 10.0)])
-    off = Engine(EngineConfig(speculation="off", max_num_seqs=args.requests), target, None, tokenizer,
-                 cost=never_pays)
-    fallback = Engine(EngineConfig(speculation="ddtree", budget="auto", max_num_seqs=args.requests), target,
-                      drafter, tokenizer, cost=never_pays)
+    off = Engine(EngineConfig(speculation="off", max_num_seqs=args.requests), target, None, tokenizer, cost=never_pays)
+    fallback = Engine(
+        EngineConfig(speculation="ddtree", budget="auto", max_num_seqs=args.requests),
+        target,
+        drafter,
+        tokenizer,
+        cost=never_pays,
+    )
     params = SamplingParams(max_tokens=args.tokens, ignore_eos=True)
-    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Tell me about the history of Rome."}],
-                                           add_generation_prompt=True, tokenize=True, return_dict=False)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Tell me about the history of Rome."}],
+        add_generation_prompt=True,
+        tokenize=True,
+        return_dict=False,
+    )
     times = {"off": [], "fallback": []}
     num_probe_rounds = 0
     for rep in range(args.repeats):
@@ -70,8 +78,10 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for name, med in (("off", med_off), ("ddtree auto, all in fallback", med_fb)):
         key = "off" if name == "off" else "fallback"
-        print(f"| {name} | {len(times[key])} | {1000 * med:.2f} | {1000 * statistics.mean(times[key]):.2f} | "
-              f"{med / med_off:.3f} |")
+        print(
+            f"| {name} | {len(times[key])} | {1000 * med:.2f} | {1000 * statistics.mean(times[key]):.2f} | "
+            f"{med / med_off:.3f} |"
+        )
     print(f"probe rounds (excluded): {num_probe_rounds}")
 
 

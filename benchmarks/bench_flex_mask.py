@@ -36,22 +36,29 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
-    print("| requests | packed tokens | keys | create_block_mask ms | from layout ms | ratio | blocks (grid / layout) |")
+    print(
+        "| requests | packed tokens | keys | create_block_mask ms | from layout ms | ratio | blocks (grid / layout) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for num_requests, budget, num_cached in SHAPES:
-        trees = [build_tree(torch.log_softmax(torch.randn(8, 200, generator=g), -1), budget)
-                 for _ in range(num_requests)]
+        trees = [
+            build_tree(torch.log_softmax(torch.randn(8, 200, generator=g), -1), budget) for _ in range(num_requests)
+        ]
         packed = pack(trees, [1] * num_requests, [num_cached] * num_requests)
         num_keys = packed.kv_starts()[-1]
-        grid_ms, grid = best_ms(lambda: create_block_mask(
-            packed.flex_mask_mod(), None, None, packed.num_tokens, num_keys, device="cpu"), args.repeats)
+        grid_ms, grid = best_ms(
+            lambda: create_block_mask(packed.flex_mask_mod(), None, None, packed.num_tokens, num_keys, device="cpu"),
+            args.repeats,
+        )
         layout_ms, layout = best_ms(packed.flex_block_mask, args.repeats)
 
         def listed(m) -> int:
             return int(m.kv_num_blocks.sum()) + int(m.full_kv_num_blocks.sum())
 
-        print(f"| {num_requests} | {packed.num_tokens} | {num_keys} | {grid_ms:.1f} | {layout_ms:.2f} | "
-              f"{grid_ms / layout_ms:.0f}x | {listed(grid)} / {listed(layout)} |")
+        print(
+            f"| {num_requests} | {packed.num_tokens} | {num_keys} | {grid_ms:.1f} | {layout_ms:.2f} | "
+            f"{grid_ms / layout_ms:.0f}x | {listed(grid)} / {listed(layout)} |"
+        )
 
 
 if __name__ == "__main__":

@@ -43,15 +43,19 @@ def main(argv: list[str] | None = None) -> int:
         return 1000 * best
 
     megabytes = args.num_matrices * k * n * 4 / 1e6
-    print(f"\n{args.num_matrices} x [{k}, {n}] float32 ({megabytes:.0f} MB), {args.threads} thread(s), best of "
-          f"{args.repeats}")
+    print(
+        f"\n{args.num_matrices} x [{k}, {n}] float32 ({megabytes:.0f} MB), {args.threads} thread(s), best of "
+        f"{args.repeats}"
+    )
     from ddtree.kernels import cpu_ops, pack_panels
 
     ops = cpu_ops()
     panel_weights = [pack_panels(w) for w in weights] if ops is not None else []
     no_add = torch.empty(0)
-    print(f"{'M':>4}{'x @ W ms':>10}{'linear ms':>11}{'mkl packed ms':>15}{'onednn packed ms':>18}"
-          f"{'native panels ms':>18}{'x M=1':>8}{'GB/s':>7}{'GFLOP/s':>9}")
+    print(
+        f"{'M':>4}{'x @ W ms':>10}{'linear ms':>11}{'mkl packed ms':>15}{'onednn packed ms':>18}"
+        f"{'native panels ms':>18}{'x M=1':>8}{'GB/s':>7}{'GFLOP/s':>9}"
+    )
     onednn_weights = [torch.ops.mkldnn._reorder_linear_weight(w) for w in linear_weights]
     base = None
     for m in args.rows:
@@ -60,19 +64,24 @@ def main(argv: list[str] | None = None) -> int:
         linear = best_ms(lambda: [torch.nn.functional.linear(x, w) for w in linear_weights])
         if hasattr(torch.ops.mkl, "_mkl_linear"):
             packed = [torch.ops.mkl._mkl_reorder_linear_weight(w, m) for w in linear_weights]
-            mkl = best_ms(lambda: [torch.ops.mkl._mkl_linear(x, p, w, None, m)
-                                   for p, w in zip(packed, linear_weights)])
+            mkl = best_ms(lambda: [torch.ops.mkl._mkl_linear(x, p, w, None, m) for p, w in zip(packed, linear_weights)])
         else:
             mkl = float("nan")
-        onednn = best_ms(lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
-                                  for p in onednn_weights])
-        native = best_ms(lambda: [ops.panel_linear(x, p, n, no_add, no_add) for p in panel_weights]) \
-            if ops is not None else float("nan")
+        onednn = best_ms(
+            lambda: [torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in onednn_weights]
+        )
+        native = (
+            best_ms(lambda: [ops.panel_linear(x, p, n, no_add, no_add) for p in panel_weights])
+            if ops is not None
+            else float("nan")
+        )
         ours = native if ops is not None else runner
         base = base or ours
         gflop = 2 * m * k * n * args.num_matrices / 1e9
-        print(f"{m:>4}{runner:>10.1f}{linear:>11.1f}{mkl:>15.1f}{onednn:>18.1f}{native:>18.1f}{ours / base:>8.2f}"
-              f"{megabytes / ours:>7.1f}{gflop / (ours / 1000):>9.1f}")
+        print(
+            f"{m:>4}{runner:>10.1f}{linear:>11.1f}{mkl:>15.1f}{onednn:>18.1f}{native:>18.1f}{ours / base:>8.2f}"
+            f"{megabytes / ours:>7.1f}{gflop / (ours / 1000):>9.1f}"
+        )
     return 0
 
 

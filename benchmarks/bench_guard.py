@@ -34,21 +34,28 @@ def main(argv=None) -> int:
 
     from ddtree.engine import Engine, EngineConfig
     from ddtree.llm import LLM
+    from ddtree.loaders import build_workers
     from ddtree.sampling_params import SamplingParams
     from ddtree.training.prompts import load_eval_prompts
-    from ddtree.loaders import build_workers
 
     target, drafter, tokenizer = build_workers(None, None, device="cpu")
     per_category = -(-args.requests // 3)
     texts = [t for c in ("code", "math", "chat") for t in load_eval_prompts(c)[:per_category]][: args.requests]
-    prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                                  tokenize=True, return_dict=False)) for t in texts]
+    prompts = [
+        list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+        for t in texts
+    ]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     n = args.requests
-    engines = {"off": Engine(EngineConfig(speculation="off", max_num_seqs=n), target, None, tokenizer),
-               "auto": Engine(EngineConfig(max_num_seqs=n), target, drafter, tokenizer),
-               "auto, policy alone": Engine(EngineConfig(max_num_seqs=n, max_explore_share=0.0), target, drafter,
-                                            tokenizer)}
+    engines = {
+        "off": Engine(EngineConfig(speculation="off", max_num_seqs=n), target, None, tokenizer),
+        "auto": Engine(EngineConfig(max_num_seqs=n), target, drafter, tokenizer),
+        "auto, policy alone": Engine(EngineConfig(max_num_seqs=n, max_explore_share=0.0), target, drafter, tokenizer),
+    }
     rates: dict[str, list[float]] = {name: [] for name in engines}
     outputs: dict[str, list[list[int]]] = {}
     for _ in range(args.passes):
@@ -68,8 +75,10 @@ def main(argv=None) -> int:
     print("|---|---|---|---|---|")
     for row in engines["auto"].guard.describe():
         low, high = row["batch_sizes"]
-        print(f"| {low}-{high} | {row['num_rounds']} | {row['policy_tokens_per_second']:.1f} ({row['policy_rounds']}) "
-              f"| {row['plain_tokens_per_second']:.1f} ({row['plain_rounds']}) | {100 * row['explored_share']:.1f}% |")
+        print(
+            f"| {low}-{high} | {row['num_rounds']} | {row['policy_tokens_per_second']:.1f} ({row['policy_rounds']}) "
+            f"| {row['plain_tokens_per_second']:.1f} ({row['plain_rounds']}) | {100 * row['explored_share']:.1f}% |"
+        )
     return 0
 
 

@@ -19,16 +19,20 @@ import statistics
 import time
 
 from ddtree.engine import Engine, EngineConfig
+from ddtree.loaders import build_workers
 from ddtree.sampling_params import SamplingParams
 from ddtree.training.prompts import load_eval_prompts
-from ddtree.loaders import build_workers
 
 MODES = {"all rows": 10**9, "walked rows": 1}
 
 
 def run(target, drafter, tokenizer, budget: int, num_requests: int, num_tokens: int) -> dict:
-    engines = {name: Engine(EngineConfig(speculation="ddtree", budget=budget, max_num_seqs=num_requests), target,
-                            drafter, tokenizer) for name in MODES}
+    engines = {
+        name: Engine(
+            EngineConfig(speculation="ddtree", budget=budget, max_num_seqs=num_requests), target, drafter, tokenizer
+        )
+        for name in MODES
+    }
     engines["off"] = Engine(EngineConfig(speculation="off", max_num_seqs=num_requests), target, None, tokenizer)
     prompts = [p for triple in zip(*(load_eval_prompts(c) for c in ("code", "math", "chat"))) for p in triple]
     params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True)
@@ -36,8 +40,9 @@ def run(target, drafter, tokenizer, budget: int, num_requests: int, num_tokens: 
     target_ms: dict[str, list[float]] = {name: [] for name in engines}
     round_ms: dict[str, list[float]] = {name: [] for name in engines}
     for i, prompt in enumerate(prompts[:num_requests]):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
         for name, engine in engines.items():  # (ids distinct across the engines: they share the worker)
             engine.add_request(list(ids), params, request_id=f"{name}-{i}")
     while any(e.has_unfinished_requests() for e in engines.values()):
@@ -55,10 +60,12 @@ def run(target, drafter, tokenizer, budget: int, num_requests: int, num_tokens: 
             if engine.timings.prefill == prefill_before:  # rounds without a prefill only
                 target_ms[name].append(1000 * (engine.timings.verify + engine.timings.accept - before))
                 round_ms[name].append(1000 * seconds)
-    return {"target": {n: statistics.median(v) for n, v in target_ms.items()},
-            "round": {n: statistics.median(v) for n, v in round_ms.items()},
-            "identical": outputs["all rows"] == outputs["walked rows"],
-            "num_rounds": len(round_ms["all rows"])}
+    return {
+        "target": {n: statistics.median(v) for n, v in target_ms.items()},
+        "round": {n: statistics.median(v) for n, v in round_ms.items()},
+        "identical": outputs["all rows"] == outputs["walked rows"],
+        "num_rounds": len(round_ms["all rows"]),
+    }
 
 
 def main() -> None:
@@ -70,19 +77,23 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=48)
     args = parser.parse_args()
     target, drafter, tokenizer = build_workers(args.model, args.drafter)
-    print("| budget | requests | packed tokens | decode step ms (off) | target ms, all rows (steps) | target ms, "
-          "walked rows (steps) | ratio | round ms, all rows | round ms, walked rows | ratio | outputs identical |")
+    print(
+        "| budget | requests | packed tokens | decode step ms (off) | target ms, all rows (steps) | target ms, "
+        "walked rows (steps) | ratio | round ms, all rows | round ms, walked rows | ratio | outputs identical |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for budget in args.budgets:
         for num_requests in args.requests:
             r = run(target, drafter, tokenizer, budget, num_requests, args.tokens)
             t, w = r["target"], r["round"]
             step = t["off"]
-            print(f"| {budget} | {num_requests} | {num_requests * (budget + 1)} | {step:.1f} | "
-                  f"{t['all rows']:.1f} ({t['all rows'] / step:.2f}) | {t['walked rows']:.1f} "
-                  f"({t['walked rows'] / step:.2f}) | {t['walked rows'] / t['all rows']:.2f} | {w['all rows']:.1f} | "
-                  f"{w['walked rows']:.1f} | {w['walked rows'] / w['all rows']:.2f} | {r['identical']} |",
-                  flush=True)
+            print(
+                f"| {budget} | {num_requests} | {num_requests * (budget + 1)} | {step:.1f} | "
+                f"{t['all rows']:.1f} ({t['all rows'] / step:.2f}) | {t['walked rows']:.1f} "
+                f"({t['walked rows'] / step:.2f}) | {t['walked rows'] / t['all rows']:.2f} | {w['all rows']:.1f} | "
+                f"{w['walked rows']:.1f} | {w['walked rows'] / w['all rows']:.2f} | {r['identical']} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -30,8 +30,14 @@ def ms(x: tuple[float, float]) -> str:
 def gemm_table(ops, repeats: int) -> None:
     from ddtree.kernels import NO_TENSOR, pack_panels
 
-    shapes = [("q/k/v", 576, 960), ("o", 576, 576), ("gate/up", 576, 3072), ("down", 1536, 576),
-              ("draft head", 576, 16384), ("LM head", 576, 49152)]
+    shapes = [
+        ("q/k/v", 576, 960),
+        ("o", 576, 576),
+        ("gate/up", 576, 3072),
+        ("down", 1536, 576),
+        ("draft head", 576, 16384),
+        ("LM head", 576, 49152),
+    ]
     gen = torch.Generator().manual_seed(0)
     print("\n| matrix [K, N] | rows | float32 ms | bfloat16 ms | float32 / bfloat16 |\n|---|---|---|---|---|")
     for name, k, n in shapes:
@@ -39,8 +45,10 @@ def gemm_table(ops, repeats: int) -> None:
         panels = {dtype: pack_panels(w, dtype) for dtype in (torch.float32, torch.bfloat16)}
         for rows in (1, 8, 16):
             x = torch.randn(rows, k, generator=gen)
-            t = timed_interleaved({dtype: (lambda p=p: ops.panel_linear(x, p, n, NO_TENSOR, NO_TENSOR))
-                                   for dtype, p in panels.items()}, repeats)
+            t = timed_interleaved(
+                {dtype: (lambda p=p: ops.panel_linear(x, p, n, NO_TENSOR, NO_TENSOR)) for dtype, p in panels.items()},
+                repeats,
+            )
             f32, bf16 = t[torch.float32], t[torch.bfloat16]
             print(f"| {name} [{k}, {n}] | {rows} | {ms(f32)} | {ms(bf16)} | {f32[0] / bf16[0]:.2f} |")
 
@@ -50,8 +58,10 @@ def runner_table(args) -> None:
     from ddtree.models.testing import random_draft_tree
     from ddtree.packing import pack
 
-    runners = {dtype: TargetModel.load(args.model, max_kv_bytes=2**28, kernel_weight_dtype=dtype)
-               for dtype in (torch.float32, torch.bfloat16)}
+    runners = {
+        dtype: TargetModel.load(args.model, max_kv_bytes=2**28, kernel_weight_dtype=dtype)
+        for dtype in (torch.float32, torch.bfloat16)
+    }
     gen = torch.Generator().manual_seed(0)
     vocab = runners[torch.float32].config.vocab_size
     context = torch.randint(0, vocab, (args.context,), generator=gen).tolist()
@@ -78,8 +88,10 @@ def runner_table(args) -> None:
         fns[("decode 16 requests", dtype)] = lambda decode=decode, ids=seq_ids: decode(ids)
     t = timed_interleaved(fns, args.repeats)
     weight_mb = {dtype: runner.num_weight_bytes / 1e6 for dtype, runner in runners.items()}
-    print(f"\nrunner, {args.context} cached tokens; weight bytes read per step: float32 {weight_mb[torch.float32]:.0f} "
-          f"MB, bfloat16 panels {weight_mb[torch.bfloat16]:.0f} MB\n")
+    print(
+        f"\nrunner, {args.context} cached tokens; weight bytes read per step: float32 {weight_mb[torch.float32]:.0f} "
+        f"MB, bfloat16 panels {weight_mb[torch.bfloat16]:.0f} MB\n"
+    )
     print("| forward | float32 ms | bfloat16 ms | float32 / bfloat16 |\n|---|---|---|---|")
     for name in ("decode 1 request", "verify 32 tree tokens", "decode 16 requests"):
         f32, bf16 = t[(name, torch.float32)], t[(name, torch.bfloat16)]

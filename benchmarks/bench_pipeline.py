@@ -52,9 +52,12 @@ def predicted_speedup(engine, concurrency: int, budget: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default=None, help="target (default: embedded SmolLM2-135M-Instruct)")
-    parser.add_argument("--drafter", default=None,
-                        help="DFlash drafter (default: the shipped one); 'random': a random 1-layer drafter drafting "
-                             "over the full vocabulary (a drafter as costly as a verify pass)")
+    parser.add_argument(
+        "--drafter",
+        default=None,
+        help="DFlash drafter (default: the shipped one); 'random': a random 1-layer drafter drafting "
+        "over the full vocabulary (a drafter as costly as a verify pass)",
+    )
     parser.add_argument("--budget", type=int, default=16, help="fixed nodes per request")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--max-tokens", type=int, default=32)
@@ -75,26 +78,50 @@ def main(argv: list[str] | None = None) -> int:
     from deployments.config import AppArgs, WorkerSpec
 
     torch.set_num_threads(1)
-    app_args = AppArgs(model=args.model, drafter=args.drafter, speculation="ddtree", budget=args.budget,
-                       max_budget=args.budget, max_num_seqs=max(args.concurrency), worker_torch_threads=args.threads)
+    app_args = AppArgs(
+        model=args.model,
+        drafter=args.drafter,
+        speculation="ddtree",
+        budget=args.budget,
+        max_budget=args.budget,
+        max_num_seqs=max(args.concurrency),
+        worker_torch_threads=args.threads,
+    )
     ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
     layout = app_args.worker_layout()
     actors = start_worker_actors(WorkerSpec.from_args(app_args), layout.target, layout.drafter)
     tokenizer = actors.target_proxy.tokenizer
     num_prompts = max(args.concurrency) * 2
     texts = [p for c in ("chat", "code", "math") for p in load_eval_prompts(c)][:num_prompts]
-    prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                                  tokenize=True, return_dict=False)) for t in texts]
+    prompts = [
+        list(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": t}], add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+        for t in texts
+    ]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
 
     rows, cost = [], None
     for concurrency in args.concurrency:
         engines = {}
         for name, pipeline in (("sequential", False), ("pipelined", True), ("auto", "auto")):
-            config = EngineConfig(speculation="ddtree", budget=args.budget, max_budget=args.budget,
-                                  max_num_seqs=concurrency, allow_fallback=False, pipeline=pipeline)
-            engine = Engine(config, actors.target_proxy, actors.drafter_proxy, tokenizer,
-                            cost=copy.deepcopy(cost) if cost is not None else None)
+            config = EngineConfig(
+                speculation="ddtree",
+                budget=args.budget,
+                max_budget=args.budget,
+                max_num_seqs=concurrency,
+                allow_fallback=False,
+                pipeline=pipeline,
+            )
+            engine = Engine(
+                config,
+                actors.target_proxy,
+                actors.drafter_proxy,
+                tokenizer,
+                cost=copy.deepcopy(cost) if cost is not None else None,
+            )
             cost = cost or copy.deepcopy(engine.budget.cost)  # measured once, on the actors
             engines[name] = engine
             run_engine(engine, prompts[: 2 * concurrency], params, concurrency, "warm-up", actors.hops)
@@ -116,19 +143,25 @@ def main(argv: list[str] | None = None) -> int:
     actors.kill()
     ray.shutdown()
 
-    print(f"\nbudget={args.budget} (fixed), max_tokens={args.max_tokens}, 2 x concurrency prompts, "
-          f"{args.passes} passes, drafter={args.drafter or 'shipped'}, actors: {args.threads} torch thread(s) each")
-    print(f"{'conc':>5}{'seq tok/s':>11}{'pipe tok/s':>12}{'auto tok/s':>12}{'pipe/seq':>10}{'auto/seq':>10}"
-          f"{'predicted':>11}{'seq round ms':>14}{'pipe phase ms':>15}{'draft ms/tok':>14}{'verify ms/tok':>15}"
-          f"{'identical':>11}")
+    print(
+        f"\nbudget={args.budget} (fixed), max_tokens={args.max_tokens}, 2 x concurrency prompts, "
+        f"{args.passes} passes, drafter={args.drafter or 'shipped'}, actors: {args.threads} torch thread(s) each"
+    )
+    print(
+        f"{'conc':>5}{'seq tok/s':>11}{'pipe tok/s':>12}{'auto tok/s':>12}{'pipe/seq':>10}{'auto/seq':>10}"
+        f"{'predicted':>11}{'seq round ms':>14}{'pipe phase ms':>15}{'draft ms/tok':>14}{'verify ms/tok':>15}"
+        f"{'identical':>11}"
+    )
     for concurrency, seq, pipe, auto, predicted, same in rows:
         draft = 1000 * seq.stage_seconds["draft"] / seq.num_tokens
         verify = 1000 * (seq.stage_seconds["verify"] + seq.stage_seconds["accept"]) / seq.num_tokens
         rate = {r.name: r.num_tokens / r.seconds for r in (seq, pipe, auto)}
-        print(f"{concurrency:>5}{rate['sequential']:>11.1f}{rate['pipelined']:>12.1f}{rate['auto']:>12.1f}"
-              f"{rate['pipelined'] / rate['sequential']:>10.3f}{rate['auto'] / rate['sequential']:>10.3f}"
-              f"{predicted:>11.2f}{1000 * statistics.fmean(seq.round_seconds):>14.1f}"
-              f"{1000 * statistics.fmean(pipe.round_seconds):>15.1f}{draft:>14.2f}{verify:>15.2f}{str(same):>11}")
+        print(
+            f"{concurrency:>5}{rate['sequential']:>11.1f}{rate['pipelined']:>12.1f}{rate['auto']:>12.1f}"
+            f"{rate['pipelined'] / rate['sequential']:>10.3f}{rate['auto'] / rate['sequential']:>10.3f}"
+            f"{predicted:>11.2f}{1000 * statistics.fmean(seq.round_seconds):>14.1f}"
+            f"{1000 * statistics.fmean(pipe.round_seconds):>15.1f}{draft:>14.2f}{verify:>15.2f}{str(same):>11}"
+        )
     return 0 if all(same for *_, same in rows) else 1
 
 

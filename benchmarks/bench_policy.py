@@ -70,19 +70,24 @@ def main() -> None:
 
         observe_s = best_of(observe_all)
         total = plan_s + 2 * allocate_s + observe_s
-        print(f"| {num_requests} | {args.nodes} | {plan_s * 1e3:.2f} | {allocate_s * 1e3:.2f} | "
-              f"{observe_s * 1e3:.2f} | {total * 1e3:.2f} |")
+        print(
+            f"| {num_requests} | {args.nodes} | {plan_s * 1e3:.2f} | {allocate_s * 1e3:.2f} | "
+            f"{observe_s * 1e3:.2f} | {total * 1e3:.2f} |"
+        )
         chain_rows.append((num_requests, *chain_allocation_seconds(rng, policy, request_ids, trees)))
     print()
-    print("| requests | allocate_round ms (chains merged into a first allocation's nodes) "
-          "| merge into the whole trees + one allocate ms | whole / allocate_round |")
+    print(
+        "| requests | allocate_round ms (chains merged into a first allocation's nodes) "
+        "| merge into the whole trees + one allocate ms | whole / allocate_round |"
+    )
     print("|---|---|---|---|")
     for num_requests, round_s, whole_s in chain_rows:
         print(f"| {num_requests} | {round_s * 1e3:.2f} | {whole_s * 1e3:.2f} | {whole_s / round_s:.2f}x |")
 
 
-def chain_allocation_seconds(rng: random.Random, policy: BudgetPolicy, request_ids: list[str],
-                             values: list[list[float]]) -> tuple[float, float]:
+def chain_allocation_seconds(
+    rng: random.Random, policy: BudgetPolicy, request_ids: list[str], values: list[list[float]]
+) -> tuple[float, float]:
     """Best seconds of `allocate_round` with a 3-token chain per drafted request, and of the alternative."""
     trees = []
     for v in values:
@@ -93,8 +98,10 @@ def chain_allocation_seconds(rng: random.Random, policy: BudgetPolicy, request_i
     chain_values = policy.ngram_values(3)
 
     def merge_whole():
-        merged = [merge_chain(t.token_ids, t.parents, t.values, chains[rid], chain_values)[3]
-                  for rid, t in zip(request_ids, trees)]
+        merged = [
+            merge_chain(t.token_ids, t.parents, t.values, chains[rid], chain_values)[3]
+            for rid, t in zip(request_ids, trees)
+        ]
         return policy.allocate(request_ids, merged, 0)
 
     return best_of(lambda: policy.allocate_round(plan, trees, chains)), best_of(merge_whole)

@@ -118,8 +118,15 @@ def run(runner: TargetModel, torch_kernels_runner: TargetModel | None, args, num
         runner.commit(seq_ids[0], [])
 
     fns = dict(bandwidth_probes())
-    fns.update({"decode1": lambda: decode(seq_ids[:1]), "decode16": lambda: decode(seq_ids), "verify32": verify32,
-                "engine_decode": lambda: engine_round(None), "engine_verify32": lambda: engine_round(ddtree32)})
+    fns.update(
+        {
+            "decode1": lambda: decode(seq_ids[:1]),
+            "decode16": lambda: decode(seq_ids),
+            "verify32": verify32,
+            "engine_decode": lambda: engine_round(None),
+            "engine_verify32": lambda: engine_round(ddtree32),
+        }
+    )
     if torch_kernels_runner is not None:
         torch_kernels_runner.kv.allocate(0, args.context + 64)
         torch_kernels_runner.prefill([0], [context])
@@ -132,8 +139,9 @@ def run(runner: TargetModel, torch_kernels_runner: TargetModel | None, args, num
     worker.free("engine")
     if torch_kernels_runner is not None:
         torch_kernels_runner.free(0)
-    curve = measure_verify_cost_curve(runner, CURVE_TOKENS, num_context_tokens=args.context,
-                                      num_repeats=max(3, args.repeats // 3))
+    curve = measure_verify_cost_curve(
+        runner, CURVE_TOKENS, num_context_tokens=args.context, num_repeats=max(3, args.repeats // 3)
+    )
 
     model_bytes = runner.num_weight_bytes
     copy_bandwidth = 2 * 512 * 2**20 / t["copy"][0]
@@ -148,32 +156,44 @@ def run(runner: TargetModel, torch_kernels_runner: TargetModel | None, args, num
         return "yes" if ok else "NO"
 
     load = os.getloadavg()[0]
-    print(f"\n## {num_threads} thread(s), dtype {str(runner.dtype).removeprefix('torch.')}, context {args.context} "
-          f"tokens, load average {load:.2f}\n")
+    print(
+        f"\n## {num_threads} thread(s), dtype {str(runner.dtype).removeprefix('torch.')}, context {args.context} "
+        f"tokens, load average {load:.2f}\n"
+    )
     print("| measure | value | target | met |")
     print("|---|---|---|---|")
     print(f"| memory bandwidth, 512 MiB copy (read + write) | {copy_bandwidth / 1e9:.1f} GB/s | | |")
     print(f"| memory bandwidth, 512 MiB read stream | {bandwidth / 1e9:.1f} GB/s | | |")
     print(f"| weight bytes read per step | {model_bytes / 1e6:.0f} MB | | |")
     print(f"| bound per decode step: weight bytes / read bandwidth | {bound * 1e3:.1f} ms | | |")
-    print(f"| (same with the copy figure) | {model_bytes / copy_bandwidth * 1e3:.1f} ms | | "
-          f"({model_bytes / copy_bandwidth / d1[0]:.0%} of it) |")
-    print(f"| decode step, 1 request, ms | {ms(d1)} | <= {bound / 0.7 * 1e3:.1f} (70% of bound) "
-          f"| {check(d1[0] <= bound / 0.7)} ({bound / d1[0]:.0%} of bound) |")
+    print(
+        f"| (same with the copy figure) | {model_bytes / copy_bandwidth * 1e3:.1f} ms | | "
+        f"({model_bytes / copy_bandwidth / d1[0]:.0%} of it) |"
+    )
+    print(
+        f"| decode step, 1 request, ms | {ms(d1)} | <= {bound / 0.7 * 1e3:.1f} (70% of bound) "
+        f"| {check(d1[0] <= bound / 0.7)} ({bound / d1[0]:.0%} of bound) |"
+    )
     if "decode1_torch" in t:
         d1t = t["decode1_torch"]
         torch_bound = torch_kernels_runner.num_weight_bytes / bandwidth  # its own weights (float32 matrices)
-        print(f"| decode step, 1 request, torch's kernels (cpu_kernels=False), ms | {ms(d1t)} | | "
-              f"({torch_bound / d1t[0]:.0%} of its bound; {d1t[0] / d1[0]:.2f}x ours) |")
+        print(
+            f"| decode step, 1 request, torch's kernels (cpu_kernels=False), ms | {ms(d1t)} | | "
+            f"({torch_bound / d1t[0]:.0%} of its bound; {d1t[0] / d1[0]:.2f}x ours) |"
+        )
     if "hf" in t:
         print(f"| Hugging Face forward, 1 token, ms | {ms(t['hf'])} | | ({t['hf'][0] / d1[0]:.2f}x ours) |")
     print(f"| verify 32 packed tree tokens, logits of all rows, ms | {ms(v32)} | | ({v32[0] / d1[0]:.2f}x) |")
     ed, ev = t["engine_decode"], t["engine_verify32"]
     print(f"| engine's decode step (TargetWorker.verify, no tree), ms | {ms(ed)} | | |")
-    print(f"| engine's verify of 32 packed tree tokens (LM head on the rows the walk reaches), ms | {ms(ev)} | "
-          f"<= 2.5 engine decode steps | {check(ev[0] <= 2.5 * ed[0])} ({ev[0] / ed[0]:.2f}x) |")
-    print(f"| decode 16 requests, ms | {ms(d16)} | <= 3 decode steps | "
-          f"{check(d16[0] <= 3 * d1[0])} ({d16[0] / d1[0]:.2f}x) |")
+    print(
+        f"| engine's verify of 32 packed tree tokens (LM head on the rows the walk reaches), ms | {ms(ev)} | "
+        f"<= 2.5 engine decode steps | {check(ev[0] <= 2.5 * ed[0])} ({ev[0] / ed[0]:.2f}x) |"
+    )
+    print(
+        f"| decode 16 requests, ms | {ms(d16)} | <= 3 decode steps | "
+        f"{check(d16[0] <= 3 * d1[0])} ({d16[0] / d1[0]:.2f}x) |"
+    )
     print("\nverify cost curve (measure_verify_cost_curve, min of runs):\n")
     print("| packed tokens | ms | ms per token | x decode step |")
     print("|---|---|---|---|")
@@ -189,21 +209,34 @@ def main():
     parser.add_argument("--context", type=int, default=128, help="cached tokens per request")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--skip-hf", action="store_true", help="skip the Hugging Face comparison")
-    parser.add_argument("--skip-torch-kernels", action="store_true",
-                        help="skip the decode step on torch's kernels (cpu_kernels=False)")
-    parser.add_argument("--kernel-weight-dtype", default="float32", choices=sorted(DTYPES),
-                        help="the native ops' panels (float32 runner only): bfloat16 = bf16 weights and products")
+    parser.add_argument(
+        "--skip-torch-kernels", action="store_true", help="skip the decode step on torch's kernels (cpu_kernels=False)"
+    )
+    parser.add_argument(
+        "--kernel-weight-dtype",
+        default="float32",
+        choices=sorted(DTYPES),
+        help="the native ops' panels (float32 runner only): bfloat16 = bf16 weights and products",
+    )
     parser.add_argument("--cache-dir", default=str(REPO / ".cache" / "ddtree"))
     args = parser.parse_args()
-    runner = TargetModel.load(args.model, dtype=DTYPES[args.dtype], max_kv_bytes=2**30, cache_dir=args.cache_dir,
-                              kernel_weight_dtype=DTYPES[args.kernel_weight_dtype])
+    runner = TargetModel.load(
+        args.model,
+        dtype=DTYPES[args.dtype],
+        max_kv_bytes=2**30,
+        cache_dir=args.cache_dir,
+        kernel_weight_dtype=DTYPES[args.kernel_weight_dtype],
+    )
     torch_kernels_runner = None
     if runner.uses_cpu_kernels and not args.skip_torch_kernels:  # the same model on torch's kernels, side by side
-        torch_kernels_runner = TargetModel.load(args.model, dtype=DTYPES[args.dtype], max_kv_bytes=2**24,
-                                                cache_dir=args.cache_dir, cpu_kernels=False)
-    print(f"model {runner.source_path}, {runner.config.num_hidden_layers} layers, torch {torch.__version__}, "
-          f"native one-token ops: {'yes' if runner.uses_cpu_kernels else 'no'}, their weights: "
-          f"{str(runner.kernel_weight_dtype).removeprefix('torch.')}")
+        torch_kernels_runner = TargetModel.load(
+            args.model, dtype=DTYPES[args.dtype], max_kv_bytes=2**24, cache_dir=args.cache_dir, cpu_kernels=False
+        )
+    print(
+        f"model {runner.source_path}, {runner.config.num_hidden_layers} layers, torch {torch.__version__}, "
+        f"native one-token ops: {'yes' if runner.uses_cpu_kernels else 'no'}, their weights: "
+        f"{str(runner.kernel_weight_dtype).removeprefix('torch.')}"
+    )
     for n in args.threads:
         run(runner, torch_kernels_runner, args, n)
 

@@ -40,8 +40,11 @@ os.environ.setdefault("KMP_BLOCKTIME", "0")
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-MODES = {"off": {"speculation": "off"}, "auto": {"speculation": "ddtree", "budget": "auto"},
-         "dflash": {"speculation": "dflash"}}
+MODES = {
+    "off": {"speculation": "off"},
+    "auto": {"speculation": "ddtree", "budget": "auto"},
+    "dflash": {"speculation": "dflash"},
+}
 
 
 @dataclass
@@ -67,12 +70,21 @@ def parse(argv=None):
     p.add_argument("--num-prompts", type=int, default=8, help="prompts per category (code, math, chat)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--passes", type=int, default=2)
-    p.add_argument("--warmup", type=int, default=1,
-                   help="unmeasured runs of every mode, offline and served, before each concurrency's passes (a "
-                        "replica's first rounds at a batch size include its closed loop's learning)")
+    p.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="unmeasured runs of every mode, offline and served, before each concurrency's passes (a "
+        "replica's first rounds at a batch size include its closed loop's learning)",
+    )
     p.add_argument("--config", default=str(REPO / "ray_config.yaml"), help="the app args come from this file")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                   help="override an app arg of the served runs (YAML value), e.g. --set stream_interval_ms=50")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override an app arg of the served runs (YAML value), e.g. --set stream_interval_ms=50",
+    )
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     args.modes = args.modes.split(",")
@@ -83,8 +95,12 @@ def parse(argv=None):
         args.concurrency = [int(c) for c in args.concurrency.split(",")]
     except ValueError:
         p.error(f"--concurrency must be integers separated by commas, got {args.concurrency!r}")
-    for flag, value in (("--num-prompts", args.num_prompts), ("--max-tokens", args.max_tokens),
-                        ("--passes", args.passes), ("--concurrency", min(args.concurrency))):
+    for flag, value in (
+        ("--num-prompts", args.num_prompts),
+        ("--max-tokens", args.max_tokens),
+        ("--passes", args.passes),
+        ("--concurrency", min(args.concurrency)),
+    ):
         if value < 1:
             p.error(f"{flag} must be >= 1, got {value}")
     if args.warmup < 0:
@@ -95,8 +111,11 @@ def parse(argv=None):
 def load_messages(num_prompts: int) -> list[list[dict]]:
     from ddtree.training.prompts import load_eval_prompts
 
-    return [[{"role": "user", "content": text}]
-            for category in ("code", "math", "chat") for text in load_eval_prompts(category)[:num_prompts]]
+    return [
+        [{"role": "user", "content": text}]
+        for category in ("code", "math", "chat")
+        for text in load_eval_prompts(category)[:num_prompts]
+    ]
 
 
 def run_offline(engine, prompts: list[list[int]], params, concurrency: int) -> tuple[float, dict[int, str], int]:
@@ -117,8 +136,9 @@ def run_offline(engine, prompts: list[list[int]], params, concurrency: int) -> t
     return num_tokens / (time.perf_counter() - t0), outputs, num_tokens
 
 
-async def run_served(url: str, model: str, messages: list[list[dict]], max_tokens: int,
-                     concurrency: int) -> tuple[float, dict[int, str], list[float], int]:
+async def run_served(
+    url: str, model: str, messages: list[list[dict]], max_tokens: int, concurrency: int
+) -> tuple[float, dict[int, str], list[float], int]:
     """Closed loop of `concurrency` streaming clients; returns tokens/s, text per prompt, TTFTs, output tokens."""
     import aiohttp
 
@@ -133,8 +153,14 @@ async def run_served(url: str, model: str, messages: list[list[dict]], max_token
         nonlocal num_tokens
         while not queue.empty():
             i, msgs = queue.get_nowait()
-            body = {"model": model, "messages": msgs, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-                    "stream_options": {"include_usage": True}}
+            body = {
+                "model": model,
+                "messages": msgs,
+                "max_tokens": max_tokens,
+                "temperature": 0,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
             t0 = time.perf_counter()
             first = None
             texts: list[str] = []
@@ -172,8 +198,8 @@ def main(argv=None) -> int:
     from ray import serve
 
     from ddtree.engine import Engine, EngineConfig
-    from ddtree.sampling_params import SamplingParams
     from ddtree.loaders import build_workers
+    from ddtree.sampling_params import SamplingParams
     from deployments.app import build_app
     from deployments.config import parse_args
 
@@ -189,18 +215,30 @@ def main(argv=None) -> int:
 
     # Offline: one set of workers in this process, an engine per mode (as `ddtree bench`).
     parsed = parse_args({**base_args, **MODES[args.modes[0]]})
-    target, drafter, tokenizer = build_workers(parsed.model, parsed.drafter, device="cpu", dtype=parsed.dtype,
-                                               need_drafter=any(MODES[m]["speculation"] != "off" for m in args.modes))
-    prompts = [list(tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False))
-               for m in messages]
+    target, drafter, tokenizer = build_workers(
+        parsed.model,
+        parsed.drafter,
+        device="cpu",
+        dtype=parsed.dtype,
+        need_drafter=any(MODES[m]["speculation"] != "off" for m in args.modes),
+    )
+    prompts = [
+        list(tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False))
+        for m in messages
+    ]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
     engines = {}
     for mode in args.modes:
         mode_args = parse_args({**base_args, **MODES[mode], "max_num_seqs": max(max_c, parsed.max_num_seqs)})
-        config = EngineConfig(speculation=mode_args.speculation, budget=mode_args.budget,
-                              max_budget=mode_args.max_budget, max_num_seqs=mode_args.max_num_seqs,
-                              ngram_tokens=mode_args.ngram_tokens, pipeline=False,
-                              max_explore_share=mode_args.max_explore_share)
+        config = EngineConfig(
+            speculation=mode_args.speculation,
+            budget=mode_args.budget,
+            max_budget=mode_args.max_budget,
+            max_num_seqs=mode_args.max_num_seqs,
+            ngram_tokens=mode_args.ngram_tokens,
+            pipeline=False,
+            max_explore_share=mode_args.max_explore_share,
+        )
         engines[mode] = Engine(config, target, drafter if mode_args.speculation != "off" else None, tokenizer)
 
     # Served: every mode's app at once (Ray's logical CPUs sized so that all their placement groups fit; each
@@ -236,8 +274,9 @@ def main(argv=None) -> int:
                     handle = serve.get_app_handle(mode)
                     before = handle.info.remote().result()
                     t0 = time.perf_counter()
-                    rate, outs, ttfts, num_tokens = asyncio.run(run_served(
-                        f"http://127.0.0.1:8123/{mode}", model_name, messages, args.max_tokens, c))
+                    rate, outs, ttfts, num_tokens = asyncio.run(
+                        run_served(f"http://127.0.0.1:8123/{mode}", model_name, messages, args.max_tokens, c)
+                    )
                     wall = time.perf_counter() - t0
                     after = handle.info.remote().result()
                     served_run.tokens_per_second.append(rate)
@@ -246,20 +285,38 @@ def main(argv=None) -> int:
                     _add_breakdown(served_run, before, after, wall)
                     _add_mix(served_run, before["timings"], after["timings"], num_tokens)
                     served_run.engine_state = {"guard": after["guard"], "timings": after["timings"]}
-                    off_run.engine_state = {"guard": engines[mode].guard.describe() if engines[mode].guard else None,
-                                            "timings": engines[mode].timings.as_dict()}
-                    print(f"  c={c} pass {p + 1} {mode}: offline {off_run.tokens_per_second[-1]:.1f}, "
-                          f"served {rate:.1f} tok/s", flush=True)
+                    off_run.engine_state = {
+                        "guard": engines[mode].guard.describe() if engines[mode].guard else None,
+                        "timings": engines[mode].timings.as_dict(),
+                    }
+                    print(
+                        f"  c={c} pass {p + 1} {mode}: offline {off_run.tokens_per_second[-1]:.1f}, "
+                        f"served {rate:.1f} tok/s",
+                        flush=True,
+                    )
     finally:
         serve.shutdown()
         ray.shutdown()
     print_table(args, results)
     if args.out:
-        Path(args.out).write_text(json.dumps(
-            [{"where": w, "mode": m, "concurrency": c, "tokens_per_second": r.tokens_per_second,
-              "per_round_ms": r.per_round, "mix": r.mix, "ttft_p50_s": statistics.median(r.ttft) if r.ttft else None,
-              "engine_state": r.engine_state}
-             for (w, m, c), r in results.items()], indent=2))
+        Path(args.out).write_text(
+            json.dumps(
+                [
+                    {
+                        "where": w,
+                        "mode": m,
+                        "concurrency": c,
+                        "tokens_per_second": r.tokens_per_second,
+                        "per_round_ms": r.per_round,
+                        "mix": r.mix,
+                        "ttft_p50_s": statistics.median(r.ttft) if r.ttft else None,
+                        "engine_state": r.engine_state,
+                    }
+                    for (w, m, c), r in results.items()
+                ],
+                indent=2,
+            )
+        )
     return 0
 
 
@@ -296,11 +353,15 @@ def _mix_columns(run: Run) -> str:
 
 
 def print_table(args, results: dict) -> None:
-    print(f"\n{len(args.modes)} mode(s), {3 * args.num_prompts} prompts, max_tokens={args.max_tokens}, T=0, "
-          f"{args.passes} pass(es); tokens/s: median over passes\n")
-    print("| mode | concurrency | offline tok/s | served tok/s | served / offline | served x off | batch | round ms "
-          "| compute ms | hops ms (there) | serving ms | spec share offline | tok/req-round offline "
-          "| spec share served | tok/req-round served | T=0 equal |")
+    print(
+        f"\n{len(args.modes)} mode(s), {3 * args.num_prompts} prompts, max_tokens={args.max_tokens}, T=0, "
+        f"{args.passes} pass(es); tokens/s: median over passes\n"
+    )
+    print(
+        "| mode | concurrency | offline tok/s | served tok/s | served / offline | served x off | batch | round ms "
+        "| compute ms | hops ms (there) | serving ms | spec share offline | tok/req-round offline "
+        "| spec share served | tok/req-round served | T=0 equal |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for c in args.concurrency:
         for mode in args.modes:
@@ -314,10 +375,12 @@ def print_table(args, results: dict) -> None:
             equal = off.outputs == srv.outputs
             x_off = f"{srv.median / base.median:.2f}" if base and base.median else "-"
             batch = (srv.mix["num_speculative_request_rounds"] + srv.mix["num_autoregressive_request_rounds"]) / rounds
-            print(f"| {mode} | {c} | {off.median:.1f} | {srv.median:.1f} | {srv.median / off.median:.2f} | {x_off} "
-                  f"| {batch:.1f} "
-                  f"| {wall:.1f} | {compute:.1f} | {hops:.2f} ({there:.2f}) | {wall - compute - hops:.1f} "
-                  f"| {_mix_columns(off)} | {_mix_columns(srv)} | {equal} |")
+            print(
+                f"| {mode} | {c} | {off.median:.1f} | {srv.median:.1f} | {srv.median / off.median:.2f} | {x_off} "
+                f"| {batch:.1f} "
+                f"| {wall:.1f} | {compute:.1f} | {hops:.2f} ({there:.2f}) | {wall - compute - hops:.1f} "
+                f"| {_mix_columns(off)} | {_mix_columns(srv)} | {equal} |"
+            )
 
 
 if __name__ == "__main__":

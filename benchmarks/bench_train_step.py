@@ -37,12 +37,12 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from ddtree.loaders import resolve_drafter_path
     from ddtree.models.dflash import load_dflash
     from ddtree.training.blocks import default_gamma
     from ddtree.training.data import FeatureReader, read_sequences, stored_layer_ids
     from ddtree.training.target import load_target
     from ddtree.training.train import FrozenTargetHead, block_loss, compute_precision, make_batch
-    from ddtree.loaders import resolve_drafter_path
 
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
@@ -56,11 +56,20 @@ def main(argv: list[str] | None = None) -> int:
     sequences = read_sequences(args.data_dir)
     if len(sequences) < args.steps * args.batch_size:
         raise ValueError(f"{args.data_dir} has {len(sequences)} sequences; need {args.steps * args.batch_size}")
-    response_tokens = torch.tensor(sorted({t for s in sequences for t in s.token_ids[s.prompt_length:]}))
+    response_tokens = torch.tensor(sorted({t for s in sequences for t in s.token_ids[s.prompt_length :]}))
     reader = FeatureReader(args.data_dir, stored_layer_ids(args.data_dir), config.target_layer_ids)
     rng = random.Random(0)
-    batches = [make_batch(sequences[i * args.batch_size : (i + 1) * args.batch_size], reader, config,
-                          args.max_anchors, rng, default_gamma(config.block_size)) for i in range(args.steps)]
+    batches = [
+        make_batch(
+            sequences[i * args.batch_size : (i + 1) * args.batch_size],
+            reader,
+            config,
+            args.max_anchors,
+            rng,
+            default_gamma(config.block_size),
+        )
+        for i in range(args.steps)
+    ]
 
     variants = {f"{len(response_tokens)} + {n} negatives": n for n in args.num_negatives}
     if args.full_softmax:
@@ -89,9 +98,11 @@ def main(argv: list[str] | None = None) -> int:
                     for p, seconds in zip(parts, measured):
                         times[name][p].append(seconds)
 
-    print(f"\n{len(sequences)} sequences in {args.data_dir}; batches of {args.batch_size} sequences x "
-          f"{args.max_anchors} anchors; {args.dtype}, {args.threads} thread(s); median seconds over "
-          f"{args.rounds} x {args.steps} steps\n")
+    print(
+        f"\n{len(sequences)} sequences in {args.data_dir}; batches of {args.batch_size} sequences x "
+        f"{args.max_anchors} anchors; {args.dtype}, {args.threads} thread(s); median seconds over "
+        f"{args.rounds} x {args.steps} steps\n"
+    )
     print("| softmax vocabulary | forward | backward | optimiser | total | x first |")
     print("|---|---|---|---|---|---|")
     first_total = None
@@ -99,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         medians = [statistics.median(times[name][p]) for p in parts]
         total = sum(medians)
         first_total = first_total or total
-        print(f"| {name} | " + " | ".join(f"{m:.3f}" for m in medians) + f" | {total:.3f} | {total / first_total:.2f} |")
+        print(
+            f"| {name} | " + " | ".join(f"{m:.3f}" for m in medians) + f" | {total:.3f} | {total / first_total:.2f} |"
+        )
     return 0
 
 

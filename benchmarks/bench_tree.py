@@ -79,8 +79,19 @@ def main() -> None:
         f"# V={args.vocab} L={args.positions} logits=randn*{args.scale:g} device={device} torch={torch.__version__} "
         f"threads={torch.get_num_threads()} (median ms of {args.clock} time)"
     )
-    header = ("R", "B", "top-K", "heap x R", "batched", "speedup", "pack", "heap+mask x R", "speedup vs batched+pack",
-              "nodes/req", "max depth")
+    header = (
+        "R",
+        "B",
+        "top-K",
+        "heap x R",
+        "batched",
+        "speedup",
+        "pack",
+        "heap+mask x R",
+        "speedup vs batched+pack",
+        "nodes/req",
+        "max depth",
+    )
     print("| " + " | ".join(header) + " |")
     print("|" + "|".join("---:" for _ in header) + "|")
     for num_requests in args.requests:

@@ -53,17 +53,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drafter", type=Path, default=None, help="default: the shipped drafter")
     parser.add_argument("--num-sequences", type=int, default=20, help="per category")
     parser.add_argument("--budgets", type=int, nargs="+", default=[4, 8, 16, 64])
-    parser.add_argument("--gammas", type=float, nargs="+", default=[1.0, 0.7, 0.5, 0.3, 0.15],
-                        help="discount factors per deviation (depth_gap = log gamma; 1 is DDTree)")
+    parser.add_argument(
+        "--gammas",
+        type=float,
+        nargs="+",
+        default=[1.0, 0.7, 0.5, 0.3, 0.15],
+        help="discount factors per deviation (depth_gap = log gamma; 1 is DDTree)",
+    )
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
 
     import torch
 
-    from ddtree.training.evaluate import (accepted_length, drafts_of_sequences, load_evaluation_set,
-                                          load_for_evaluation)
-    from ddtree.training.prompts import CATEGORIES
     from ddtree.loaders import DEFAULT_DRAFTER_DIR
+    from ddtree.training.evaluate import accepted_length, drafts_of_sequences, load_evaluation_set, load_for_evaluation
+    from ddtree.training.prompts import CATEGORIES
 
     torch.set_num_threads(args.threads)
     drafter_dir = args.drafter or DEFAULT_DRAFTER_DIR
@@ -77,8 +81,9 @@ def main(argv: list[str] | None = None) -> int:
         sequences, reader = load_evaluation_set(args.eval_dir / category, drafter, args.num_sequences)
         rounds = {(b, gap): 0 for b in args.budgets for gap in gaps}
         num_tokens = 0
-        for seq, first, values, ids in drafts_of_sequences(drafter, embed, lm_head, sequences, reader, top_k,
-                                                           draft_token_ids):
+        for seq, first, values, ids in drafts_of_sequences(
+            drafter, embed, lm_head, sequences, reader, top_k, draft_token_ids
+        ):
             values, ids = values.double().tolist(), ids.tolist()
             num_tokens += len(seq.token_ids) - 1 - first
             for b in args.budgets:
@@ -86,14 +91,16 @@ def main(argv: list[str] | None = None) -> int:
                     p = first
                     while p < len(seq.token_ids) - 1:
                         row = p - first
-                        tokens, parents = build_tree([v[:b] for v in values[row]], [i[:b] for i in ids[row]], b,
-                                                     gap)
-                        p += 1 + accepted_length(tokens, parents, seq.token_ids[p + 1:])
+                        tokens, parents = build_tree([v[:b] for v in values[row]], [i[:b] for i in ids[row]], b, gap)
+                        p += 1 + accepted_length(tokens, parents, seq.token_ids[p + 1 :])
                         rounds[(b, gap)] += 1
         for b in args.budgets:
             taus = [num_tokens / rounds[(b, gap)] for gap in gaps]
-            rows.append(f"| {category} | {b} | " + " | ".join(
-                f"{t:.3f}" + ("" if i == 0 else f" ({t / taus[0]:.3f}x)") for i, t in enumerate(taus)) + " |")
+            rows.append(
+                f"| {category} | {b} | "
+                + " | ".join(f"{t:.3f}" + ("" if i == 0 else f" ({t / taus[0]:.3f}x)") for i, t in enumerate(taus))
+                + " |"
+            )
         print(f"  {category}: {len(sequences)} sequences, {num_tokens} tokens", flush=True)
     print(header)
     print("|---|---|" + "---|" * len(gaps))

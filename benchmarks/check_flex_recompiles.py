@@ -49,16 +49,20 @@ def main() -> None:
         q = torch.randn(1, 9, packed.num_tokens, 64, generator=g)
         start = time.perf_counter()
         try:
-            flex(q, pool[0, :, :end].unsqueeze(0), pool[1, :, :end].unsqueeze(0), block_mask=block_mask,
-                 enable_gqa=True)
+            flex(
+                q, pool[0, :, :end].unsqueeze(0), pool[1, :, :end].unsqueeze(0), block_mask=block_mask, enable_gqa=True
+            )
             status = ""
         except Exception as e:  # noqa: BLE001 - the CPU inductor bug, reported in the row
             if packed.num_tokens > FLEX_BLOCK_SIZE:
                 raise
             status = f" (CPU compile bug: {type(e).__name__})"
         variants = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        print(f"| {i} | {num_requests} | {packed.num_tokens} | {packed.ancestor_bits.shape[1]} | "
-              f"{time.perf_counter() - start:.2f}{status} | {variants} |", flush=True)
+        print(
+            f"| {i} | {num_requests} | {packed.num_tokens} | {packed.ancestor_bits.shape[1]} | "
+            f"{time.perf_counter() - start:.2f}{status} | {variants} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -49,10 +49,18 @@ def random_weights_target(kit: Path) -> Path:
     tc = TargetConfig.from_hf_dict(config)
     out = Path(tempfile.mkdtemp(prefix="gpu_check_target_"))
     shutil.copytree(kit, out, dirs_exist_ok=True)
-    write_random_target(out, model_type=tc.model_type, tie_word_embeddings=tc.tie_word_embeddings,
-                        vocab_size=tc.vocab_size, hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size,
-                        num_hidden_layers=tc.num_hidden_layers, num_attention_heads=tc.num_attention_heads,
-                        num_key_value_heads=tc.num_key_value_heads, head_dim=tc.head_dim)
+    write_random_target(
+        out,
+        model_type=tc.model_type,
+        tie_word_embeddings=tc.tie_word_embeddings,
+        vocab_size=tc.vocab_size,
+        hidden_size=tc.hidden_size,
+        intermediate_size=tc.intermediate_size,
+        num_hidden_layers=tc.num_hidden_layers,
+        num_attention_heads=tc.num_attention_heads,
+        num_key_value_heads=tc.num_key_value_heads,
+        head_dim=tc.head_dim,
+    )
     (out / "config.json").write_text(json.dumps(config))  # the model's own (rope, window), the same shapes
     return out
 
@@ -87,8 +95,13 @@ def runner_flex_vs_sdpa(device: str, model: str, rows: list) -> None:
         results.append((logits.float().cpu(), time.perf_counter() - start))
     diff = float((results[0][0] - results[1][0]).abs().max())
     same = bool(torch.equal(results[0][0].argmax(-1), results[1][0].argmax(-1)))
-    rows.append(("runner: flex vs sdpa verify, float32, max abs logit difference", f"{diff:.2e}",
-                 "ok" if diff < 1e-3 and same else "FAILED"))
+    rows.append(
+        (
+            "runner: flex vs sdpa verify, float32, max abs logit difference",
+            f"{diff:.2e}",
+            "ok" if diff < 1e-3 and same else "FAILED",
+        )
+    )
     rows.append(("runner: first flex verify seconds (compile included)", f"{results[1][1]:.2f}", ""))
 
 
@@ -112,8 +125,13 @@ def drafter_attention_modes(device: str, models: dict, concurrency: int, rows: l
         if device.startswith("cuda"):
             torch.cuda.synchronize()
         times[in_place] = min(times.get(in_place, float("inf")), (time.perf_counter() - start) / 5)
-    rows.append((f"drafter: draft ms at {concurrency} requests of ~500 tokens, in place / padded",
-                 f"{1000 * times[True]:.2f} / {1000 * times[False]:.2f}", ""))
+    rows.append(
+        (
+            f"drafter: draft ms at {concurrency} requests of ~500 tokens, in place / padded",
+            f"{1000 * times[True]:.2f} / {1000 * times[False]:.2f}",
+            "",
+        )
+    )
 
 
 def run_engine(llm, prompts, params, concurrency: int) -> tuple[list, float]:
@@ -129,16 +147,20 @@ def main() -> int:
     parser.add_argument("--out", required=True, help="JSON file for every number")
     parser.add_argument("--quick", action="store_true", help="2 prompts per category, 16 tokens (a smoke run)")
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--random-weights-from", type=Path, default=None, metavar="DIR",
-                        help="a Hugging Face folder's config and tokenizer: random weights of its shapes (above)")
+    parser.add_argument(
+        "--random-weights-from",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="a Hugging Face folder's config and tokenizer: random weights of its shapes (above)",
+    )
     args = parser.parse_args()
 
     import torch
 
     from ddtree import LLM, SamplingParams
-    from ddtree.training.prompts import load_eval_prompts
-
     from ddtree.loaders import DEFAULT_DRAFTER_DIR
+    from ddtree.training.prompts import load_eval_prompts
 
     models = {}  # LLM / build_workers arguments: the embedded pair by default
     if args.random_weights_from is not None:
@@ -154,8 +176,13 @@ def main() -> int:
             print(f"({category} prompts skipped: their package is not installed)")
     params = SamplingParams(max_tokens=max_tokens, temperature=0)
     rows: list[tuple[str, str, str]] = []
-    report: dict = {"device": args.device, "torch": torch.__version__, "prompts": len(prompts),
-                    "max_tokens": max_tokens, "weights": "random" if models else "embedded"}
+    report: dict = {
+        "device": args.device,
+        "torch": torch.__version__,
+        "prompts": len(prompts),
+        "max_tokens": max_tokens,
+        "weights": "random" if models else "embedded",
+    }
     if is_cuda:
         report["gpu"] = torch.cuda.get_device_name()
 
@@ -172,8 +199,13 @@ def main() -> int:
             reference = texts
         else:
             num_same = sum(a == b for a, b in zip(texts, reference))
-            rows.append((f"engine float32: {name} outputs identical to off", f"{num_same}/{len(texts)}",
-                         "ok" if num_same == len(texts) else "FAILED"))
+            rows.append(
+                (
+                    f"engine float32: {name} outputs identical to off",
+                    f"{num_same}/{len(texts)}",
+                    "ok" if num_same == len(texts) else "FAILED",
+                )
+            )
         del llm
 
     # 3.-6. bfloat16 on CUDA (the serving dtype), float32 on a CPU
@@ -196,18 +228,24 @@ def main() -> int:
             taus = [t for o in outputs for t in o.stats.acceptance_lengths]
             num_tokens = sum(len(o.token_ids) for o in outputs)
             speeds[(name, concurrency)] = num_tokens / seconds
-            report[f"{name} x{concurrency}"] = {"tokens_per_s": num_tokens / seconds, "ms_per_round": split,
-                                                "tau": sum(taus) / len(taus) if taus else None}
-            rows.append((f"{dtype} {name}, {concurrency} concurrent: tokens/s (x off)",
-                         f"{num_tokens / seconds:.1f} ({num_tokens / seconds / speeds[('off', concurrency)]:.2f}x)",
-                         "draft/tree/verify/accept ms per round " + "/".join(f"{v:.1f}" for v in split.values())))
+            report[f"{name} x{concurrency}"] = {
+                "tokens_per_s": num_tokens / seconds,
+                "ms_per_round": split,
+                "tau": sum(taus) / len(taus) if taus else None,
+            }
+            rows.append(
+                (
+                    f"{dtype} {name}, {concurrency} concurrent: tokens/s (x off)",
+                    f"{num_tokens / seconds:.1f} ({num_tokens / seconds / speeds[('off', concurrency)]:.2f}x)",
+                    "draft/tree/verify/accept ms per round " + "/".join(f"{v:.1f}" for v in split.values()),
+                )
+            )
             if concurrency == 1:
                 if reference is None:
                     reference = [o.token_ids for o in outputs]
                 elif is_cuda:
                     num_same = sum(o.token_ids == r for o, r in zip(outputs, reference))
-                    rows.append((f"engine bfloat16: {name} outputs identical to off", f"{num_same}/{len(outputs)}",
-                                 ""))
+                    rows.append((f"engine bfloat16: {name} outputs identical to off", f"{num_same}/{len(outputs)}", ""))
         if is_cuda and name == "auto":  # 5. syncs per round
             rounds_before = llm.engine.timings.num_rounds
             with warnings.catch_warnings(record=True) as caught:
@@ -218,12 +256,18 @@ def main() -> int:
                 finally:
                     torch.cuda.set_sync_debug_mode("default")
             rounds = max(llm.engine.timings.num_rounds - rounds_before, 1)
-            sites = collections.Counter(f"{Path(w.filename).name}:{w.lineno}" for w in caught
-                                        if "synchroniz" in str(w.message))
+            sites = collections.Counter(
+                f"{Path(w.filename).name}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)
+            )
             report["syncs_per_round"] = sum(sites.values()) / rounds
             report["sync_sites"] = sites.most_common(10)
-            rows.append((f"device syncs per round ({args.concurrency} requests, auto)",
-                         f"{sum(sites.values()) / rounds:.0f}", ""))
+            rows.append(
+                (
+                    f"device syncs per round ({args.concurrency} requests, auto)",
+                    f"{sum(sites.values()) / rounds:.0f}",
+                    "",
+                )
+            )
         del llm
     if is_cuda:
         report["max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 2**30

@@ -34,8 +34,9 @@ from ddtree.budget import BudgetConfig, BudgetPolicy, CostModel  # noqa: E402
 from ddtree.budget_replay import Replay, Result, Trace  # noqa: E402
 
 
-def compute_traces(drafter_dir: Path, eval_dir: Path, categories: list[str], num_sequences: int,
-                   max_budget: int) -> list[Trace]:
+def compute_traces(
+    drafter_dir: Path, eval_dir: Path, categories: list[str], num_sequences: int, max_budget: int
+) -> list[Trace]:
 
     from ddtree.training.data import FeatureReader, read_sequences, stored_layer_ids
     from ddtree.training.evaluate import draft_topk_at_every_anchor, load_for_evaluation
@@ -48,8 +49,9 @@ def compute_traces(drafter_dir: Path, eval_dir: Path, categories: list[str], num
         reader = FeatureReader(data_dir, stored_layer_ids(data_dir), drafter.config.target_layer_ids)
         for seq in read_sequences(data_dir)[:num_sequences]:
             first = seq.prompt_length
-            values, ids = draft_topk_at_every_anchor(drafter, embed, lm_head, reader(seq), seq.token_ids, first,
-                                                     max_budget, draft_token_ids=draft_token_ids)
+            values, ids = draft_topk_at_every_anchor(
+                drafter, embed, lm_head, reader(seq), seq.token_ids, first, max_budget, draft_token_ids=draft_token_ids
+            )
             trace = Trace(category, [], [], [], [], list(seq.token_ids), first)
             for row, anchor in enumerate(range(first, len(seq.token_ids) - 1)):
                 tree = build_tree_from_topk(values[row], ids[row], max_budget)
@@ -95,17 +97,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=None, help="replay only each response's first tokens")
     parser.add_argument("--first-sequences", type=int, default=None, help="replay only the first N per category")
     parser.add_argument("--concurrency", type=int, default=1, help="requests in flight at once")
-    parser.add_argument("--draft-cost-scale", type=float, default=1.0,
-                        help="multiply the drafter's measured seconds (a slower drafter: where drafting pays less)")
-    parser.add_argument("--ngram-tokens", type=int, default=3, help="n-gram chain length of the auto rows (as the "
-                        "engine's default); 'auto, no n-gram' runs without")
+    parser.add_argument(
+        "--draft-cost-scale",
+        type=float,
+        default=1.0,
+        help="multiply the drafter's measured seconds (a slower drafter: where drafting pays less)",
+    )
+    parser.add_argument(
+        "--ngram-tokens",
+        type=int,
+        default=3,
+        help="n-gram chain length of the auto rows (as the engine's default); 'auto, no n-gram' runs without",
+    )
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args(argv)
 
     import torch
 
-    from ddtree.training.prompts import CATEGORIES
     from ddtree.loaders import resolve_drafter_path
+    from ddtree.training.prompts import CATEGORIES
 
     torch.set_num_threads(args.threads)
     drafter_dir = resolve_drafter_path(None, args.drafter)
@@ -131,20 +141,27 @@ def main(argv: list[str] | None = None) -> int:
         cost_path.write_text(json.dumps({"verify": cost.verify_points, "draft": cost.draft_points}))
     cost.draft_points = [(n, seconds * args.draft_cost_scale) for n, seconds in cost.draft_points]
     cost.refresh_weight = 0.0  # the replay's clock is this model: it never drifts
-    print("\nverify ms: " + ", ".join(f"{n}: {s * 1e3:.1f}" for n, s in cost.verify_points)
-          + "; draft ms: " + ", ".join(f"{n}: {s * 1e3:.1f}" for n, s in cost.draft_points))
+    print(
+        "\nverify ms: "
+        + ", ".join(f"{n}: {s * 1e3:.1f}" for n, s in cost.verify_points)
+        + "; draft ms: "
+        + ", ".join(f"{n}: {s * 1e3:.1f}" for n, s in cost.draft_points)
+    )
 
     replay = Replay(cost, args.concurrency)
     rows: dict[str, dict[str, Result]] = {}
     rows["off"] = replay.run_off(traces)
     for b in args.budgets:
         rows[f"B={b}"] = replay.run_policy(BudgetPolicy(BudgetConfig(fixed_budget=b), cost), traces)
-    rows["auto"] = replay.run_policy(BudgetPolicy(BudgetConfig(max_budget=args.max_budget), cost), traces,
-                                     ngram_tokens=args.ngram_tokens)
+    rows["auto"] = replay.run_policy(
+        BudgetPolicy(BudgetConfig(max_budget=args.max_budget), cost), traces, ngram_tokens=args.ngram_tokens
+    )
     rows["auto, no n-gram"] = replay.run_policy(BudgetPolicy(BudgetConfig(max_budget=args.max_budget), cost), traces)
     rows["auto, no fallback"] = replay.run_policy(
-        BudgetPolicy(BudgetConfig(max_budget=args.max_budget, allow_fallback=False), cost), traces,
-        ngram_tokens=args.ngram_tokens)
+        BudgetPolicy(BudgetConfig(max_budget=args.max_budget, allow_fallback=False), cost),
+        traces,
+        ngram_tokens=args.ngram_tokens,
+    )
     if args.concurrency == 1:
         rows["oracle"] = replay.run_oracle(traces, args.max_budget)
 
@@ -161,9 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     for name, res in rows.items():
         cells = [f"{res[c].tokens_per_second:.1f} ({res[c].tokens_per_second / base[c]:.2f}x)" for c in categories]
         a = res["all"]
-        print(f"| {name} | " + " | ".join(cells)
-              + f" | {a.tau:.2f} | {100 * a.drafted_request_rounds / max(a.request_rounds, 1):.0f}%"
-              + f" | {100 * a.ngram_tokens / max(a.tokens, 1):.0f}% |")
+        print(
+            f"| {name} | "
+            + " | ".join(cells)
+            + f" | {a.tau:.2f} | {100 * a.drafted_request_rounds / max(a.request_rounds, 1):.0f}%"
+            + f" | {100 * a.ngram_tokens / max(a.tokens, 1):.0f}% |"
+        )
     return 0
 
 

@@ -40,11 +40,11 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from ddtree.loaders import resolve_drafter_path
     from ddtree.training.data import FeatureReader, read_sequences, stored_layer_ids
     from ddtree.training.evaluate import draft_topk_at_every_anchor, load_for_evaluation
     from ddtree.training.prompts import CATEGORIES
     from ddtree.tree import build_tree_from_topk
-    from ddtree.loaders import resolve_drafter_path
 
     if not args.cost.exists():
         raise ValueError(f"{args.cost} is missing: run benchmarks/sim_budget_policy.py first (it measures it)")
@@ -56,9 +56,11 @@ def main(argv: list[str] | None = None) -> int:
     chain_values = [0.5, 0.35, 0.25, 0.18, 0.12][: args.ngram_tokens]  # only their order matters for fixed B
     variants = [(0, True)] + [(b, ngram) for b in args.budgets for ngram in (False, True)]
     names = ["n-gram alone" if b == 0 else f"B={b}" + (" + n-gram" if ngram else "") for b, ngram in variants]
-    print(f"\n{drafter_dir.name}, {args.num_sequences} sequences per category"
-          + (f", first {args.max_tokens} tokens" if args.max_tokens else "")
-          + f", n-gram chains of up to {args.ngram_tokens} tokens: simulated tokens/s over off (tau)\n")
+    print(
+        f"\n{drafter_dir.name}, {args.num_sequences} sequences per category"
+        + (f", first {args.max_tokens} tokens" if args.max_tokens else "")
+        + f", n-gram chains of up to {args.ngram_tokens} tokens: simulated tokens/s over off (tau)\n"
+    )
     print("| category | " + " | ".join(names) + " |")
     print("|---" * (1 + len(names)) + "|")
     for category in CATEGORIES:
@@ -69,8 +71,16 @@ def main(argv: list[str] | None = None) -> int:
         for seq in read_sequences(data_dir)[: args.num_sequences]:
             end = len(seq.token_ids) if args.max_tokens is None else seq.prompt_length + args.max_tokens
             ids, first = seq.token_ids[:end], seq.prompt_length
-            values, top_ids = draft_topk_at_every_anchor(drafter, embed, lm_head, reader(seq)[: len(ids) - 1], ids,
-                                                         first, max(args.budgets), draft_token_ids=draft_token_ids)
+            values, top_ids = draft_topk_at_every_anchor(
+                drafter,
+                embed,
+                lm_head,
+                reader(seq)[: len(ids) - 1],
+                ids,
+                first,
+                max(args.budgets),
+                draft_token_ids=draft_token_ids,
+            )
             off_seconds += (len(ids) - 1 - first) * cost.verify_seconds(1)
             for budget, use_ngram in variants:
                 p, index = first, NgramIndex(ids[: first + 1])
@@ -82,8 +92,9 @@ def main(argv: list[str] | None = None) -> int:
                         probs = tree.path_logprobs.exp().tolist()
                     chain = index.propose(args.ngram_tokens) if use_ngram else []
                     if chain:
-                        tokens, parents, _, probs = merge_chain(tokens, parents, probs, chain,
-                                                                chain_values[: len(chain)])
+                        tokens, parents, _, probs = merge_chain(
+                            tokens, parents, probs, chain, chain_values[: len(chain)]
+                        )
                     accepted = accepted_along(tokens, parents, ids[p + 1 :])
                     t = totals[(budget, use_ngram)]
                     t[0] += (cost.draft_seconds(1) if budget else 0.0) + cost.verify_seconds(1 + len(tokens))

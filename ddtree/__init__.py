@@ -1,8 +1,8 @@
 """DDTree Serve: DFlash draft trees verified in one target pass, batched across requests.
 
-    from ddtree import LLM, SamplingParams
-    llm = LLM()                                   # embedded SmolLM2-135M-Instruct + shipped drafter, CPU
-    print(llm.chat([{"role": "user", "content": "Hi!"}], SamplingParams(max_tokens=64))[0].text)
+from ddtree import LLM, SamplingParams
+llm = LLM()                                   # embedded SmolLM2-135M-Instruct + shipped drafter, CPU
+print(llm.chat([{"role": "user", "content": "Hi!"}], SamplingParams(max_tokens=64))[0].text)
 """
 
 from ddtree.sampling_params import SamplingParams

@@ -68,10 +68,10 @@ def target_tokens_sampled(
 
     seq_index [N] gives each token's request, positions [N] its position in the sequence; temperature, top_p, top_k
     and seeds have one entry per request.
-    Temperature 0 (or below GREEDY_TEMPERATURE) means greedy (argmax); top_k 0 and top_p 1.0 disable those filters (applied in that order, after
-    the temperature; top-k keeps ties at the k-th logit, top-p keeps the most probable tokens until their mass
-    reaches top_p). The noise of a token is keyed by (its request's seed, its position): a seeded request draws the
-    same tokens whatever else is in the batch and whatever its tree looks like.
+    Temperature 0 (or below GREEDY_TEMPERATURE) means greedy (argmax); top_k 0 and top_p 1.0 disable those filters
+    (applied in that order, after the temperature; top-k keeps ties at the k-th logit, top-p keeps the most probable
+    tokens until their mass reaches top_p). The noise of a token is keyed by (its request's seed, its position): a
+    seeded request draws the same tokens whatever else is in the batch and whatever its tree looks like.
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")
@@ -120,8 +120,9 @@ def _sample(
     device, vocab = logits.device, logits.shape[1]
     logits = logits.float()
     # (A temperature beyond float32's range divides by its largest value: every score ~0, the uniform limit.)
-    temp_t = torch.tensor([min(t, FLOAT32_MAX) if t >= GREEDY_TEMPERATURE else 1.0 for t in temps],
-                          dtype=torch.float32, device=device)  # [R]
+    temp_t = torch.tensor(
+        [min(t, FLOAT32_MAX) if t >= GREEDY_TEMPERATURE else 1.0 for t in temps], dtype=torch.float32, device=device
+    )  # [R]
     scores = logits / temp_t[seq_index, None]  # [n, V]
     # Top-k and top-p rank tokens by their logits (a temperature does not change the order, and at a huge one the
     # scores would round to ties).
@@ -212,8 +213,9 @@ def accept(packed: PackedBatch, target_tokens: torch.Tensor) -> AcceptResult:
     return result
 
 
-def accept_on_demand(packed: PackedBatch, target_tokens_of: Callable[[list[int]], list[int]]
-                     ) -> tuple[AcceptResult, list[int]]:
+def accept_on_demand(
+    packed: PackedBatch, target_tokens_of: Callable[[list[int]], list[int]]
+) -> tuple[AcceptResult, list[int]]:
     """The walk of `accept`, asking for the target's token only at the packed tokens it reaches, so that the LM head
     runs on those rows only. Each pass asks `target_tokens_of(packed indices)`, for every request still walking, for
     its current node and the chain of first children below it (nodes are in best-first pop order, so that chain is

@@ -21,7 +21,6 @@ from ddtree.engine import Engine, EngineConfig
 from ddtree.llm import LLM
 from ddtree.sampling_params import SamplingParams
 
-
 MODES = ("hf", "off", "dflash", "ddtree", "auto", "auto-no-ngram")
 
 
@@ -44,12 +43,12 @@ class ModeResult:
             return statistics.median(self.pass_rates)
         return self.num_tokens / self.seconds if self.seconds else 0.0
 
-    def extend(self, run: "ModeResult") -> None:
+    def extend(self, run: ModeResult) -> None:
         """Add a later group of the same pass."""
         self._add_counts(run)
         self.outputs += run.outputs
 
-    def absorb(self, run: "ModeResult") -> None:
+    def absorb(self, run: ModeResult) -> None:
         """Add one pass of this mode (the first pass included: `record` starts from an empty result)."""
         if self.pass_rates:
             self.outputs_vary |= run.outputs != self.outputs
@@ -58,7 +57,7 @@ class ModeResult:
         self.pass_rates.append(run.num_tokens / run.seconds)
         self._add_counts(run)
 
-    def _add_counts(self, run: "ModeResult") -> None:
+    def _add_counts(self, run: ModeResult) -> None:
         self.num_tokens += run.num_tokens
         self.seconds += run.seconds
         self.acceptance_lengths += run.acceptance_lengths
@@ -75,31 +74,58 @@ class ModeResult:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="target (default: embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--drafter", default=None, help="DFlash drafter (default: the shipped one)")
-    parser.add_argument("--compare-drafter", default=None,
-                        help="a second drafter for the same target: every speculative mode also runs with it, in "
-                             "turn with the first (rows '<mode> [<its folder name>]'), on the same loaded target")
-    parser.add_argument("--prompts", default=None, help="a .jsonl file of {prompt} or {messages} (default: built-in sets)")
+    parser.add_argument(
+        "--compare-drafter",
+        default=None,
+        help="a second drafter for the same target: every speculative mode also runs with it, in "
+        "turn with the first (rows '<mode> [<its folder name>]'), on the same loaded target",
+    )
+    parser.add_argument(
+        "--prompts", default=None, help="a .jsonl file of {prompt} or {messages} (default: built-in sets)"
+    )
     parser.add_argument("--categories", default="code,math,chat", help="built-in sets to use")
-    parser.add_argument("--num-prompts", type=int, default=4,
-                        help="prompts per category (with --prompts: the first N of the file, 0 for all)")
+    parser.add_argument(
+        "--num-prompts",
+        type=int,
+        default=4,
+        help="prompts per category (with --prompts: the first N of the file, 0 for all)",
+    )
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=0.0,
-                        help="sampling temperature (> 0: every request is seeded with --seed, so each mode must "
-                             "produce the same tokens as `off`)")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sampling temperature (> 0: every request is seeded with --seed, so each mode must "
+        "produce the same tokens as `off`)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="the requests' seed where --temperature > 0")
     parser.add_argument("--budgets", default="8,16,32,64,128", help="fixed DDTree budgets to run")
-    parser.add_argument("--modes", default="hf,off,dflash,ddtree,auto",
-                        help="which modes to run (also: auto-no-ngram, auto without n-gram proposals)")
-    parser.add_argument("--concurrency", default="1",
-                        help="requests in flight at once; several, comma-separated (1,2,4,8,16,32), run in turn on the "
-                             "same engines and print one table with a row per concurrency and mode")
+    parser.add_argument(
+        "--modes",
+        default="hf,off,dflash,ddtree,auto",
+        help="which modes to run (also: auto-no-ngram, auto without n-gram proposals)",
+    )
+    parser.add_argument(
+        "--concurrency",
+        default="1",
+        help="requests in flight at once; several, comma-separated (1,2,4,8,16,32), run in turn on the "
+        "same engines and print one table with a row per concurrency and mode",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None)
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (default: torch's, one per core); on a machine shared with another "
-                             "busy job use fewer threads than cores, or every op waits for the descheduled one")
-    parser.add_argument("--passes", type=int, default=1,
-                        help="run every mode this many times, in turn; tokens/s is the median over passes")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: torch's, one per core); on a machine shared with another "
+        "busy job use fewer threads than cores, or every op waits for the descheduled one",
+    )
+    parser.add_argument(
+        "--passes",
+        type=int,
+        default=1,
+        help="run every mode this many times, in turn; tokens/s is the median over passes",
+    )
     parser.add_argument("--out", default="work/bench", help="folder for results.json and the plot")
 
 
@@ -138,9 +164,13 @@ def _prompt_line(line: str, where: str) -> tuple[str, list[dict]]:
         if not isinstance(d.get("prompt"), str) or not d["prompt"]:
             raise ValueError(f"{where}: 'prompt' must be a non-empty string (or give 'messages')")
         messages = [{"role": "user", "content": d["prompt"]}]
-    elif not (isinstance(messages, list) and all(
+    elif not (
+        isinstance(messages, list)
+        and all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in messages)):
+            for m in messages
+        )
+    ):
         raise ValueError(f"{where}: 'messages' must be a non-empty list of {{role, content}} strings")
     return str(d.get("category", "file")), messages
 
@@ -162,8 +192,9 @@ def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams,
     return result
 
 
-def run_pass(engines: list[tuple[str, Engine]], prompts: list[list[int]], params: SamplingParams,
-             concurrency: int, record) -> None:
+def run_pass(
+    engines: list[tuple[str, Engine]], prompts: list[list[int]], params: SamplingParams, concurrency: int, record
+) -> None:
     """One pass of every engine over the prompts, in groups of `concurrency`: each group runs on every engine in
     turn before the next group, so a slow spell of the machine (seconds, not minutes) hits all modes alike.
     `record(result)` gets each engine's pass once its last group has run."""
@@ -214,8 +245,12 @@ def check_arguments(args) -> tuple[list[str], list[int]]:
     """The modes and the fixed budgets (distinct, in increasing order); every bad value is refused here, before a
     model loads, naming its flag."""
     concurrencies = parse_concurrencies(args.concurrency)
-    for flag, value, least in (("--passes", args.passes, 1), ("--max-tokens", args.max_tokens, 1),
-                               ("--concurrency", min(concurrencies), 1), ("--num-prompts", args.num_prompts, 0)):
+    for flag, value, least in (
+        ("--passes", args.passes, 1),
+        ("--max-tokens", args.max_tokens, 1),
+        ("--concurrency", min(concurrencies), 1),
+        ("--num-prompts", args.num_prompts, 0),
+    ):
         if value < least:
             raise ValueError(f"{flag} must be >= {least}, got {value}")
     if args.threads is not None and args.threads < 1:
@@ -261,7 +296,10 @@ def run(args) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     target, drafter, tokenizer = build_workers(
-        args.model, args.drafter, device=args.device, dtype=args.dtype,
+        args.model,
+        args.drafter,
+        device=args.device,
+        dtype=args.dtype,
         need_drafter=any(m in SPECULATIVE_MODES for m in modes),
     )
     drafters = [("", drafter)]
@@ -282,9 +320,12 @@ def run(args) -> int:
     model = target.model
     is_mixed = model.uses_cpu_kernels and model.kernel_weight_dtype != model.dtype
     weights = f", {model.kernel_weight_dtype} weights" if is_mixed else ""
-    print(f"{len(prompts)} prompts, max_tokens={args.max_tokens}, {outputs_label(params)}, "
-          f"concurrency={','.join(map(str, concurrencies))}, "
-          f"{torch.get_num_threads()} torch thread(s), {model.dtype}{weights}".replace("torch.", ""), flush=True)
+    print(
+        f"{len(prompts)} prompts, max_tokens={args.max_tokens}, {outputs_label(params)}, "
+        f"concurrency={','.join(map(str, concurrencies))}, "
+        f"{torch.get_num_threads()} torch thread(s), {model.dtype}{weights}".replace("torch.", ""),
+        flush=True,
+    )
     if "hf" in modes and not params.is_greedy:
         print("  (hf generate runs greedy only: skipped at T > 0)", flush=True)
 
@@ -303,8 +344,18 @@ def run(args) -> int:
     for name, config in configs:
         config.max_num_seqs = max_concurrency
         for suffix, worker in drafters if config.speculation != "off" else [("", None)]:
-            engines.append((name + suffix, Engine(copy.deepcopy(config), target, worker, tokenizer,
-                                                  cost=copy.deepcopy(cost) if worker is None else None)))
+            engines.append(
+                (
+                    name + suffix,
+                    Engine(
+                        copy.deepcopy(config),
+                        target,
+                        worker,
+                        tokenizer,
+                        cost=copy.deepcopy(cost) if worker is None else None,
+                    ),
+                )
+            )
     by_key: dict[tuple[int, str], ModeResult] = {}
 
     def record(concurrency: int, run: ModeResult) -> None:
@@ -329,8 +380,11 @@ def run(args) -> int:
                 print(f"  done: concurrency {c}, pass {p + 1} of {args.passes}", flush=True)
     except KeyboardInterrupt:  # Ctrl-C: the runs finished so far are reported and saved, then the command stops
         if by_key:
-            print(f"\ninterrupted in pass {p + 1} of {args.passes}: the table and results.json hold the runs "
-                  f"finished so far", flush=True)
+            print(
+                f"\ninterrupted in pass {p + 1} of {args.passes}: the table and results.json hold the runs "
+                f"finished so far",
+                flush=True,
+            )
             report()
         raise
     report()
@@ -352,7 +406,8 @@ def print_concurrency_table(by_key: dict[tuple[int, str], ModeResult], label: st
             shown.append(best)
         for r in shown:
             rounds = r.timings.get("num_speculative_request_rounds", 0) + r.timings.get(
-                "num_autoregressive_request_rounds", 0)
+                "num_autoregressive_request_rounds", 0
+            )
             spec = r.timings.get("num_speculative_request_rounds", 0)
             drafted = f"{100 * spec / rounds:.0f}%" if rounds and r.name != "off" and "hf" not in r.name else "-"
             per_round = f"{r.num_tokens / rounds:.2f}" if rounds else "-"
@@ -363,18 +418,33 @@ def print_concurrency_table(by_key: dict[tuple[int, str], ModeResult], label: st
             if len(r.pass_rates) > 1:
                 speed += f" ({min(r.pass_rates):.1f}-{max(r.pass_rates):.1f})"
             print(f"| {c} | {name} | {speed} | {x_off} | {drafted} | {per_round} | {tau} |")
-            if off and r is not off and r.outputs and "hf" not in r.name and (r.outputs != off.outputs
-                                                                               or r.outputs_vary):
+            if (
+                off
+                and r is not off
+                and r.outputs
+                and "hf" not in r.name
+                and (r.outputs != off.outputs or r.outputs_vary)
+            ):
                 same.append(f"{r.name} at {c}")
-    print(f"\n{label} outputs identical to `off`: {'all modes, every concurrency' if not same else 'NOT for ' + ', '.join(same)}")
+    verdict = "all modes, every concurrency" if not same else "NOT for " + ", ".join(same)
+    print(f"\n{label} outputs identical to `off`: {verdict}")
 
 
 def save_concurrency(by_key: dict[tuple[int, str], ModeResult], args) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = [{"concurrency": c, "mode": r.name, "tokens_per_second": r.tokens_per_second, "tau": r.tau,
-             "num_tokens": r.num_tokens, "timings": r.timings, "tokens_per_second_per_pass": r.pass_rates or None}
-            for (c, _), r in sorted(by_key.items(), key=lambda kv: kv[0])]
+    rows = [
+        {
+            "concurrency": c,
+            "mode": r.name,
+            "tokens_per_second": r.tokens_per_second,
+            "tau": r.tau,
+            "num_tokens": r.num_tokens,
+            "timings": r.timings,
+            "tokens_per_second_per_pass": r.pass_rates or None,
+        }
+        for (c, _), r in sorted(by_key.items(), key=lambda kv: kv[0])
+    ]
     (out / "results.json").write_text(json.dumps(rows, indent=2))
 
 
@@ -382,13 +452,18 @@ def print_table(results: list[ModeResult], label: str = "T=0") -> None:
     by_name = {r.name: r for r in results}
     off = by_name.get("off")
     hf = by_name.get("hf generate")
-    header = ("| mode | tokens/s | x off | x HF | tau | nodes/draft | drafted | n-gram tokens | draft ms/round "
-              "| tree ms/round | verify ms/round | accept ms/round |")
+    header = (
+        "| mode | tokens/s | x off | x HF | tau | nodes/draft | drafted | n-gram tokens | draft ms/round "
+        "| tree ms/round | verify ms/round | accept ms/round |"
+    )
     print(header)
     print("|---" * (header.count("|") - 1) + "|")
     for r in results:
         rounds = max(r.timings.get("num_rounds", 0), 1)
-        ms = lambda k: f"{1000 * r.timings[k] / rounds:.1f}" if k in r.timings else "-"
+
+        def ms(k: str, r=r, rounds=rounds) -> str:
+            return f"{1000 * r.timings[k] / rounds:.1f}" if k in r.timings else "-"
+
         x_off = f"{r.tokens_per_second / off.tokens_per_second:.2f}" if off else "-"
         x_hf = f"{r.tokens_per_second / hf.tokens_per_second:.2f}" if hf else "-"
         tau = f"{r.tau:.2f}" if r.tau is not None else "-"
@@ -400,11 +475,14 @@ def print_table(results: list[ModeResult], label: str = "T=0") -> None:
         speed = f"{r.tokens_per_second:.1f}"
         if len(r.pass_rates) > 1:
             speed += f" ({min(r.pass_rates):.1f}-{max(r.pass_rates):.1f})"
-        print(f"| {r.name} | {speed} | {x_off} | {x_hf} | {tau} | {nodes} | {drafted} | {ngram} | {ms('draft')} | "
-              f"{ms('tree')} | {ms('verify')} | {ms('accept')} |")
+        print(
+            f"| {r.name} | {speed} | {x_off} | {x_hf} | {tau} | {nodes} | {drafted} | {ngram} | {ms('draft')} | "
+            f"{ms('tree')} | {ms('verify')} | {ms('accept')} |"
+        )
     if off:
-        same = [r.name for r in results if r.outputs and r.name != "off" and (r.outputs != off.outputs
-                                                                               or r.outputs_vary)]
+        same = [
+            r.name for r in results if r.outputs and r.name != "off" and (r.outputs != off.outputs or r.outputs_vary)
+        ]
         print(f"\n{label} outputs identical to `off`: {'all modes' if not same else 'NOT for ' + ', '.join(same)}")
 
 
@@ -412,10 +490,17 @@ def save(results: list[ModeResult], args) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = [
-        {"mode": r.name, "tokens_per_second": r.tokens_per_second, "tau": r.tau, "num_tokens": r.num_tokens,
-         "mean_nodes_per_draft": sum(r.budgets) / len(r.budgets) if r.budgets else None,
-         "num_ngram_tokens": r.num_ngram_tokens,
-         "seconds": r.seconds, "timings": r.timings, "tokens_per_second_per_pass": r.pass_rates or None}
+        {
+            "mode": r.name,
+            "tokens_per_second": r.tokens_per_second,
+            "tau": r.tau,
+            "num_tokens": r.num_tokens,
+            "mean_nodes_per_draft": sum(r.budgets) / len(r.budgets) if r.budgets else None,
+            "num_ngram_tokens": r.num_ngram_tokens,
+            "seconds": r.seconds,
+            "timings": r.timings,
+            "tokens_per_second_per_pass": r.pass_rates or None,
+        }
         for r in results
     ]
     (out / "results.json").write_text(json.dumps(rows, indent=2))

@@ -308,7 +308,8 @@ class BudgetPolicy:
         # Probes are priced against the round without them.
         num_tokens_expected = num_requests + gain
         probing = [
-            rid for rid in resting
+            rid
+            for rid in resting
             if self._is_probe_due(self.states[rid], num_requests, len(chosen), nodes, num_tokens_expected)
         ]
         chosen_set.update(probing)
@@ -340,7 +341,11 @@ class BudgetPolicy:
         return candidates[:count], gain, nodes
 
     def _is_probe_due(
-        self, s: RequestBudgetState, num_requests: int, num_speculative: int, num_nodes: float,
+        self,
+        s: RequestBudgetState,
+        num_requests: int,
+        num_speculative: int,
+        num_nodes: float,
         num_tokens_expected: float,
     ) -> bool:
         return s.num_rounds_rested >= max(
@@ -349,7 +354,11 @@ class BudgetPolicy:
         )
 
     def probe_cost_interval(
-        self, s: RequestBudgetState, num_requests: int, num_speculative: int, num_nodes: float,
+        self,
+        s: RequestBudgetState,
+        num_requests: int,
+        num_speculative: int,
+        num_nodes: float,
         num_tokens_expected: float,
     ) -> int:
         """Fewest autoregressive rounds between probes of `s` for which its probes' expected extra seconds stay
@@ -359,7 +368,8 @@ class BudgetPolicy:
         round_seconds = self._round_seconds(num_requests, num_speculative, num_nodes)
         seconds_per_token = round_seconds / max(num_tokens_expected, 1e-9)
         extra = (
-            self.cost.draft_seconds(num_speculative + 1) - self.cost.draft_seconds(num_speculative)
+            self.cost.draft_seconds(num_speculative + 1)
+            - self.cost.draft_seconds(num_speculative)
             + self.cost.verify_seconds(base_tokens + round(self._expected_nodes(s)))
             - self.cost.verify_seconds(base_tokens)
             - self._observed_gain(s) * seconds_per_token
@@ -381,8 +391,9 @@ class BudgetPolicy:
             return 1.0
         num_tokens = len(request_ids) + round(sum(self._expected_nodes(self.states[r]) for r in speculating))
         sequential = self.cost.draft_seconds(len(speculating)) + self.cost.verify_seconds(num_tokens)
-        phase = max(self.cost.draft_seconds((len(speculating) + 1) // 2),
-                    self.cost.verify_seconds((num_tokens + 1) // 2))
+        phase = max(
+            self.cost.draft_seconds((len(speculating) + 1) // 2), self.cost.verify_seconds((num_tokens + 1) // 2)
+        )
         return sequential / (2 * phase)
 
     def _round_seconds(self, num_requests: int, num_speculative: int, num_nodes: float) -> float:
@@ -414,8 +425,14 @@ class BudgetPolicy:
         )
         s.num_rounds_rested = 0
 
-    def allocate(self, request_ids: list[str], path_probs: list[list[float]], num_autoregressive: int,
-                 num_drafted: int | None = None, packed: tuple[int, float] = (0, 0.0)) -> list[int]:
+    def allocate(
+        self,
+        request_ids: list[str],
+        path_probs: list[list[float]],
+        num_autoregressive: int,
+        num_drafted: int | None = None,
+        packed: tuple[int, float] = (0, 0.0),
+    ) -> list[int]:
         """Node count per request with a tree. `path_probs[i]` are request i's node values in pop order: the first
         `num_drafted` requests (default: all) were drafted (values calibrated per request); the others carry only
         an n-gram chain (values from `ngram_values`, no drafter cost). `num_autoregressive` requests verify their
@@ -449,8 +466,13 @@ class BudgetPolicy:
             counts[owners[j]] += 1
         return counts
 
-    def allocate_round(self, plan: RoundPlan, drafted: list[ProposedTree], chains: dict[str, list[int]],
-                       packed: tuple[int, float] = (0, 0.0)) -> RoundAllocation:
+    def allocate_round(
+        self,
+        plan: RoundPlan,
+        drafted: list[ProposedTree],
+        chains: dict[str, list[int]],
+        packed: tuple[int, float] = (0, 0.0),
+    ) -> RoundAllocation:
         """The round's allocation with n-gram chains (`chains`: per request id, possibly empty): a drafted request's
         chain merges into its tree (`drafted`, one per `plan.speculative_ids`); a request planned autoregressive
         verifies its chain as a tree of its own; the rest verify their root alone. `packed`: as for `allocate`.
@@ -462,13 +484,15 @@ class BudgetPolicy:
         0.06)."""
         trees = list(drafted)
         if any(chains.get(rid) for rid in plan.speculative_ids):
-            first = self.allocate(plan.speculative_ids, [t.values for t in trees], len(plan.autoregressive_ids),
-                                  packed=packed)
+            first = self.allocate(
+                plan.speculative_ids, [t.values for t in trees], len(plan.autoregressive_ids), packed=packed
+            )
             for i, rid in enumerate(plan.speculative_ids):
                 if chains.get(rid):
                     keep = first[i] + len(chains[rid])
-                    trees[i] = self._merged(trees[i].token_ids[:keep], trees[i].parents[:keep],
-                                            trees[i].values[:keep], chains[rid])
+                    trees[i] = self._merged(
+                        trees[i].token_ids[:keep], trees[i].parents[:keep], trees[i].values[:keep], chains[rid]
+                    )
         request_ids = list(plan.speculative_ids)
         for rid in plan.autoregressive_ids:
             if chains.get(rid):
@@ -478,14 +502,15 @@ class BudgetPolicy:
         if not trees:
             return RoundAllocation([], [], [], 0)
         num_root_only = len(plan.autoregressive_ids) - (len(request_ids) - num_drafted)
-        counts = self.allocate(request_ids, [t.values for t in trees], num_root_only, num_drafted=num_drafted,
-                               packed=packed)
+        counts = self.allocate(
+            request_ids, [t.values for t in trees], num_root_only, num_drafted=num_drafted, packed=packed
+        )
         return RoundAllocation(request_ids, trees, counts, num_drafted)
 
-    def _merged(self, token_ids: list[int], parents: list[int], values: list[float], chain: list[int]
-                ) -> ProposedTree:
-        token_ids, parents, depths, values = merge_chain(token_ids, parents, values, chain,
-                                                         self.ngram_values(len(chain)))
+    def _merged(self, token_ids: list[int], parents: list[int], values: list[float], chain: list[int]) -> ProposedTree:
+        token_ids, parents, depths, values = merge_chain(
+            token_ids, parents, values, chain, self.ngram_values(len(chain))
+        )
         return ProposedTree(values, token_ids, parents, depths)
 
     def ngram_values(self, chain_length: int) -> list[float]:
@@ -516,7 +541,11 @@ class BudgetPolicy:
         return num_confirmed
 
     def observe(
-        self, request_id: str, predicted: float, num_accepted_nodes: int, num_nodes: int | None = None,
+        self,
+        request_id: str,
+        predicted: float,
+        num_accepted_nodes: int,
+        num_nodes: int | None = None,
         num_accepted_without_draft: int = 0,
     ) -> None:
         """After a speculative round: `predicted` = S(b) of the `num_nodes` verified nodes (uncalibrated);

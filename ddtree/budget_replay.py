@@ -60,9 +60,13 @@ class Trace:
     def truncated(self, num_positions: int) -> Trace:
         """The first `num_positions` rounds' positions only (a response's first tokens)."""
         cut = slice(0, num_positions)
-        return replace(self, path_probs=self.path_probs[cut], matched_nodes=self.matched_nodes[cut],
-                       tree_tokens=None if self.tree_tokens is None else self.tree_tokens[cut],
-                       tree_parents=None if self.tree_parents is None else self.tree_parents[cut])
+        return replace(
+            self,
+            path_probs=self.path_probs[cut],
+            matched_nodes=self.matched_nodes[cut],
+            tree_tokens=None if self.tree_tokens is None else self.tree_tokens[cut],
+            tree_parents=None if self.tree_parents is None else self.tree_parents[cut],
+        )
 
 
 def accepted_along(token_ids: list[int], parents: list[int], continuation: list[int]) -> int:
@@ -143,8 +147,9 @@ class Replay:
             slot_of = {s.request_id: s for s in slots}
             index_of = {s.request_id: i for i, s in enumerate(slots)}
             plan = policy.plan(list(slot_of))
-            drafted = [self._proposed(slot_of[rid], b, ngram_tokens) for rid, b in zip(plan.speculative_ids,
-                                                                                       plan.max_budgets)]
+            drafted = [
+                self._proposed(slot_of[rid], b, ngram_tokens) for rid, b in zip(plan.speculative_ids, plan.max_budgets)
+            ]
             chains = {rid: s.ngrams.propose(ngram_tokens) for rid, s in slot_of.items()} if ngram_tokens else {}
             allocation = policy.allocate_round(plan, drafted, chains)
             verified: dict[int, _Verified] = {}

@@ -21,17 +21,20 @@ def main(argv: list[str] | None = None) -> int:
     chat.set_defaults(handler=cli_run.run_chat)
 
     bench_parser = subcommands.add_parser(
-        "bench", help="tokens/s and acceptance of off / dflash / ddtree (B sweep, auto) / HF generate")
+        "bench", help="tokens/s and acceptance of off / dflash / ddtree (B sweep, auto) / HF generate"
+    )
     bench.add_arguments(bench_parser)
     bench_parser.set_defaults(handler=bench.run)
 
     train_drafter = subcommands.add_parser(
-        "train-drafter", help="make prompts, generate target data, train and evaluate a DFlash drafter")
+        "train-drafter", help="make prompts, generate target data, train and evaluate a DFlash drafter"
+    )
     pipeline.add_arguments(train_drafter)
     train_drafter.set_defaults(handler=pipeline.run)
 
     loadtest = subcommands.add_parser(
-        "loadtest", help="locust sweeps against ddtree modes, a naive HF server and vLLM (python -m loadtest)")
+        "loadtest", help="locust sweeps against ddtree modes, a naive HF server and vLLM (python -m loadtest)"
+    )
     loadtest_commands = loadtest.add_subparsers(dest="loadtest_command", required=True)
     sweep = loadtest_commands.add_parser("sweep", help="locust against several servers at several concurrencies")
     from loadtest import sweep as sweep_module
@@ -40,7 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     sweep.set_defaults(handler=sweep_module.run)
     from loadtest import soak as soak_module
 
-    soak = loadtest_commands.add_parser("soak", help="one server under a steady load for a long time, watched for leaks")
+    soak = loadtest_commands.add_parser(
+        "soak", help="one server under a steady load for a long time, watched for leaks"
+    )
     soak_module.add_arguments(soak)
     soak.set_defaults(handler=soak_module.run)
 
@@ -50,7 +55,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.argv = argv[2:]  # (a sweep's report names the command that made it)
     return int(args.handler(args) or 0)
-
 
 
 def console_main() -> int:

@@ -12,8 +12,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="target: folder, .gguf or hub id (default: embedded SmolLM2)")
     parser.add_argument("--drafter", default=None, help="DFlash drafter folder (default: the shipped one)")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16", "float64"],
-                        help="weights dtype (default: float32 on cpu, bfloat16 on cuda)")
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=["float32", "bfloat16", "float16", "float64"],
+        help="weights dtype (default: float32 on cpu, bfloat16 on cuda)",
+    )
     parser.add_argument("--speculation", default="ddtree", choices=["ddtree", "dflash", "off"])
     parser.add_argument("--budget", default="auto", help="'auto' or a fixed node count per round")
     parser.add_argument("--max-tokens", type=int, default=256)
@@ -21,16 +25,26 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--stop", action="append", default=None, metavar="TEXT",
-                        help="stop string (repeat for several): the answer ends before it")
+    parser.add_argument(
+        "--stop",
+        action="append",
+        default=None,
+        metavar="TEXT",
+        help="stop string (repeat for several): the answer ends before it",
+    )
     parser.add_argument("--stats", action="store_true", help="print acceptance statistics after each answer")
-    parser.add_argument("--logprobs", type=int, default=None,
-                        help="after each answer, print every token's log-probability and the k most likely")
+    parser.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        help="after each answer, print every token's log-probability and the k most likely",
+    )
 
 
 def add_generate_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("prompt", help="the prompt (sent through the chat template unless --raw); - reads it from "
-                                       "standard input")
+    parser.add_argument(
+        "prompt", help="the prompt (sent through the chat template unless --raw); - reads it from standard input"
+    )
     parser.add_argument("--raw", action="store_true", help="complete the prompt text as is, no chat template")
     add_model_arguments(parser)
 
@@ -41,16 +55,23 @@ def _build(args):
     budget = args.budget if args.budget == "auto" else _int(args.budget, "--budget")
     # the parameters first: a bad value is reported before the model loads
     try:
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                max_tokens=args.max_tokens, seed=args.seed, logprobs=args.logprobs,
-                                stop=args.stop or [])
+        params = SamplingParams(
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            max_tokens=args.max_tokens,
+            seed=args.seed,
+            logprobs=args.logprobs,
+            stop=args.stop or [],
+        )
     except ValueError as exc:  # name the flag, not the field ("SamplingParams.max_tokens must be ...")
         message = str(exc)
         for field in ("temperature", "top_p", "top_k", "max_tokens", "seed", "logprobs", "stop"):
             message = message.replace(f"SamplingParams.{field}", f"--{field.replace('_', '-')}")
         raise ValueError(message.replace("None or ", "")) from None
-    llm = LLM(args.model, args.drafter, device=args.device, dtype=args.dtype, speculation=args.speculation,
-              budget=budget)
+    llm = LLM(
+        args.model, args.drafter, device=args.device, dtype=args.dtype, speculation=args.speculation, budget=budget
+    )
     return llm, params
 
 
@@ -80,9 +101,12 @@ def _stream(llm, prompt, params, show_stats: bool) -> str:
     if show_stats and last is not None:
         s = last.stats
         tau = s.mean_acceptance_length
-        print(f"[{len(last.token_ids)} tokens, {s.num_speculative_rounds} speculative + "
-              f"{s.num_autoregressive_rounds} autoregressive rounds, tau={tau if tau is None else round(tau, 2)}, "
-              f"finish={last.finish_reason}]", file=sys.stderr)
+        print(
+            f"[{len(last.token_ids)} tokens, {s.num_speculative_rounds} speculative + "
+            f"{s.num_autoregressive_rounds} autoregressive rounds, tau={tau if tau is None else round(tau, 2)}, "
+            f"finish={last.finish_reason}]",
+            file=sys.stderr,
+        )
     return "".join(text)
 
 
@@ -110,8 +134,7 @@ def run_chat(args) -> int:
         except Exception as exc:
             raise ValueError(f"--system: this model's chat template does not take a system message ({exc})") from None
     messages = list(start)
-    print("Chat with the model (/quit or Ctrl-D ends it; /reset starts over; Ctrl-C stops an answer).",
-          file=sys.stderr)
+    print("Chat with the model (/quit or Ctrl-D ends it; /reset starts over; Ctrl-C stops an answer).", file=sys.stderr)
     while True:
         try:
             line = input("> ")

@@ -58,8 +58,10 @@ class EngineConfig:
             raise ValueError(f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         check_max_explore_share(self.max_explore_share)
         if self.max_queue_seconds is not None and (
-                isinstance(self.max_queue_seconds, bool) or not isinstance(self.max_queue_seconds, (int, float))
-                or not self.max_queue_seconds > 0):
+            isinstance(self.max_queue_seconds, bool)
+            or not isinstance(self.max_queue_seconds, (int, float))
+            or not self.max_queue_seconds > 0
+        ):
             raise ValueError(f"max_queue_seconds must be a positive number or None, got {self.max_queue_seconds!r}")
 
     @property

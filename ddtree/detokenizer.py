@@ -119,8 +119,9 @@ class Detokenizer:
         for them is not text the model wrote); its tokens still count."""
         prefix_text = self.decode(text_tokens[state.prefix_offset : state.read_offset])
         window_text = self.decode(text_tokens[state.prefix_offset :])
-        if state.finish_reason is None and (len(window_text) <= len(prefix_text)
-                                            or window_text.endswith(REPLACEMENT_CHAR)):
+        if state.finish_reason is None and (
+            len(window_text) <= len(prefix_text) or window_text.endswith(REPLACEMENT_CHAR)
+        ):
             return ""
         state.prefix_offset, state.read_offset = state.read_offset, len(text_tokens)
         new_text = window_text[len(prefix_text) :]
@@ -145,8 +146,10 @@ class Detokenizer:
         if state.finish_reason is None:
             # the longest end of the text that some stop string starts with, whichever stop that is
             unsettled = min(end - state.num_text_emitted, max((len(stop) - 1 for stop in state.params.stop), default=0))
-            end -= max((k for k in range(unsettled, 0, -1) for stop in state.params.stop
-                        if state.text.endswith(stop[:k])), default=0)
+            end -= max(
+                (k for k in range(unsettled, 0, -1) for stop in state.params.stop if state.text.endswith(stop[:k])),
+                default=0,
+            )
         new = state.text[state.num_text_emitted : end]
         state.num_text_emitted = max(state.num_text_emitted, end)
         return new
@@ -167,7 +170,10 @@ def _is_byte_level(tokenizer) -> bool:
 def _byte_level_alphabet() -> dict[str, int]:
     """GPT-2's byte-level alphabet, character -> byte: printable bytes stand for themselves, the other 68 for the
     characters 256 and up, in byte order."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
-                 *range(ord("\u00ae"), ord("\u00ff") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\u00a1"), ord("\u00ac") + 1),
+        *range(ord("\u00ae"), ord("\u00ff") + 1),
+    ]
     others = [b for b in range(256) if b not in printable]
     return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}

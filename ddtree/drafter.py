@@ -31,9 +31,9 @@ Public API:
 from __future__ import annotations
 
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Hashable
 
 import torch
 import torch.nn.functional as F
@@ -53,9 +53,17 @@ class _Context:
 
 
 class DFlashDrafter:
-    def __init__(self, config: DFlashConfig, model: DFlashDraftModel, target, device=None, dtype=None,
-                 draft_token_ids: list[int] | None = None, cpu_kernels: bool = True,
-                 kernel_weight_dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        config: DFlashConfig,
+        model: DFlashDraftModel,
+        target,
+        device=None,
+        dtype=None,
+        draft_token_ids: list[int] | None = None,
+        cpu_kernels: bool = True,
+        kernel_weight_dtype: torch.dtype | None = None,
+    ):
         """`cpu_kernels` (CPU, float32): the drafter's linears and its draft-vocabulary head run on the native panel
         GEMM (ddtree.kernels), which reads each weight once per forward; a draft forward is a few rows per request,
         where torch's GEMMs run far below the memory's read rate. `kernel_weight_dtype` bfloat16 (the default where
@@ -76,11 +84,15 @@ class DFlashDrafter:
                 f"{config.target_layer_ids}: load the target with feature_layer_ids=drafter target_layer_ids"
             )
         if config.vocab_size != tc.vocab_size:
-            raise ValueError(f"drafter vocabulary size {config.vocab_size} != target vocabulary size {tc.vocab_size}: "
-                             f"the drafter was made for another target")
+            raise ValueError(
+                f"drafter vocabulary size {config.vocab_size} != target vocabulary size {tc.vocab_size}: "
+                f"the drafter was made for another target"
+            )
         if config.num_target_layers is not None and config.num_target_layers != tc.num_hidden_layers:
-            raise ValueError(f"the drafter was made for a target of {config.num_target_layers} layers (its "
-                             f"num_target_layers); this target has {tc.num_hidden_layers}")
+            raise ValueError(
+                f"the drafter was made for a target of {config.num_target_layers} layers (its "
+                f"num_target_layers); this target has {tc.num_hidden_layers}"
+            )
         if not 0 <= config.mask_token_id < tc.vocab_size:
             raise ValueError(f"mask_token_id {config.mask_token_id} outside the target vocabulary ({tc.vocab_size})")
         self.config = config
@@ -123,8 +135,16 @@ class DFlashDrafter:
         return self._cpu_ops is not None
 
     @classmethod
-    def load(cls, path: str | Path, target, device=None, dtype=None, use_draft_vocab: bool = True,
-             cpu_kernels: bool = True, kernel_weight_dtype: torch.dtype | None = None) -> "DFlashDrafter":
+    def load(
+        cls,
+        path: str | Path,
+        target,
+        device=None,
+        dtype=None,
+        use_draft_vocab: bool = True,
+        cpu_kernels: bool = True,
+        kernel_weight_dtype: torch.dtype | None = None,
+    ) -> DFlashDrafter:
         """`use_draft_vocab=False` ignores the folder's draft vocabulary (drafts over the full vocabulary)."""
         device = torch.device(device) if device is not None else target.device
         dtype = dtype or target.dtype
@@ -161,8 +181,10 @@ class DFlashDrafter:
         new tokens, which are independent rows (a round extends every drafting request by a few tokens: one small
         projection per request cost ~0.3 ms each on a CPU). Everything is checked before anything is added."""
         if len(features) != len(seq_ids) or (positions is not None and len(positions) != len(seq_ids)):
-            raise ValueError(f"{len(seq_ids)} requests, {len(features)} feature tensors"
-                             + ("" if positions is None else f", {len(positions)} position lists"))
+            raise ValueError(
+                f"{len(seq_ids)} requests, {len(features)} feature tensors"
+                + ("" if positions is None else f", {len(positions)} position lists")
+            )
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError("a request appears twice in one context extension")
         width = self.config.num_target_features
@@ -206,9 +228,7 @@ class DFlashDrafter:
 
     # ---- drafting -----------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def draft(
-        self, seq_ids: list, last_token_ids: list[int], max_k: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft(self, seq_ids: list, last_token_ids: list[int], max_k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward for all requests: top-`max_k` log-probs and token ids [R, L, K] at block positions 1..L."""
         if len(seq_ids) != len(last_token_ids) or not seq_ids:
             raise ValueError("draft needs one last token per request")
@@ -249,8 +269,16 @@ class DFlashDrafter:
         one per request (a GPU would launch R small kernels per layer; not measured on one)."""
         lengths = [c.length for c in contexts]
         max_len, cfg = max(lengths), self.config
-        padded = torch.zeros(cfg.num_hidden_layers, 2, len(contexts), cfg.num_key_value_heads, max_len, cfg.head_dim,
-                             device=self.device, dtype=self.dtype)  # [L, 2, R, kv_heads, C_max, head_dim]
+        padded = torch.zeros(
+            cfg.num_hidden_layers,
+            2,
+            len(contexts),
+            cfg.num_key_value_heads,
+            max_len,
+            cfg.head_dim,
+            device=self.device,
+            dtype=self.dtype,
+        )  # [L, 2, R, kv_heads, C_max, head_dim]
         for r, c in enumerate(contexts):
             padded[:, :, r, :, : c.length] = c.kv[:, :, :, : c.length]
         mask = None
@@ -278,8 +306,9 @@ class DFlashDrafter:
                 cache[0, :, c.length : c.length + s] = block_k[r].transpose(0, 1)
                 cache[1, :, c.length : c.length + s] = block_v[r].transpose(0, 1)
                 keys, values = cache[:, :, : c.length + s].unsqueeze(1)  # [1, kv_heads, C + S, head_dim] each
-                outs.append(F.scaled_dot_product_attention(q[r : r + 1].transpose(1, 2), keys, values,
-                                                           enable_gqa=gqa))  # [1, heads, S, head_dim]
+                outs.append(
+                    F.scaled_dot_product_attention(q[r : r + 1].transpose(1, 2), keys, values, enable_gqa=gqa)
+                )  # [1, heads, S, head_dim]
             return torch.cat(outs).transpose(1, 2)  # [R, S, heads, head_dim]
 
         return attend
@@ -319,8 +348,13 @@ class DFlashDrafter:
     def _empty_kv(self, capacity: int) -> torch.Tensor:
         cfg = self.config
         return torch.empty(
-            cfg.num_hidden_layers, 2, cfg.num_key_value_heads, capacity, cfg.head_dim,
-            device=self.device, dtype=self.dtype,
+            cfg.num_hidden_layers,
+            2,
+            cfg.num_key_value_heads,
+            capacity,
+            cfg.head_dim,
+            device=self.device,
+            dtype=self.dtype,
         )
 
     def _ensure_capacity(self, ctx: _Context, needed: int) -> None:

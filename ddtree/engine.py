@@ -116,8 +116,11 @@ def _without(group: _DraftedGroup, request_ids: set[str]) -> _DraftedGroup | Non
     if not keep:
         return None
     plan = RoundPlan([group.plan.speculative_ids[i] for i in keep], [], [group.plan.max_budgets[i] for i in keep])
-    drafted = _DraftedTrees([group.drafted.trees[i] for i in keep], [group.drafted.predicted[i] for i in keep],
-                            {r: c for r, c in group.drafted.proposals.items() if r not in request_ids})
+    drafted = _DraftedTrees(
+        [group.drafted.trees[i] for i in keep],
+        [group.drafted.predicted[i] for i in keep],
+        {r: c for r, c in group.drafted.proposals.items() if r not in request_ids},
+    )
     return _DraftedGroup(plan, drafted)
 
 
@@ -219,8 +222,10 @@ class Engine:
         if (target.vocab_size, list(target.eos_token_ids)) != (old.vocab_size, list(old.eos_token_ids)):
             raise ValueError("attach_target: the new target's vocabulary or EOS tokens differ from the lost one's")
         if target.max_request_tokens < old.max_request_tokens:
-            raise ValueError(f"attach_target: the new target holds {target.max_request_tokens} tokens per request, "
-                             f"fewer than the lost one ({old.max_request_tokens})")
+            raise ValueError(
+                f"attach_target: the new target holds {target.max_request_tokens} tokens per request, "
+                f"fewer than the lost one ({old.max_request_tokens})"
+            )
         self.target, self.target_lost = target, None
         self._to_restore = list(self.scheduler.running)  # (none of them has KV on the new target)
         if drafter is not None:
@@ -243,8 +248,10 @@ class Engine:
         for rid in restore:
             req = self.requests[rid]
             if not self.target.allocate(rid, self._kv_capacity(req), req.output.params):
-                raise RuntimeError(f"the new target has no room for request {rid!r} ({self._kv_capacity(req)} "
-                                   f"tokens), which the lost one held")
+                raise RuntimeError(
+                    f"the new target has no room for request {rid!r} ({self._kv_capacity(req)} "
+                    f"tokens), which the lost one held"
+                )
         t0 = time.perf_counter()
         sequences = [self.requests[r].prompt_token_ids + self.requests[r].output.token_ids[:-1] for r in restore]
         prefilled = self.target.prefill(restore, sequences)
@@ -267,8 +274,12 @@ class Engine:
                 f"{1 + self.max_tree_nodes} tokens: give it more bytes (kv_cache_bytes) or lower max_budget"
             )
         if fits < window:
-            logger.warning("context window capped at %d tokens (was %d): that is what one request can reserve "
-                           "in the KV cache (kv_cache_bytes, or the model's sliding window)", fits, window)
+            logger.warning(
+                "context window capped at %d tokens (was %d): that is what one request can reserve "
+                "in the KV cache (kv_cache_bytes, or the model's sliding window)",
+                fits,
+                window,
+            )
         return min(window, fits)
 
     # ----------------------------------------------------------------------------------------------------------
@@ -430,12 +441,16 @@ class Engine:
         # Leaving pipelined mode (auto), nothing drafts while the last group in flight is verified.
         max_drafting = (len(plan.speculative_ids) + len(busy) + 1) // 2 if is_pipelining else 0
         if len(plan.speculative_ids) > max_drafting:
-            plan = RoundPlan(plan.speculative_ids[:max_drafting],
-                             plan.autoregressive_ids + plan.speculative_ids[max_drafting:],
-                             plan.max_budgets[:max_drafting])
-        verify_plan = RoundPlan(in_verify.plan.speculative_ids if in_verify is not None else [],
-                                plan.autoregressive_ids,
-                                in_verify.plan.max_budgets if in_verify is not None else [])
+            plan = RoundPlan(
+                plan.speculative_ids[:max_drafting],
+                plan.autoregressive_ids + plan.speculative_ids[max_drafting:],
+                plan.max_budgets[:max_drafting],
+            )
+        verify_plan = RoundPlan(
+            in_verify.plan.speculative_ids if in_verify is not None else [],
+            plan.autoregressive_ids,
+            in_verify.plan.max_budgets if in_verify is not None else [],
+        )
         verify_drafted = in_verify.drafted if in_verify is not None else _DraftedTrees()
         # Submission order matters on actors: the drafting requests' features are taken from the target before
         # the verify is queued behind them (inside _submit_draft), so the draft does not wait for the verify.
@@ -450,8 +465,9 @@ class Engine:
             trees = verify_drafted.trees  # each commits its root's token and its expected nodes (uncalibrated)
             num_packed = len(trees) + sum(t.num_nodes for t in trees)
             expected = len(trees) + sum(verify_drafted.predicted)
-            chained = self._collect_draft(RoundPlan([], plan.autoregressive_ids, []), None, plan.autoregressive_ids,
-                                          packed=(num_packed, expected))
+            chained = self._collect_draft(
+                RoundPlan([], plan.autoregressive_ids, []), None, plan.autoregressive_ids, packed=(num_packed, expected)
+            )
             verify_drafted.proposals.update(chained.proposals)
             verify_drafted.ngram_trees.update(chained.ngram_trees)
         pending_verify = None
@@ -472,8 +488,9 @@ class Engine:
 
     def _ready_requests(self, busy: set[str]) -> list[str]:
         """Running requests whose next root token is known and that are not waiting for a verify."""
-        return [rid for rid in self.scheduler.running
-                if rid not in busy and self.requests[rid].root_token_id is not None]
+        return [
+            rid for rid in self.scheduler.running if rid not in busy and self.requests[rid].root_token_id is not None
+        ]
 
     def _kv_capacity(self, req: _Request) -> int:
         """The KV entries a request reserves: its prompt, every new token, and one verify pass's scratch."""
@@ -493,8 +510,9 @@ class Engine:
         for rid, token, logprobs in zip(admitted, prefilled.token_ids, prefilled.logprobs):
             self._first_token(self.requests[rid], token, logprobs, outputs)
 
-    def _first_token(self, req: _Request, token: int, logprobs: RawLogprobs | None,
-                     outputs: list[RequestOutput]) -> None:
+    def _first_token(
+        self, req: _Request, token: int, logprobs: RawLogprobs | None, outputs: list[RequestOutput]
+    ) -> None:
         """A prefilled request's first token: from here on the budget policy plans it."""
         self.budget.add(req.request_id)
         if self.ngram_tokens:
@@ -513,8 +531,9 @@ class Engine:
         if not last:
             return self.budget.plan(running)
         plan = self.budget.plan([r for r in running if r not in last])
-        return RoundPlan(plan.speculative_ids, plan.autoregressive_ids + [r for r in running if r in last],
-                         plan.max_budgets)
+        return RoundPlan(
+            plan.speculative_ids, plan.autoregressive_ids + [r for r in running if r in last], plan.max_budgets
+        )
 
     def _tokens_left(self, rid: str) -> int:
         output = self.requests[rid].output
@@ -530,8 +549,9 @@ class Engine:
         features = self.target.take_features(plan.speculative_ids)
         return self.drafter.draft_async(plan.speculative_ids, roots, features, self.max_budget)
 
-    def _collect_draft(self, plan: RoundPlan, pending, ngram_candidates: list[str] = (),
-                       packed: tuple[int, float] = (0, 0.0)) -> _DraftedTrees:
+    def _collect_draft(
+        self, plan: RoundPlan, pending, ngram_candidates: list[str] = (), packed: tuple[int, float] = (0, 0.0)
+    ) -> _DraftedTrees:
         """The drafter's top-K as trees (each with its request's n-gram chain merged in, in auto mode), and the
         n-gram chains of `ngram_candidates` (requests decoding without a draft this round) as trees of their own,
         all cut to the round's global node allocation (`BudgetPolicy.allocate_round`; `packed`: what trees
@@ -586,16 +606,18 @@ class Engine:
             fields = ("token_ids", "parents") if self.ngram_tokens else ()
             columns = [logprobs.exp().double()] + [torch.cat([getattr(t, f) for t in trees]).double() for f in fields]
             return self._as_proposed(trees, torch.stack(columns).tolist()), trees
-        host = torch.stack([logprobs.exp().double(), logprobs.double()]
-                           + [torch.cat([getattr(t, f) for t in trees]).double()
-                              for f in ("token_ids", "parents", "depths")]).cpu()  # [5, nodes]
+        host = torch.stack(
+            [logprobs.exp().double(), logprobs.double()]
+            + [torch.cat([getattr(t, f) for t in trees]).double() for f in ("token_ids", "parents", "depths")]
+        ).cpu()  # [5, nodes]
         ids = host[2:].long()
         path_logprobs = host[1].to(logprobs.dtype)
         host_trees, start = [], 0
         for t in trees:
             end = start + t.num_nodes
-            host_trees.append(DraftTree(ids[0, start:end], ids[1, start:end], ids[2, start:end],
-                                        path_logprobs[start:end]))
+            host_trees.append(
+                DraftTree(ids[0, start:end], ids[1, start:end], ids[2, start:end], path_logprobs[start:end])
+            )
             start = end
         return self._as_proposed(trees, (host[[0, 2, 3]] if self.ngram_tokens else host[:1]).tolist()), host_trees
 
@@ -605,8 +627,13 @@ class Engine:
         for t in trees:
             end = start + t.num_nodes
             if self.ngram_tokens:
-                proposed.append(ProposedTree(columns[0][start:end], [int(x) for x in columns[1][start:end]],
-                                             [int(x) for x in columns[2][start:end]]))
+                proposed.append(
+                    ProposedTree(
+                        columns[0][start:end],
+                        [int(x) for x in columns[1][start:end]],
+                        [int(x) for x in columns[2][start:end]],
+                    )
+                )
             else:
                 proposed.append(ProposedTree(columns[0][start:end]))
             start = end
@@ -649,8 +676,9 @@ class Engine:
         for i, rid in enumerate(plan.speculative_ids):
             accepted = result.accepted_token_ids[i]
             # what the request's chain alone would have accepted: drafting's gain is the rest
-            without_draft = self.budget.observe_proposal(drafted.proposals.get(rid),
-                                                         accepted + [result.bonus_token_ids[i]])
+            without_draft = self.budget.observe_proposal(
+                drafted.proposals.get(rid), accepted + [result.bonus_token_ids[i]]
+            )
             self.budget.observe(rid, drafted.predicted[i], len(accepted), drafted.trees[i].num_nodes, without_draft)
             stats = self.requests[rid].stats
             stats.budgets.append(drafted.trees[i].num_nodes)
@@ -659,8 +687,9 @@ class Engine:
         for j, rid in enumerate(plan.autoregressive_ids):
             self.requests[rid].stats.num_autoregressive_rounds += 1
             accepted = result.accepted_token_ids[num_speculative + j]
-            self.budget.observe_proposal(drafted.proposals.get(rid),
-                                         accepted + [result.bonus_token_ids[num_speculative + j]])
+            self.budget.observe_proposal(
+                drafted.proposals.get(rid), accepted + [result.bonus_token_ids[num_speculative + j]]
+            )
 
     def _emit(self, plan: RoundPlan, result: VerifyResult, outputs: list[RequestOutput]) -> None:
         """Commit each request's accepted tokens and bonus token. Its statistics count what the round committed:
@@ -684,8 +713,9 @@ class Engine:
                 outputs.append(out)
         self.timings.emit += time.perf_counter() - t0
 
-    def _append_tokens(self, req: _Request, tokens: list[int], logprobs: RawLogprobs | None = None
-                       ) -> RequestOutput | None:
+    def _append_tokens(
+        self, req: _Request, tokens: list[int], logprobs: RawLogprobs | None = None
+    ) -> RequestOutput | None:
         kept = self.detokenizer.append(req.output, tokens)
         if req.ngrams is not None:
             req.ngrams.extend(kept)
@@ -723,14 +753,22 @@ class Engine:
         out = []
         for k, token_id in enumerate(kept):
             token_bytes = to_bytes(token_id, at_text_start)
-            out.append(TokenLogprobs(token_id, text(token_id), raw.chosen[k],
-                                     [(t, text(t), v) for t, v in zip(raw.top_ids[k], raw.top_values[k])],
-                                     token_bytes, [to_bytes(t, at_text_start) for t in raw.top_ids[k]]))
+            out.append(
+                TokenLogprobs(
+                    token_id,
+                    text(token_id),
+                    raw.chosen[k],
+                    [(t, text(t), v) for t, v in zip(raw.top_ids[k], raw.top_values[k])],
+                    token_bytes,
+                    [to_bytes(t, at_text_start) for t in raw.top_ids[k]],
+                )
+            )
             at_text_start = at_text_start and not token_bytes
         return out
 
-    def _finish(self, req: _Request, new_text: str, new_token_ids: list[int],
-                new_logprobs: list[TokenLogprobs] | None = None) -> RequestOutput:
+    def _finish(
+        self, req: _Request, new_text: str, new_token_ids: list[int], new_logprobs: list[TokenLogprobs] | None = None
+    ) -> RequestOutput:
         rid = req.request_id
         if self._drafted_group is not None:
             # Aborted while its tree waits for a verify: drop the tree now, before the id can be reused.
@@ -756,8 +794,9 @@ class Engine:
         return self._output(req, new_text, new_token_ids, new_logprobs, finished=True)
 
     @staticmethod
-    def _output(req: _Request, new_text: str, new_token_ids: list[int], new_logprobs: list[TokenLogprobs] | None,
-                finished: bool) -> RequestOutput:
+    def _output(
+        req: _Request, new_text: str, new_token_ids: list[int], new_logprobs: list[TokenLogprobs] | None, finished: bool
+    ) -> RequestOutput:
         return RequestOutput(
             request_id=req.request_id,
             prompt_token_ids=req.prompt_token_ids,
@@ -781,14 +820,13 @@ class Engine:
         counts = sorted(set(token_counts or [1, 2, 4, 8, 16, 32, 64, 128, 256]) | {1})
         counts = [n for n in counts if n <= max(self.config.max_num_seqs * (1 + cap), 1)] or [1]
         verify_points = self.target.measure_verify_cost(counts)
-        draft_points = (
-            self.drafter.measure_draft_cost([1, 4, 16], cap) if self.drafter is not None else [(1, 1e-3)]
-        )
+        draft_points = self.drafter.measure_draft_cost([1, 4, 16], cap) if self.drafter is not None else [(1, 1e-3)]
         return CostModel(verify_points, draft_points)
 
 
-def _build_depth_capped_trees(values: torch.Tensor, token_ids: torch.Tensor, budgets: list[int],
-                              max_depths: list[int]) -> list[DraftTree]:
+def _build_depth_capped_trees(
+    values: torch.Tensor, token_ids: torch.Tensor, budgets: list[int], max_depths: list[int]
+) -> list[DraftTree]:
     """`build_round_trees`, each request's tree holding only nodes of depth <= its max depth: the positions past it
     get log-probability -inf, so their nodes pop after every finite one (best-first) and are cut off the end."""
     capped = [r for r, d in enumerate(max_depths) if d < values.shape[1]]
@@ -796,7 +834,7 @@ def _build_depth_capped_trees(values: torch.Tensor, token_ids: torch.Tensor, bud
         return build_round_trees(values, token_ids, budgets)
     values = values.clone()
     for r in capped:
-        values[r, max(max_depths[r], 0):] = float("-inf")
+        values[r, max(max_depths[r], 0) :] = float("-inf")
     trees = build_round_trees(values, token_ids, budgets)
     for r in capped:
         trees[r] = _truncate(trees[r], int(torch.isfinite(trees[r].path_logprobs).sum()))

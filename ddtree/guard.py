@@ -128,8 +128,13 @@ class ThroughputGuard:
         for b in sorted(self.buckets):
             bucket = self.buckets[b]
             low, high = (1, 1) if b == 0 else (2 ** (b - 1) + 1, 2**b)
-            rows.append({"batch_sizes": [low, high], "num_rounds": bucket.num_rounds,
-                         "explored_share": bucket.explored_seconds / bucket.seconds if bucket.seconds else 0.0,
-                         **{f"{name}_tokens_per_second": arm.rate for name, arm in bucket.arms.items()},
-                         **{f"{name}_rounds": arm.total_rounds for name, arm in bucket.arms.items()}})
+            rows.append(
+                {
+                    "batch_sizes": [low, high],
+                    "num_rounds": bucket.num_rounds,
+                    "explored_share": bucket.explored_seconds / bucket.seconds if bucket.seconds else 0.0,
+                    **{f"{name}_tokens_per_second": arm.rate for name, arm in bucket.arms.items()},
+                    **{f"{name}_rounds": arm.total_rounds for name, arm in bucket.arms.items()},
+                }
+            )
         return rows

@@ -81,7 +81,7 @@ class LLM:
         self._outbox: dict[str, list[RequestOutput]] = {}
 
     @classmethod
-    def from_engine(cls, engine: Engine) -> "LLM":
+    def from_engine(cls, engine: Engine) -> LLM:
         llm = cls.__new__(cls)
         llm.engine, llm.tokenizer = engine, engine.tokenizer
         llm._outbox = {}
@@ -94,8 +94,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """One final output per prompt, in order. Prompts are strings or lists of token ids."""
         if not isinstance(prompts, (str, list, tuple)):
-            raise ValueError(f"prompts must be a string, a list of token ids, or a list of those; got "
-                             f"{type(prompts).__name__}")
+            raise ValueError(
+                f"prompts must be a string, a list of token ids, or a list of those; got {type(prompts).__name__}"
+            )
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params_list = _per_prompt(params, len(prompts))
@@ -146,8 +147,10 @@ class LLM:
         """A request that left the engine without a final output here (aborted through `llm.engine`, or stepped
         by another wrapper of the same engine) would be waited for forever."""
         if request_id not in self.engine.requests:
-            raise RuntimeError(f"request {request_id} left the engine without its final output reaching this call "
-                               f"(aborted through llm.engine, or stepped by another LLM on the same engine)")
+            raise RuntimeError(
+                f"request {request_id} left the engine without its final output reaching this call "
+                f"(aborted through llm.engine, or stepped by another LLM on the same engine)"
+            )
 
     def _step(self) -> None:
         """One engine step; each output goes to the outbox of the call that added its request."""

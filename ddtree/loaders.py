@@ -31,8 +31,10 @@ def resolve_device(device: str | torch.device, what: str = "device") -> torch.de
     if resolved.type != "cuda":
         raise ValueError(f"{what} {device!r}: DDTree runs on cpu or cuda only")
     if not torch.cuda.is_available():
-        raise ValueError(f"{what} {device!r}: CUDA is not available here (torch.cuda.is_available() is False; "
-                         f"torch {torch.__version__} sees no GPU, or is a CPU-only build)")
+        raise ValueError(
+            f"{what} {device!r}: CUDA is not available here (torch.cuda.is_available() is False; "
+            f"torch {torch.__version__} sees no GPU, or is a CPU-only build)"
+        )
     if resolved.index is not None and resolved.index >= torch.cuda.device_count():
         raise ValueError(f"{what} {device!r}: only {torch.cuda.device_count()} CUDA device(s) visible")
     return resolved

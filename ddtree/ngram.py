@@ -74,8 +74,12 @@ def merge_chain(
         depth[i] = 1 if p < 0 else depth[p] + 1
     order = sorted(range(len(tokens)), key=lambda i: (-value_of[i], depth[i], i))
     new_index = {old: new for new, old in enumerate(order)}
-    return ([tokens[i] for i in order], [-1 if parent_of[i] < 0 else new_index[parent_of[i]] for i in order],
-            [depth[i] for i in order], [value_of[i] for i in order])
+    return (
+        [tokens[i] for i in order],
+        [-1 if parent_of[i] < 0 else new_index[parent_of[i]] for i in order],
+        [depth[i] for i in order],
+        [value_of[i] for i in order],
+    )
 
 
 def chain_acceptance(chain: list[int], target_tokens: list[int]) -> int:

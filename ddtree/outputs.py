@@ -76,17 +76,31 @@ class RequestOutput:
     def acceptance_lengths(self) -> list[int]:
         return self.stats.acceptance_lengths
 
-    def following(self, earlier: "RequestOutput") -> "RequestOutput":
+    def following(self, earlier: RequestOutput) -> RequestOutput:
         """This output with `earlier`'s increment in front of its own: one output for two steps (a stream that
         sends fewer, larger chunks)."""
         new_logprobs = None
         if earlier.new_logprobs is not None or self.new_logprobs is not None:
             new_logprobs = (earlier.new_logprobs or []) + (self.new_logprobs or [])
-        return replace(self, new_text=earlier.new_text + self.new_text,
-                       new_token_ids=earlier.new_token_ids + self.new_token_ids, new_logprobs=new_logprobs)
+        return replace(
+            self,
+            new_text=earlier.new_text + self.new_text,
+            new_token_ids=earlier.new_token_ids + self.new_token_ids,
+            new_logprobs=new_logprobs,
+        )
 
-    def increment(self) -> "RequestOutput":
+    def increment(self) -> RequestOutput:
         """This step's part only (`new_text`, `new_token_ids`), without the cumulative fields: what a stream sends
         before the final output, so that a long answer's stream does not resend everything every round."""
-        return RequestOutput(self.request_id, [], "", [], self.new_text, list(self.new_token_ids), self.finished,
-                             self.finish_reason, RequestStats(), new_logprobs=self.new_logprobs)
+        return RequestOutput(
+            self.request_id,
+            [],
+            "",
+            [],
+            self.new_text,
+            list(self.new_token_ids),
+            self.finished,
+            self.finish_reason,
+            RequestStats(),
+            new_logprobs=self.new_logprobs,
+        )

@@ -52,7 +52,7 @@ class PackedBatch:
     def num_tokens(self) -> int:
         return self.query_starts[-1]
 
-    def to(self, device: torch.device | str) -> "PackedBatch":
+    def to(self, device: torch.device | str) -> PackedBatch:
         """The batch on `device` in two copies (its six per-token rows stacked, and the ancestor bits): a batch
         packed on the host, where its sizes are known without a device read, then uploaded once."""
         device = torch.device(device)
@@ -60,8 +60,9 @@ class PackedBatch:
             return self
         names = ("input_ids", "position_ids", "seq_index", "node_index", "local_parents", "depths")
         rows = torch.stack([getattr(self, name) for name in names]).to(device)
-        return dataclasses.replace(self, **dict(zip(names, rows.unbind(0))),
-                                   ancestor_bits=self.ancestor_bits.to(device))
+        return dataclasses.replace(
+            self, **dict(zip(names, rows.unbind(0))), ancestor_bits=self.ancestor_bits.to(device)
+        )
 
     @property
     def num_requests(self) -> int:
@@ -139,8 +140,9 @@ class PackedBatch:
 
         return mask_mod
 
-    def flex_block_mask(self, block_size: int = FLEX_BLOCK_SIZE, kv_offsets: list[int] | None = None,
-                        num_keys: int | None = None):
+    def flex_block_mask(
+        self, block_size: int = FLEX_BLOCK_SIZE, kv_offsets: list[int] | None = None, num_keys: int | None = None
+    ):
         """The FlexAttention BlockMask of `flex_mask_mod(kv_offsets, num_keys)`, built from the batch layout in host
         integers.
 
@@ -153,8 +155,15 @@ class PackedBatch:
 
         offsets, num_keys = self.key_layout(kv_offsets, num_keys)
         if "seq_lengths" not in _from_kv_blocks_parameters():  # an older torch: the grid evaluation (exact, slower)
-            return create_block_mask(self.flex_mask_mod(offsets, num_keys), None, None, self.num_tokens, num_keys,
-                                     device=str(self.input_ids.device), BLOCK_SIZE=block_size)
+            return create_block_mask(
+                self.flex_mask_mod(offsets, num_keys),
+                None,
+                None,
+                self.num_tokens,
+                num_keys,
+                device=str(self.input_ids.device),
+                BLOCK_SIZE=block_size,
+            )
         num_q_blocks = max(1, -(-self.num_tokens // block_size))
         num_kv_blocks = max(1, -(-num_keys // block_size))
         partial: list[list[int]] = []
@@ -191,8 +200,14 @@ class PackedBatch:
         # the transposed index serves the backward pass only (a torch that can skip it is told to)
         skip_q_blocks = {"compute_q_blocks": False} if "compute_q_blocks" in _from_kv_blocks_parameters() else {}
         return BlockMask.from_kv_blocks(
-            kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, BLOCK_SIZE=block_size,
-            mask_mod=self.flex_mask_mod(offsets, num_keys), seq_lengths=(self.num_tokens, num_keys), **skip_q_blocks,
+            kv_num_blocks,
+            kv_indices,
+            full_kv_num_blocks,
+            full_kv_indices,
+            BLOCK_SIZE=block_size,
+            mask_mod=self.flex_mask_mod(offsets, num_keys),
+            seq_lengths=(self.num_tokens, num_keys),
+            **skip_q_blocks,
         )
 
 

@@ -30,14 +30,16 @@ class SamplingParams:
             value = getattr(self, name)
             _check(value is None or isinstance(value, (list, tuple)), name, "a list", value)
             setattr(self, name, list(value or []))
-        _check(_is_number(self.temperature) and 0 <= self.temperature < math.inf, "temperature",
-               f"a finite number >= 0 (below {GREEDY_TEMPERATURE}: greedy)", self.temperature)
+        _check(
+            _is_number(self.temperature) and 0 <= self.temperature < math.inf,
+            "temperature",
+            f"a finite number >= 0 (below {GREEDY_TEMPERATURE}: greedy)",
+            self.temperature,
+        )
         _check(_is_number(self.top_p) and 0 < self.top_p <= 1, "top_p", "a number in (0, 1]", self.top_p)
         _check(_is_int(self.top_k) and self.top_k >= 0, "top_k", "an integer >= 0 (0 disables it)", self.top_k)
         _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", "an integer >= 1", self.max_tokens)
-        _check(
-            all(isinstance(s, str) and s for s in self.stop), "stop", "a list of non-empty strings", self.stop
-        )
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop", "a list of non-empty strings", self.stop)
         _check(
             all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
             "stop_token_ids",
@@ -46,8 +48,12 @@ class SamplingParams:
         )
         _check(self.seed is None or _is_int(self.seed), "seed", "an integer or None", self.seed)
         _check(isinstance(self.ignore_eos, bool), "ignore_eos", "a bool", self.ignore_eos)
-        _check(self.logprobs is None or _is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
-               f"None or an integer in [0, {MAX_LOGPROBS}]", self.logprobs)
+        _check(
+            self.logprobs is None or _is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS,
+            "logprobs",
+            f"None or an integer in [0, {MAX_LOGPROBS}]",
+            self.logprobs,
+        )
 
     @property
     def is_greedy(self) -> bool:

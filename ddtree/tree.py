@@ -43,11 +43,11 @@ class DraftTree:
     def num_nodes(self) -> int:
         return int(self.token_ids.numel())
 
-    def to(self, device: torch.device | str) -> "DraftTree":
+    def to(self, device: torch.device | str) -> DraftTree:
         return DraftTree(*(t.to(device) for t in (self.token_ids, self.parents, self.depths, self.path_logprobs)))
 
     @staticmethod
-    def empty(device: torch.device | str = "cpu") -> "DraftTree":
+    def empty(device: torch.device | str = "cpu") -> DraftTree:
         """The tree of an autoregressive step: no nodes, only the root."""
         z = torch.zeros(0, dtype=torch.int64, device=device)
         return DraftTree(z, z.clone(), z.clone(), torch.zeros(0, dtype=torch.float32, device=device))

@@ -20,7 +20,6 @@ from ddtree.sampling_params import SamplingParams
 from ddtree.tree import DraftTree
 
 
-
 class WorkerLostError(RuntimeError):
     """A worker's process is gone: none of its calls will be answered. Worker proxies that run a worker elsewhere
     (deployments/actors.py) raise it. The engine survives losing either worker: without a drafter its requests go on
@@ -85,8 +84,9 @@ LM_HEAD_ON_DEMAND_MIN_TOKENS = {False: 16, True: 1024}  # by "is on a GPU"
 LOGPROB_ROWS_PER_CHUNK = 512  # rows of [rows, vocab] float32 log-softmax held at once (a GPU's vocab: 150k x 4 B)
 
 
-def raw_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, rows: list[list[int]],
-                 ks: list[int | None]) -> list[RawLogprobs | None]:
+def raw_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, rows: list[list[int]], ks: list[int | None]
+) -> list[RawLogprobs | None]:
     """Per request r asking for log-probabilities (ks[r] not None): the log-softmax of `logits` [N, V] at its
     `rows[r]` (those that produced its committed tokens) at `token_ids` [N], and the top ks[r] of each row (float32;
     float64 logits stay float64); None for the others. The asking requests' rows are computed together, in chunks of
@@ -99,8 +99,7 @@ def raw_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, rows: list[list[
     top_ids: list[list[int]] = []
     top_values: list[list[float]] = []
     for start in range(0, len(flat_rows), LOGPROB_ROWS_PER_CHUNK):
-        index = torch.tensor(flat_rows[start : start + LOGPROB_ROWS_PER_CHUNK], dtype=torch.long,
-                             device=logits.device)
+        index = torch.tensor(flat_rows[start : start + LOGPROB_ROWS_PER_CHUNK], dtype=torch.long, device=logits.device)
         logp = torch.log_softmax(logits.index_select(0, index).to(dtype), dim=-1)
         chosen += logp.gather(1, token_ids.index_select(0, index)[:, None]).squeeze(1).tolist()
         if max_k > 0:
@@ -114,8 +113,9 @@ def raw_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, rows: list[list[
     start = 0
     for r in asking:
         end, k = start + len(rows[r]), ks[r]
-        out[r] = RawLogprobs(chosen[start:end], [ids[:k] for ids in top_ids[start:end]],
-                             [values[:k] for values in top_values[start:end]])
+        out[r] = RawLogprobs(
+            chosen[start:end], [ids[:k] for ids in top_ids[start:end]], [values[:k] for values in top_values[start:end]]
+        )
         start = end
     return out
 
@@ -227,8 +227,9 @@ class TargetWorker:
                 self._pending_features[rid].append(features.index_select(0, own_rows))
         logprobs = raw_logprobs(logits, tokens, logit_rows, [self._params[rid].logprobs for rid in request_ids])
         t2 = time.perf_counter()
-        return VerifyResult(result.accepted_token_ids, result.bonus_token_ids, packed.num_tokens, t1 - t0, t2 - t1,
-                            logprobs)
+        return VerifyResult(
+            result.accepted_token_ids, result.bonus_token_ids, packed.num_tokens, t1 - t0, t2 - t1, logprobs
+        )
 
     def _accept_on_demand(self, request_ids: list[str], packed, hidden: torch.Tensor):
         """The walk with the LM head run only on the rows it reaches (`accept_on_demand`): (result, logits [M, V] of
@@ -238,8 +239,9 @@ class TargetWorker:
         def target_tokens_of(rows: list[int]) -> list[int]:
             index = torch.tensor(rows, device=hidden.device)
             logits = self.model.lm_head_logits(hidden.index_select(0, index))
-            tokens = self._target_tokens(request_ids, logits, packed.seq_index.index_select(0, index),
-                                         packed.position_ids.index_select(0, index))
+            tokens = self._target_tokens(
+                request_ids, logits, packed.seq_index.index_select(0, index), packed.position_ids.index_select(0, index)
+            )
             asked_logits.append(logits)
             asked_tokens.append(tokens)
             return tokens.tolist()
@@ -249,8 +251,9 @@ class TargetWorker:
         logit_rows = [[row_of[p] for p in path] for path in result.accepted_packed]
         return result, torch.cat(asked_logits), torch.cat(asked_tokens), logit_rows
 
-    def verify_async(self, request_ids: list[str], trees: list[DraftTree | None], root_token_ids: list[int]
-                     ) -> Completed:
+    def verify_async(
+        self, request_ids: list[str], trees: list[DraftTree | None], root_token_ids: list[int]
+    ) -> Completed:
         return Completed(self.verify, request_ids, trees, root_token_ids)
 
     def take_features(self, request_ids: list[str]) -> list[torch.Tensor]:
@@ -330,8 +333,9 @@ class DrafterWorker:
         wait_for_device(self.drafter.device)  # the call's time is the drafter's, not its kernel launches'
         return out
 
-    def draft_async(self, request_ids: list[str], root_token_ids: list[int], new_features: list[torch.Tensor],
-                    max_k: int) -> Completed:
+    def draft_async(
+        self, request_ids: list[str], root_token_ids: list[int], new_features: list[torch.Tensor], max_k: int
+    ) -> Completed:
         return Completed(self.draft, request_ids, root_token_ids, new_features, max_k)
 
     def free(self, request_id: str) -> None:

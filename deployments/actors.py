@@ -8,9 +8,9 @@ reads, no Ray task per call), and the target reaches the drafter through one mor
                    ──DrafterOp──────────────────────────────────────────────> ───┘
                    <──Reply──
 
-Operations are typed (`Allocate`, `Prefill`, `Verify`, `Free`, `SendFeatures`, `DisconnectDrafter`,
-`MeasureVerifyCost`; `Draft`, `FreeDraft`, `MeasureDraftCost`). A round costs two calls (draft, verify), each a few process wake-ups; plain Ray
-actor calls remain for what is not on the round's path: loading, the health check's ping, the KV usage metric.
+Operations are typed (`Allocate`, `Prefill`, `Verify`, `Free`, `SendFeatures`, `DisconnectDrafter`, `MeasureVerifyCost`;
+`Draft`, `FreeDraft`, `MeasureDraftCost`). A round costs two calls (draft, verify), each a few process wake-ups; plain
+Ray actor calls remain for what is not on the round's path: loading, the health check's ping, the KV usage metric.
 
 Target features go from the target to the drafter directly, never through the engine replica: after a prefill
 (every prefilled request's) and a verify (the requests that drafted: they draft again next) the target pushes them
@@ -48,7 +48,6 @@ import torch
 
 from deployments.channel import ChannelAddress, ChannelClient, ChannelClosedError, ChannelServer
 from deployments.config import ActorPlace, WorkerSpec
-
 
 # OpenMP threads spin after each parallel region by default (libgomp). The target and the drafter take turns on the
 # same cores, so a spinning pool in one actor would steal the cores from the other (docs/serving.md gives the
@@ -221,8 +220,13 @@ class TargetActor:
         _set_torch_threads(spec)
         drafter_path = resolve_drafter_path(spec.model, spec.drafter) if need_drafter else None
         self.worker = load_target_worker(
-            spec.model, drafter_path, device=spec.device, dtype=spec.dtype, kv_cache_bytes=spec.kv_cache_bytes,
-            attention=spec.attention)
+            spec.model,
+            drafter_path,
+            device=spec.device,
+            dtype=spec.dtype,
+            kv_cache_bytes=spec.kv_cache_bytes,
+            attention=spec.attention,
+        )
         self.tokenizer = self.worker.model.tokenizer
         self._spec = spec
         self._to_drafter = None  # ChannelClient to the drafter's feature channel (None: no drafter connected)
@@ -237,10 +241,16 @@ class TargetActor:
     def describe(self) -> dict:
         """What the engine reads from the worker once, the tokenizer it detokenizes with, and the channel."""
         w = self.worker
-        return {"max_model_len": w.max_model_len, "max_request_tokens": w.max_request_tokens,
-                "eos_token_ids": list(w.eos_token_ids), "keeps_features": w.keep_features,
-                "vocab_size": w.vocab_size, "tokenizer": self.tokenizer, "channel": self.channel.address,
-                "pid": os.getpid()}
+        return {
+            "max_model_len": w.max_model_len,
+            "max_request_tokens": w.max_request_tokens,
+            "eos_token_ids": list(w.eos_token_ids),
+            "keeps_features": w.keep_features,
+            "vocab_size": w.vocab_size,
+            "tokenizer": self.tokenizer,
+            "channel": self.channel.address,
+            "pid": os.getpid(),
+        }
 
     def head(self):
         """The target's embedding and LM head (ddtree.models.target.TargetHead) for the drafter actor, on the CPU:
@@ -296,8 +306,9 @@ class TargetActor:
     def _send_features(self, request_ids: list[str]) -> None:
         taken = self.worker.take_features(request_ids)
         self._num_batches += 1
-        batch = FeatureBatch(self._num_batches, list(request_ids), [f.shape[0] for f in taken],
-                             tensor_to_wire(torch.cat(taken)))
+        batch = FeatureBatch(
+            self._num_batches, list(request_ids), [f.shape[0] for f in taken], tensor_to_wire(torch.cat(taken))
+        )
         try:
             self._to_drafter.send(batch)
         except ChannelClosedError:  # the drafter died: the engine finds out on its next call, or the health check
@@ -362,8 +373,12 @@ class DrafterActor:
         return True
 
     def describe(self) -> dict:
-        return {"block_len": self.worker.block_len, "channel": self.channel.address,
-                "features": self.features.address, "pid": os.getpid()}
+        return {
+            "block_len": self.worker.block_len,
+            "channel": self.channel.address,
+            "features": self.features.address,
+            "pid": os.getpid(),
+        }
 
     def handle(self, op: DrafterOp) -> Reply:
         """One operation from the engine replica. The draft leaves as numpy on the host: the engine replica that
@@ -632,16 +647,17 @@ class WorkerActors:
                 return f"the {name} actor died: {exc}"
         return None
 
-    def start_drafter(self) -> tuple[object, "DrafterProxy"]:
+    def start_drafter(self) -> tuple[object, DrafterProxy]:
         """A new drafter actor in the old one's bundle (which its death freed), connected to the target, and its
         proxy (blocking: it loads the drafter). The caller installs them where the engine's thread sees them
         (`install_drafter`)."""
         if self.drafter is not None:
             ray.kill(self.drafter)  # (dead already, or beyond saving: its requests decode on without it)
-        return _start_drafter(self.spec, self.drafter_place, self.placement_group, self.target, self.target_proxy,
-                              self.hops)
+        return _start_drafter(
+            self.spec, self.drafter_place, self.placement_group, self.target, self.target_proxy, self.hops
+        )
 
-    def start_workers(self, timeout_s: float | None = None) -> "WorkerActors":
+    def start_workers(self, timeout_s: float | None = None) -> WorkerActors:
         """A new target actor (and drafter actor) in the old ones' bundles, after the target died (blocking: they
         load; GetTimeoutError past `timeout_s`, e.g. when the bundles never free). The old drafter goes too: its
         features came from the dead target, and the new drafter rebuilds each request's context from the target's
@@ -650,10 +666,11 @@ class WorkerActors:
             if actor is not None:
                 with contextlib.suppress(Exception):  # (dead already)
                     ray.kill(actor)
-        return start_worker_actors(self.spec, self.target_place, self.drafter_place, self.placement_group,
-                                   hops=self.hops, timeout_s=timeout_s)
+        return start_worker_actors(
+            self.spec, self.target_place, self.drafter_place, self.placement_group, hops=self.hops, timeout_s=timeout_s
+        )
 
-    def install_workers(self, fresh: "WorkerActors") -> None:
+    def install_workers(self, fresh: WorkerActors) -> None:
         """On the engine's thread: the workers of `start_workers` are the ones to call."""
         for proxy in (self.target_proxy, self.drafter_proxy):
             if proxy is not None:
@@ -662,7 +679,7 @@ class WorkerActors:
         self.drafter, self.drafter_proxy = fresh.drafter, fresh.drafter_proxy
         self.num_target_restarts += 1
 
-    def install_drafter(self, actor, proxy: "DrafterProxy") -> None:
+    def install_drafter(self, actor, proxy: DrafterProxy) -> None:
         """On the engine's thread (the target proxy's one user): the new drafter is the one to call."""
         if self.drafter_proxy is not None:
             self.drafter_proxy.channel.close()
@@ -674,16 +691,28 @@ class WorkerActors:
 def _actor_options(spec: WorkerSpec, place: ActorPlace, pg) -> dict:
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    opts = {"num_cpus": place.num_cpus, "num_gpus": place.num_gpus, "max_restarts": 0,
-            "runtime_env": {"env_vars": worker_env(spec)}}
+    opts = {
+        "num_cpus": place.num_cpus,
+        "num_gpus": place.num_gpus,
+        "max_restarts": 0,
+        "runtime_env": {"env_vars": worker_env(spec)},
+    }
     if pg is not None:
         opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-            placement_group=pg, placement_group_bundle_index=place.bundle_index)
+            placement_group=pg, placement_group_bundle_index=place.bundle_index
+        )
     return opts
 
 
-def _start_drafter(spec: WorkerSpec, place: ActorPlace, pg, target, target_proxy: TargetProxy,
-                   hops: HopTimes, timeout_s: float | None = None) -> tuple[object, DrafterProxy]:
+def _start_drafter(
+    spec: WorkerSpec,
+    place: ActorPlace,
+    pg,
+    target,
+    target_proxy: TargetProxy,
+    hops: HopTimes,
+    timeout_s: float | None = None,
+) -> tuple[object, DrafterProxy]:
     head = target.head.remote()  # by reference: target actor -> drafter actor
     drafter = ray.remote(DrafterActor).options(**_actor_options(spec, place, pg)).remote(spec, head)
     try:
@@ -696,9 +725,14 @@ def _start_drafter(spec: WorkerSpec, place: ActorPlace, pg, target, target_proxy
         raise
 
 
-def start_worker_actors(spec: WorkerSpec, target_place: ActorPlace, drafter_place: ActorPlace | None,
-                        placement_group=None, hops: HopTimes | None = None,
-                        timeout_s: float | None = None) -> WorkerActors:
+def start_worker_actors(
+    spec: WorkerSpec,
+    target_place: ActorPlace,
+    drafter_place: ActorPlace | None,
+    placement_group=None,
+    hops: HopTimes | None = None,
+    timeout_s: float | None = None,
+) -> WorkerActors:
     """Create the target actor (and the drafter actor) in the given bundles of `placement_group` (None: the
     caller's own placement group if it runs in one, else anywhere), and wait until both have loaded (each for at
     most `timeout_s`: None waits as long as it takes). `hops`: where the proxies add up their calls' overhead (a
@@ -706,8 +740,11 @@ def start_worker_actors(spec: WorkerSpec, target_place: ActorPlace, drafter_plac
     from ray.util import get_current_placement_group
 
     pg = placement_group if placement_group is not None else get_current_placement_group()
-    target = ray.remote(TargetActor).options(**_actor_options(spec, target_place, pg)).remote(
-        spec, drafter_place is not None)
+    target = (
+        ray.remote(TargetActor)
+        .options(**_actor_options(spec, target_place, pg))
+        .remote(spec, drafter_place is not None)
+    )
     try:
         info = ray.get(target.describe.remote(), timeout=timeout_s)  # waits for the target to load
         _check_same_node(info["channel"], "target")
@@ -724,6 +761,8 @@ def start_worker_actors(spec: WorkerSpec, target_place: ActorPlace, drafter_plac
 
 def _check_same_node(address: ChannelAddress, name: str) -> None:
     if address.node_id != _node_id():
-        raise RuntimeError(f"the {name} actor runs on another node ({address.node_id}) than its engine replica "
-                           f"({_node_id()}): a replica and its workers share one node (its placement group is "
-                           f"STRICT_PACK; give start_worker_actors that placement group)")
+        raise RuntimeError(
+            f"the {name} actor runs on another node ({address.node_id}) than its engine replica "
+            f"({_node_id()}): a replica and its workers share one node (its placement group is "
+            f"STRICT_PACK; give start_worker_actors that placement group)"
+        )

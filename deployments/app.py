@@ -50,8 +50,10 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
     if parsed.autoscaling_config is not None:
         # Serve's default target (2 ongoing requests) would add a replica, a whole model load, for a third request:
         # a replica is full when its batch is (max_num_seqs), unless the config says otherwise
-        engine_options["autoscaling_config"] = {"target_ongoing_requests": parsed.max_num_seqs,
-                                                **parsed.autoscaling_config}
+        engine_options["autoscaling_config"] = {
+            "target_ongoing_requests": parsed.max_num_seqs,
+            **parsed.autoscaling_config,
+        }
     else:
         engine_options["num_replicas"] = parsed.num_replicas or 1
     if parsed.ingress == "engine":
@@ -61,15 +63,19 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
         engine_options["user_config"] = IngressSettings.of(parsed).user_config()
         return serve.deployment(DDTreeServer).options(**engine_options).bind(parsed)
     engine = serve.deployment(DDTreeEngine).options(**engine_options).bind(parsed)
-    ingress = serve.deployment(OpenAIIngress).options(
-        name=INGRESS_DEPLOYMENT,
-        num_replicas=parsed.num_ingress_replicas,
-        ray_actor_options={"num_cpus": 0},
-        graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_TIMEOUT_S,  # its streams end with the engine's answers
-        # the served name, API key and default_max_tokens change in place (OpenAIIngress.reconfigure)
-        user_config=IngressSettings.of(parsed).user_config(),
-        max_ongoing_requests=parsed.engine_max_ongoing_requests * max(1, _max_engine_replicas(parsed)),
-    ).bind(engine, parsed)
+    ingress = (
+        serve.deployment(OpenAIIngress)
+        .options(
+            name=INGRESS_DEPLOYMENT,
+            num_replicas=parsed.num_ingress_replicas,
+            ray_actor_options={"num_cpus": 0},
+            graceful_shutdown_timeout_s=GRACEFUL_SHUTDOWN_TIMEOUT_S,  # its streams end with the engine's answers
+            # the served name, API key and default_max_tokens change in place (OpenAIIngress.reconfigure)
+            user_config=IngressSettings.of(parsed).user_config(),
+            max_ongoing_requests=parsed.engine_max_ongoing_requests * max(1, _max_engine_replicas(parsed)),
+        )
+        .bind(engine, parsed)
+    )
     return ingress
 
 

@@ -1,9 +1,10 @@
 """Worker channels: messages between the processes of one engine replica over Unix domain sockets.
 
-An engine replica calls its target and drafter actors every round. A Ray actor call pays for scheduling and gRPC,
-a noticeable share of a CPU round (docs/serving.md); Ray Compiled Graph channels are cheaper but busy-wait: each idle actor, and the caller waiting for a reply, keeps a core at 100%, which on a
-CPU replica takes the cores the target computes on. These channels block in the kernel instead (a `recv` on a
-socket): a call costs a few process wake-ups and no CPU while nothing happens.
+An engine replica calls its target and drafter actors every round. A Ray actor call pays for scheduling and gRPC, a
+noticeable share of a CPU round (docs/serving.md); Ray Compiled Graph channels are cheaper but busy-wait: each idle
+actor, and the caller waiting for a reply, keeps a core at 100%, which on a CPU replica takes the cores the target
+computes on. These channels block in the kernel instead (a `recv` on a socket): a call costs a few process wake-ups and
+no CPU while nothing happens.
 
 A message is an 8-byte length and a pickle (protocol 5). Only processes of the same replica speak here: each
 server listens in a folder only its user can enter (`mkdtemp`, mode 0700), and a connection must first send the
@@ -85,9 +86,14 @@ class ChannelServer:
     failure the client raises). With `on_message` instead, messages are one-way: `on_message(message)` for each, and
     `on_close()` when the sender goes away."""
 
-    def __init__(self, node_id: str, name: str, handle: Callable[[object], object] | None = None,
-                 on_message: Callable[[object], None] | None = None,
-                 on_close: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self,
+        node_id: str,
+        name: str,
+        handle: Callable[[object], object] | None = None,
+        on_message: Callable[[object], None] | None = None,
+        on_close: Callable[[], None] | None = None,
+    ) -> None:
         if (handle is None) == (on_message is None):
             raise ValueError("give exactly one of handle (request/reply) and on_message (one-way)")
         self._dir = tempfile.mkdtemp(prefix="ddtree-channel-")  # mode 0700: only this user may connect
@@ -134,8 +140,10 @@ class ChannelServer:
             try:
                 reply = self._handle(message)
             except BaseException as exc:  # noqa: BLE001 - the caller raises it
-                reply = _Failure(exc if _picklable(exc) else None,
-                                 "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)))
+                reply = _Failure(
+                    exc if _picklable(exc) else None,
+                    "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
+                )
             try:
                 _send(conn, reply)
             except OSError:

@@ -7,8 +7,8 @@ Placement of one engine replica (Ray placement group bundles; bundle 0 holds the
     shared-gpu      [engine CPUs] [target+drafter CPUs + 1 GPU]        both actors on one GPU (half each)
 
 Every placement is STRICT_PACK: a replica talks to its workers over Unix sockets (deployments/channel.py), and the
-features that go from target to drafter every round stay on the node. With speculation "off" there is no drafter actor and no drafter bundle (on `cpu`, the target takes the whole
-bundle: the replica holds the same CPUs in every mode).
+features that go from target to drafter every round stay on the node. With speculation "off" there is no drafter actor
+and no drafter bundle (on `cpu`, the target takes the whole bundle: the replica holds the same CPUs in every mode).
 
 Threads follow the placement. On `cpu` the drafter and the target run one after the other (each round drafts, then
 verifies), so each uses every core the replica holds (engine + workers, e.g. 0.5 + 2 x 0.75 = 2), and idle OpenMP
@@ -39,95 +39,157 @@ class AppArgs(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     model: str | None = Field(
-        None, description="Target model: a local folder (config.json + safetensors), a .gguf file, or a hub id. "
-        "None: the embedded SmolLM2-135M-Instruct.")
+        None,
+        description="Target model: a local folder (config.json + safetensors), a .gguf file, or a hub id. "
+        "None: the embedded SmolLM2-135M-Instruct.",
+    )
     drafter: str | None = Field(
-        None, description="DFlash drafter checkpoint folder. None: the shipped drafter of the embedded target.")
+        None, description="DFlash drafter checkpoint folder. None: the shipped drafter of the embedded target."
+    )
     served_model_name: str | None = Field(
-        None, description="The `model` name clients send and /v1/models lists. None: derived from `model`.")
+        None, description="The `model` name clients send and /v1/models lists. None: derived from `model`."
+    )
     device: str | None = Field(
-        None, description="Torch device of the workers: 'cpu' or 'cuda'. None: 'cpu' for placement 'cpu', "
-        "'cuda' otherwise (each actor sees only the GPU Ray gave it).")
+        None,
+        description="Torch device of the workers: 'cpu' or 'cuda'. None: 'cpu' for placement 'cpu', "
+        "'cuda' otherwise (each actor sees only the GPU Ray gave it).",
+    )
     dtype: str | None = Field(
-        None, description="Weights dtype (float32, bfloat16, float16, float64). None: float32 on CPU, bfloat16 on "
-                          "CUDA. bfloat16 on a CPU with bf16 dot products: bf16 weights, float32 activations and KV.")
+        None,
+        description="Weights dtype (float32, bfloat16, float16, float64). None: float32 on CPU, bfloat16 on "
+        "CUDA. bfloat16 on a CPU with bf16 dot products: bf16 weights, float32 activations and KV.",
+    )
     speculation: Literal["ddtree", "dflash", "off"] = Field(
-        _ENGINE.speculation, description="'ddtree': draft trees; 'dflash': the drafter's argmax chain; 'off': autoregressive.")
+        _ENGINE.speculation,
+        description="'ddtree': draft trees; 'dflash': the drafter's argmax chain; 'off': autoregressive.",
+    )
     budget: Literal["auto"] | PositiveInt = Field(
-        _ENGINE.budget, description="Draft tree nodes per speculative request: 'auto' (adaptive per round) or a fixed count.")
+        _ENGINE.budget,
+        description="Draft tree nodes per speculative request: 'auto' (adaptive per round) or a fixed count.",
+    )
     max_budget: PositiveInt = Field(_ENGINE.max_budget, description="Cap on nodes per request in 'auto' mode.")
-    max_num_seqs: PositiveInt = Field(_ENGINE.max_num_seqs, description="Requests decoded together by one engine replica.")
+    max_num_seqs: PositiveInt = Field(
+        _ENGINE.max_num_seqs, description="Requests decoded together by one engine replica."
+    )
     max_waiting: PositiveInt = Field(
-        _ENGINE.max_waiting, description="Requests queued per engine replica beyond its free seats (max_num_seqs); beyond it the "
-        "API answers 429.")
+        _ENGINE.max_waiting,
+        description="Requests queued per engine replica beyond its free seats (max_num_seqs); beyond it the "
+        "API answers 429.",
+    )
     max_queue_seconds: float | None = Field(
-        _ENGINE.max_queue_seconds, gt=0, description="A request still waiting for admission after this long is answered 503 "
-        "(queue_timeout, with Retry-After) instead of waiting on. None: requests wait as long as it takes.")
-    max_model_len: int | None = Field(_ENGINE.max_model_len, ge=2, description="Context window cap. None: the model's own.")
+        _ENGINE.max_queue_seconds,
+        gt=0,
+        description="A request still waiting for admission after this long is answered 503 "
+        "(queue_timeout, with Retry-After) instead of waiting on. None: requests wait as long as it takes.",
+    )
+    max_model_len: int | None = Field(
+        _ENGINE.max_model_len, ge=2, description="Context window cap. None: the model's own."
+    )
     default_max_tokens: PositiveInt | None = Field(
-        None, description="max_tokens of a chat request that gives none. None: the rest of the context window "
+        None,
+        description="max_tokens of a chat request that gives none. None: the rest of the context window "
         "(OpenAI's behaviour); each request reserves its prompt + max_tokens in the KV cache when admitted, so a "
-        "cap lets more such requests decode at once.")
+        "cap lets more such requests decode at once.",
+    )
     kv_cache_bytes: PositiveInt | None = Field(
-        None, description="KV cache memory of the target worker, counting with each token's KV entries the target "
+        None,
+        description="KV cache memory of the target worker, counting with each token's KV entries the target "
         "features it keeps until the drafter takes them. None: 1 GiB on a CPU; on a GPU half the memory free once the "
-        "target's weights are loaded.")
+        "target's weights are loaded.",
+    )
     attention: Literal["auto", "sdpa", "flex"] = Field(
-        "auto", description="Attention backend of the workers ('auto', 'sdpa', 'flex').")
+        "auto", description="Attention backend of the workers ('auto', 'sdpa', 'flex')."
+    )
     allow_fallback: bool = Field(
-        _ENGINE.allow_fallback, description="In 'auto' budget mode, requests whose drafts do not pay decode autoregressively.")
+        _ENGINE.allow_fallback,
+        description="In 'auto' budget mode, requests whose drafts do not pay decode autoregressively.",
+    )
     max_probe_overhead: float = Field(
-        _ENGINE.max_probe_overhead, gt=0, le=1, description="Fallback probes may cost at most this fraction of a request's time.")
+        _ENGINE.max_probe_overhead,
+        gt=0,
+        le=1,
+        description="Fallback probes may cost at most this fraction of a request's time.",
+    )
     max_explore_share: float = Field(
-        _ENGINE.max_explore_share, ge=0, le=0.5, description="In 'auto' budget mode, the engine measures the tokens/s of rounds run as the "
+        _ENGINE.max_explore_share,
+        ge=0,
+        le=0.5,
+        description="In 'auto' budget mode, the engine measures the tokens/s of rounds run as the "
         "policy plans them and of plain decoding, per batch size, runs the faster, and the other in at most this "
-        "share of the time (so that a change of load is seen). 0: the policy alone (docs/engine.md).")
+        "share of the time (so that a change of load is seen). 0: the policy alone (docs/engine.md).",
+    )
     ngram_tokens: int = Field(
-        _ENGINE.ngram_tokens, ge=0, description="In 'auto' budget mode, up to this many tokens proposed from the request's own history "
-        "(prompt lookup) join its draft tree, or are verified alone by a request in fallback. 0: none.")
+        _ENGINE.ngram_tokens,
+        ge=0,
+        description="In 'auto' budget mode, up to this many tokens proposed from the request's own history "
+        "(prompt lookup) join its draft tree, or are verified alone by a request in fallback. 0: none.",
+    )
     pipeline: bool | Literal["auto"] = Field(
-        _ENGINE.pipeline, description="Two request groups in flight: the drafter actor drafts one while the target actor "
-                           "verifies the other. Pays when the drafter has its own device and verify passes are "
-                           "compute-bound (large batches); 'auto' decides each phase from the cost model; see "
-                           "docs/serving.md.")
+        _ENGINE.pipeline,
+        description="Two request groups in flight: the drafter actor drafts one while the target actor "
+        "verifies the other. Pays when the drafter has its own device and verify passes are "
+        "compute-bound (large batches); 'auto' decides each phase from the cost model; see "
+        "docs/serving.md.",
+    )
     stream_interval_ms: float = Field(
-        100.0, ge=0, description="A streamed request gets a chunk at most this often; the rounds' tokens in between go "
+        100.0,
+        ge=0,
+        description="A streamed request gets a chunk at most this often; the rounds' tokens in between go "
         "out together in the next one (the first and the last chunk are never held back). Every chunk crosses the "
         "engine replica, the ingress and Serve's proxy, a few ms of CPU each (docs/serving.md): fewer chunks leave "
-        "that CPU to the model. 0: a chunk every round.")
+        "that CPU to the model. 0: a chunk every round.",
+    )
     max_round_seconds: float = Field(
-        600.0, gt=0, description="An engine round running longer than this fails the replica's health check (a hung "
-        "worker actor answers nothing and raises nothing), so that Serve replaces the replica.")
+        600.0,
+        gt=0,
+        description="An engine round running longer than this fails the replica's health check (a hung "
+        "worker actor answers nothing and raises nothing), so that Serve replaces the replica.",
+    )
     placement: Literal["cpu", "gpu-per-worker", "shared-gpu"] = Field(
-        "cpu", description="Where an engine replica's target and drafter actors run (see module docstring).")
+        "cpu", description="Where an engine replica's target and drafter actors run (see module docstring)."
+    )
     engine_num_cpus: float = Field(0.5, gt=0, description="CPUs reserved for the engine replica (scheduler loop).")
     worker_num_cpus: float = Field(
-        0.75, gt=0, description="CPUs reserved for each worker actor. On placement 'cpu' the two share one bundle "
-        "of twice this, and each runs as many threads as the replica holds CPUs (they take turns).")
+        0.75,
+        gt=0,
+        description="CPUs reserved for each worker actor. On placement 'cpu' the two share one bundle "
+        "of twice this, and each runs as many threads as the replica holds CPUs (they take turns).",
+    )
     worker_torch_threads: PositiveInt | None = Field(
-        None, description="torch threads in each worker actor. None: what the placement gives it: on 'cpu' every "
+        None,
+        description="torch threads in each worker actor. None: what the placement gives it: on 'cpu' every "
         "CPU the replica holds (engine + workers, rounded down; the target and the drafter take turns on them), on "
-        "GPUs its own bundle's CPUs. Capped at the cores the actor's process may use.")
+        "GPUs its own bundle's CPUs. Capped at the cores the actor's process may use.",
+    )
     num_replicas: PositiveInt | None = Field(
-        None, description="Fixed number of engine replicas. Give this or `autoscaling_config`, not both.")
+        None, description="Fixed number of engine replicas. Give this or `autoscaling_config`, not both."
+    )
     autoscaling_config: dict[str, Any] | None = Field(
-        None, description="Ray Serve autoscaling of the engine replicas on ongoing requests, e.g. "
-        "{min_replicas: 1, max_replicas: 4, target_ongoing_requests: 16}.")
+        None,
+        description="Ray Serve autoscaling of the engine replicas on ongoing requests, e.g. "
+        "{min_replicas: 1, max_replicas: 4, target_ongoing_requests: 16}.",
+    )
     ingress: Literal["engine", "separate"] = Field(
-        "engine", description="Where the OpenAI API runs: 'engine', in each engine replica (one deployment: a "
+        "engine",
+        description="Where the OpenAI API runs: 'engine', in each engine replica (one deployment: a "
         "streamed chunk crosses one Ray hop, replica -> Serve's proxy); 'separate', an ingress deployment of its own "
-        "in front of the engine replicas (two hops per chunk; its replicas scale apart, num_ingress_replicas).")
+        "in front of the engine replicas (two hops per chunk; its replicas scale apart, num_ingress_replicas).",
+    )
     num_ingress_replicas: PositiveInt = Field(
-        1, description="Replicas of the HTTP ingress deployment (ingress 'separate' only).")
+        1, description="Replicas of the HTTP ingress deployment (ingress 'separate' only)."
+    )
     api_key: SecretStr | None = Field(
-        None, description="If set, every /v1 request needs `Authorization: Bearer <api_key>`.")
+        None, description="If set, every /v1 request needs `Authorization: Bearer <api_key>`."
+    )
 
     @field_validator("device")
     @classmethod
     def _check_device(cls, device: str | None) -> str | None:
         if device is not None and device not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r} (each worker actor sees only the GPU "
-                             f"Ray gave it, as cuda:0: there is no other index to choose)")
+            raise ValueError(
+                f"device must be 'cpu' or 'cuda', got {device!r} (each worker actor sees only the GPU "
+                f"Ray gave it, as cuda:0: there is no other index to choose)"
+            )
         return device
 
     @field_validator("dtype")
@@ -146,13 +208,15 @@ class AppArgs(BaseModel):
             # Serve's own model accepts unknown keys (a misspelled max_replicas would leave max_replicas at 1)
             unknown = sorted(set(config) - set(AutoscalingConfig.model_fields))
             if unknown:
-                raise ValueError(f"autoscaling_config: unknown key(s) {unknown}; Ray Serve's are "
-                                 f"{sorted(AutoscalingConfig.model_fields)}")
+                raise ValueError(
+                    f"autoscaling_config: unknown key(s) {unknown}; Ray Serve's are "
+                    f"{sorted(AutoscalingConfig.model_fields)}"
+                )
             AutoscalingConfig(**config)  # Serve's own validation, now rather than at deploy time
         return config
 
     @model_validator(mode="after")
-    def _check_consistency(self) -> "AppArgs":
+    def _check_consistency(self) -> AppArgs:
         if self.num_replicas is not None and self.autoscaling_config is not None:
             raise ValueError("give num_replicas or autoscaling_config, not both")
         if self.placement == "cpu" and self.device not in (None, "cpu"):
@@ -163,8 +227,10 @@ class AppArgs(BaseModel):
             raise ValueError(f"budget {self.budget} is above max_budget {self.max_budget}")
         if self.model is not None and self.drafter is None and self.speculation != "off":
             # (checked here, before placement groups are reserved: the actors would fail to start, and Serve retry)
-            raise ValueError(f"model {self.model!r} needs its own drafter (drafter: <DFlash checkpoint folder>), or "
-                             "speculation: off; the shipped drafter is for the embedded default model only")
+            raise ValueError(
+                f"model {self.model!r} needs its own drafter (drafter: <DFlash checkpoint folder>), or "
+                "speculation: off; the shipped drafter is for the embedded default model only"
+            )
         return self
 
     # ------------------------------------------------------------------------------------------------------------
@@ -203,25 +269,37 @@ class AppArgs(BaseModel):
 
         return self.max_num_seqs + self.max_waiting + MAX_PROMPTS_PER_REQUEST + 8
 
-    def worker_layout(self) -> "WorkerLayout":
+    def worker_layout(self) -> WorkerLayout:
         cpu = self.worker_num_cpus
         engine_bundle = {"CPU": self.engine_num_cpus}
         if self.placement == "cpu":
             # one bundle for both workers: they take turns on its cores (without a drafter the target takes it all)
             share = cpu if self.needs_drafter else 2 * cpu
-            return WorkerLayout([engine_bundle, {"CPU": 2 * cpu}], "STRICT_PACK", target=ActorPlace(1, 0.0, share),
-                                drafter=ActorPlace(1, 0.0, share) if self.needs_drafter else None)
+            return WorkerLayout(
+                [engine_bundle, {"CPU": 2 * cpu}],
+                "STRICT_PACK",
+                target=ActorPlace(1, 0.0, share),
+                drafter=ActorPlace(1, 0.0, share) if self.needs_drafter else None,
+            )
         if self.placement == "gpu-per-worker":
             bundles = [engine_bundle, {"CPU": cpu, "GPU": 1.0}]
             if self.needs_drafter:
                 bundles.append({"CPU": cpu, "GPU": 1.0})
-            return WorkerLayout(bundles, "STRICT_PACK", target=ActorPlace(1, 1.0, cpu),
-                                drafter=ActorPlace(2, 1.0, cpu) if self.needs_drafter else None)
+            return WorkerLayout(
+                bundles,
+                "STRICT_PACK",
+                target=ActorPlace(1, 1.0, cpu),
+                drafter=ActorPlace(2, 1.0, cpu) if self.needs_drafter else None,
+            )
         # shared-gpu: one bundle, one GPU, both actors in it with half of it each
         share = 0.5 if self.needs_drafter else 1.0
         bundles = [engine_bundle, {"CPU": cpu * (2 if self.needs_drafter else 1), "GPU": 1.0}]
-        return WorkerLayout(bundles, "STRICT_PACK", target=ActorPlace(1, share, cpu),
-                            drafter=ActorPlace(1, share, cpu) if self.needs_drafter else None)
+        return WorkerLayout(
+            bundles,
+            "STRICT_PACK",
+            target=ActorPlace(1, share, cpu),
+            drafter=ActorPlace(1, share, cpu) if self.needs_drafter else None,
+        )
 
     @property
     def workers_overlap(self) -> bool:
@@ -269,9 +347,18 @@ class WorkerSpec:
     workers_overlap: bool = False  # the two workers have cores or devices of their own
 
     @classmethod
-    def from_args(cls, args: AppArgs) -> "WorkerSpec":
-        return cls(args.model, args.drafter, args.worker_device, args.dtype, args.max_num_seqs,
-                   args.kv_cache_bytes, args.attention, args.worker_threads, args.workers_overlap)
+    def from_args(cls, args: AppArgs) -> WorkerSpec:
+        return cls(
+            args.model,
+            args.drafter,
+            args.worker_device,
+            args.dtype,
+            args.max_num_seqs,
+            args.kv_cache_bytes,
+            args.attention,
+            args.worker_threads,
+            args.workers_overlap,
+        )
 
 
 class IngressSettings(BaseModel):
@@ -286,12 +373,15 @@ class IngressSettings(BaseModel):
     default_max_tokens: PositiveInt | None = None
 
     @classmethod
-    def of(cls, args: AppArgs, user_config: dict | None = None) -> "IngressSettings":
+    def of(cls, args: AppArgs, user_config: dict | None = None) -> IngressSettings:
         """The args' values, overridden by the keys `user_config` names (an unknown key or a bad value: an error)."""
         if user_config is not None and not isinstance(user_config, dict):
             raise ValueError(f"the OpenAIIngress user_config must be a mapping, got {type(user_config).__name__}")
-        base = {"served_model_name": args.served_model_name, "api_key": args.api_key,
-                "default_max_tokens": args.default_max_tokens}
+        base = {
+            "served_model_name": args.served_model_name,
+            "api_key": args.api_key,
+            "default_max_tokens": args.default_max_tokens,
+        }
         return cls.model_validate({**base, **(user_config or {})})
 
     def user_config(self) -> dict:

@@ -167,11 +167,10 @@ class EngineLoop:
             if not finished and not rejected:
                 self._inbox.put(_Abort(request_id, add.outputs))
 
-    async def generate(self, prompt: object, params: SamplingParams,
-                       request_id: str | None = None) -> RequestOutput:
+    async def generate(self, prompt: object, params: SamplingParams, request_id: str | None = None) -> RequestOutput:
         final = None
-        async for final in self.stream(prompt, params, request_id):
-            pass
+        async for output in self.stream(prompt, params, request_id):
+            final = output
         return final
 
     async def call(self, fn: Callable):
@@ -196,8 +195,7 @@ class EngineLoop:
         try:
             self._serve()
         except BaseException as exc:  # noqa: BLE001 - every waiting caller must hear of it
-            logger.exception("engine loop failed: failing %d requests and stopping the loop",
-                             len(self.engine.requests))
+            logger.exception("engine loop failed: failing %d requests and stopping the loop", len(self.engine.requests))
             if self.error is None:
                 self.error = exc
             dead = EngineDeadError(f"the engine failed: {type(exc).__name__}: {exc}")
@@ -217,7 +215,8 @@ class EngineLoop:
                 self._busy_since = None
                 try:
                     item = self._inbox.get(
-                        timeout=self.idle_every_s if self.on_idle is not None or is_target_lost else None)
+                        timeout=self.idle_every_s if self.on_idle is not None or is_target_lost else None
+                    )
                 except queue.Empty:
                     self._call_back(self.on_idle)
                     if not is_target_lost:

@@ -17,8 +17,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 from deployments.config import AppArgs, WorkerSpec, parse_args
 from deployments.engine_request import EngineRequest
-from deployments.errors import (APIError, bad_request, engine_unavailable, internal_error, prompt_too_long,
-                                queue_full, queue_timeout)
+from deployments.errors import (
+    APIError,
+    bad_request,
+    engine_unavailable,
+    internal_error,
+    prompt_too_long,
+    queue_full,
+    queue_timeout,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -36,8 +43,9 @@ class DDTreeEngine:
         config = self.args.engine_config()
         target = self.actors.target_proxy
         self.engine = Engine(config, target, self.actors.drafter_proxy, target.tokenizer)
-        self.metrics = EngineMetrics(self.engine, self.actors.hops,
-                                     kv_cache_stats=lambda: self.actors.target_proxy.kv_cache_stats())
+        self.metrics = EngineMetrics(
+            self.engine, self.actors.hops, kv_cache_stats=lambda: self.actors.target_proxy.kv_cache_stats()
+        )
         # Prompts are tokenized (chat templates rendered) here, off the loop thread, by a tokenizer of their own
         # (the loop's detokenizes at the same time): a long prompt delays itself, not every running request's
         # next round (the Rust tokenizer releases the GIL while it encodes). One thread: prompts in arrival order.
@@ -61,27 +69,33 @@ class DDTreeEngine:
         if request.prompt is not None and not isinstance(request.prompt, str):
             token_ids = request.prompt  # the engine checks them
         else:
-            texts = [request.prompt] if request.messages is None else [
-                m.get("content") for m in request.messages if isinstance(m, dict)]
+            texts = (
+                [request.prompt]
+                if request.messages is None
+                else [m.get("content") for m in request.messages if isinstance(m, dict)]
+            )
             texts = [t for t in texts if isinstance(t, str)]  # (the template refuses other messages, below)
             num_chars = sum(len(t) for t in texts)
             for text in texts:
                 try:
                     text.encode("utf-8")
                 except UnicodeEncodeError as exc:  # a lone UTF-16 surrogate: JSON's "\ud800" parses into one
-                    raise ValueError(f"the prompt is not valid Unicode text: {exc.reason} at character "
-                                     f"{exc.start}") from None
+                    raise ValueError(
+                        f"the prompt is not valid Unicode text: {exc.reason} at character {exc.start}"
+                    ) from None
             if num_chars > self._max_prompt_chars:
                 raise PromptTooLongError(
                     f"the prompt has {num_chars} characters: more tokens than the context window "
-                    f"({self.engine.max_model_len}) holds")
+                    f"({self.engine.max_model_len}) holds"
+                )
             token_ids = await asyncio.get_running_loop().run_in_executor(self._prompt_pool, self._encode, request)
         params = request.params
         if request.strict_max_tokens and len(token_ids) + params.max_tokens > self.engine.max_model_len:
             raise PromptTooLongError(
                 f"this model's context window is {self.engine.max_model_len} tokens; the request asks for "
                 f"{len(token_ids) + params.max_tokens} ({len(token_ids)} in the prompt, {params.max_tokens} to "
-                f"generate): lower max_tokens or shorten the prompt")
+                f"generate): lower max_tokens or shorten the prompt"
+            )
         return token_ids
 
     def _encode(self, request: EngineRequest) -> list[int]:
@@ -108,11 +122,14 @@ class DDTreeEngine:
         are answers, not failures of the replica (Serve would log a traceback for each)."""
         try:
             prompt_token_ids = await self._prompt_token_ids(request)
-            async for output in self.loop.stream(prompt_token_ids, request.params, request.request_id,
-                                                 interval_s=self.args.stream_interval_ms / 1000):
+            async for output in self.loop.stream(
+                prompt_token_ids, request.params, request.request_id, interval_s=self.args.stream_interval_ms / 1000
+            ):
                 if output.finish_reason == "queue_timeout":  # (its only output: it was never admitted)
-                    yield queue_timeout(f"the request waited {self.args.max_queue_seconds:g} s (max_queue_seconds) "
-                                        f"without a seat in the engine; retry later")
+                    yield queue_timeout(
+                        f"the request waited {self.args.max_queue_seconds:g} s (max_queue_seconds) "
+                        f"without a seat in the engine; retry later"
+                    )
                     return
                 yield output if output.finished else output.increment()
         except Exception as exc:  # noqa: BLE001 - sorted into client errors and engine failures below
@@ -124,6 +141,7 @@ class DDTreeEngine:
 
     async def info(self) -> dict:
         """Engine settings and cumulative timings (with the actor hop overhead), read between rounds."""
+
         def read(engine) -> dict:
             return {
                 "speculation": engine.config.speculation,
@@ -147,8 +165,10 @@ class DDTreeEngine:
                 "num_target_losses": engine.num_target_losses,
                 "num_target_restarts": self.actors.num_target_restarts,
                 "pid": os.getpid(),  # the replica's process
-                "worker_pids": {"target": self.actors.target_proxy.pid,
-                                "drafter": getattr(self.actors.drafter_proxy, "pid", None)},
+                "worker_pids": {
+                    "target": self.actors.target_proxy.pid,
+                    "drafter": getattr(self.actors.drafter_proxy, "pid", None),
+                },
                 # the closed loop's measurements per batch-size bucket (auto budget; None otherwise)
                 "guard": engine.guard.describe() if engine.guard is not None else None,
             }
@@ -191,8 +211,10 @@ class DDTreeEngine:
         if not self.loop.is_alive:  # (its requests have failed already; abandoning again refuses new ones too)
             problem = f"the engine loop stopped: {self.loop.error!r}"
         elif self.loop.seconds_in_round > self.args.max_round_seconds:
-            problem = (f"an engine round has run for {self.loop.seconds_in_round:.0f} s (max_round_seconds "
-                       f"{self.args.max_round_seconds:g}): a worker is hung")
+            problem = (
+                f"an engine round has run for {self.loop.seconds_in_round:.0f} s (max_round_seconds "
+                f"{self.args.max_round_seconds:g}): a worker is hung"
+            )
         else:
             problem = self._workers_restart_error
         if problem is not None:
@@ -243,8 +265,9 @@ class DDTreeEngine:
         except Exception as exc:  # noqa: BLE001 - as a failed start
             self._give_up_on_target(f"the target actor died and a new one could not be attached: {exc!r}")
             return
-        logger.warning("a new target actor serves (started in %.1f s); its requests are prefilled again",
-                       time.monotonic() - t0)
+        logger.warning(
+            "a new target actor serves (started in %.1f s); its requests are prefilled again", time.monotonic() - t0
+        )
 
     async def _recover_drafter(self) -> None:
         """Start a new drafter actor when the engine lost its drafter, or the drafter actor died unnoticed (no
@@ -326,8 +349,9 @@ def chat_prompt_token_ids(tokenizer, messages: list[dict]) -> list[int]:
     from jinja2 import TemplateError
 
     try:
-        return list(tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
-                                                  return_dict=False))
+        return list(
+            tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
     except TemplateError as exc:  # e.g. a template that refuses system messages or roles that do not alternate
         raise ValueError(f"the model's chat template refused these messages: {exc}") from exc
 

@@ -9,8 +9,15 @@ class APIError(Exception):
     """An error the client should see as it is. Raised by the engine replica and the ingress alike; it crosses Ray's
     process boundary intact (see __reduce__)."""
 
-    def __init__(self, status: int, message: str, type: str, param: str | None = None, code: str | None = None,
-                 retry_after: int | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: int | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -46,8 +53,13 @@ def unauthorized(message: str) -> APIError:
 
 
 def model_not_found(model: str, served: str) -> APIError:
-    return APIError(404, f"The model {model!r} does not exist; this server serves {served!r}.",
-                    "invalid_request_error", "model", "model_not_found")
+    return APIError(
+        404,
+        f"The model {model!r} does not exist; this server serves {served!r}.",
+        "invalid_request_error",
+        "model",
+        "model_not_found",
+    )
 
 
 def queue_full(message: str) -> APIError:

@@ -4,8 +4,9 @@
     python -m deployments.handle_example --connect    # calls an app already running (`serve run ray_config.yaml`)
 
 `serve.get_app_handle(name)` returns the ingress deployment's handle; its `generate` answers the final
-`ddtree.outputs.RequestOutput` (text, token_ids, finish_reason, stats with the acceptance lengths) and `generate_stream`,
-called through `handle.options(stream=True)`, yields the incremental outputs (`new_text`, `new_token_ids`).
+`ddtree.outputs.RequestOutput` (text, token_ids, finish_reason, stats with the acceptance lengths) and
+`generate_stream`, called through `handle.options(stream=True)`, yields the incremental outputs (`new_text`,
+`new_token_ids`).
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ def run_example(app_name: str = "ddtree", max_tokens: int = 32) -> list:
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
 
     final = handle.generate.remote("The capital of France is", params).result()
-    print(f"generate: {final.text!r} ({final.finish_reason}, mean acceptance length "
-          f"{final.stats.mean_acceptance_length})")
+    print(
+        f"generate: {final.text!r} ({final.finish_reason}, mean acceptance length {final.stats.mean_acceptance_length})"
+    )
 
     streamed = []
     print("generate_stream: ", end="", flush=True)

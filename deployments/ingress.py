@@ -27,8 +27,17 @@ from ddtree.sampling_params import SamplingParams
 from deployments import protocol
 from deployments.config import AppArgs, IngressSettings, parse_args
 from deployments.engine_request import EngineRequest
-from deployments.errors import (APIError, bad_request, body_too_large, engine_not_ready, internal_error,
-                                model_not_found, not_found, unauthorized, unwrap)
+from deployments.errors import (
+    APIError,
+    bad_request,
+    body_too_large,
+    engine_not_ready,
+    internal_error,
+    model_not_found,
+    not_found,
+    unauthorized,
+    unwrap,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +51,13 @@ HEALTH_TIMEOUT_S = 5.0
 
 # The OpenAPI document and its /docs page are routes of the ingress (`openapi_document`), which knows the name it
 # serves; FastAPI's own would publish the request bodies as unknown (the routes read them themselves).
-api = FastAPI(title="DDTree Serve", description="OpenAI-compatible API with DDTree speculative decoding",
-              openapi_url=None, docs_url=None, redoc_url=None)
+api = FastAPI(
+    title="DDTree Serve",
+    description="OpenAI-compatible API with DDTree speculative decoding",
+    openapi_url=None,
+    docs_url=None,
+    redoc_url=None,
+)
 
 
 def openapi_document(app: FastAPI, served_model_name: str | None) -> dict:
@@ -54,15 +68,19 @@ def openapi_document(app: FastAPI, served_model_name: str | None) -> dict:
 
     routes = [r for r in app.routes if getattr(r, "include_in_schema", True)]
     schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=routes)
-    for path, model in (("/v1/completions", protocol.CompletionRequest),
-                        ("/v1/chat/completions", protocol.ChatCompletionRequest)):
-        schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {"application/json": {
-            "schema": protocol.request_body_schema(model, served_model_name)}}}
+    for path, model in (
+        ("/v1/completions", protocol.CompletionRequest),
+        ("/v1/chat/completions", protocol.ChatCompletionRequest),
+    ):
+        schema["paths"][path]["post"]["requestBody"] = {
+            "required": True,
+            "content": {"application/json": {"schema": protocol.request_body_schema(model, served_model_name)}},
+        }
     return schema
 
 
-# The binary option (the project's design notes, "Wire formats"): a request body in msgpack with this Content-Type, and a
-# non-streamed answer (errors included) in msgpack when the Accept header names it; JSON otherwise.
+# The binary option (the project's design notes, "Wire formats"): a request body in msgpack with this Content-Type, and
+# a non-streamed answer (errors included) in msgpack when the Accept header names it; JSON otherwise.
 MSGPACK_MEDIA_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
 
 
@@ -118,6 +136,7 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 
 # Helpers come before the class: serve.ingress pickles the routes (with the globals they see) when it decorates.
 
+
 def _python_request(prompt, params, messages) -> EngineRequest:
     try:
         return EngineRequest(prompt=prompt, messages=messages, params=params, request_id=protocol.new_id("py"))
@@ -135,8 +154,9 @@ async def _engine_call(awaitable):
     except Exception as exc:  # noqa: BLE001 - every failure must reach the client in the API's shape
         cause = unwrap(exc)
         if isinstance(cause, APIError):
-            raise APIError(cause.status, cause.message, cause.type, cause.param, cause.code,
-                           cause.retry_after) from None
+            raise APIError(
+                cause.status, cause.message, cause.type, cause.param, cause.code, cause.retry_after
+            ) from None
         if isinstance(exc, RequestCancelledError) or isinstance(cause, RequestCancelledError):
             raise  # the client went away (Serve cancels its request): nothing failed, no one to answer
         logger.exception("engine call failed")
@@ -261,10 +281,15 @@ class OpenAIIngress:
         params = body.sampling_params(COMPLETIONS_DEFAULT_MAX_TOKENS)
         response_id = protocol.new_id("cmpl")
         # A batch of prompts: one engine request each (choice i answers prompt i)
-        engine_requests = [EngineRequest(prompt=prompt, params=params,
-                                         request_id=response_id if len(body.prompt) == 1 else f"{response_id}-{i}",
-                                         strict_max_tokens=body.gives_max_tokens)
-                           for i, prompt in enumerate(body.prompt)]
+        engine_requests = [
+            EngineRequest(
+                prompt=prompt,
+                params=params,
+                request_id=response_id if len(body.prompt) == 1 else f"{response_id}-{i}",
+                strict_max_tokens=body.gives_max_tokens,
+            )
+            for i, prompt in enumerate(body.prompt)
+        ]
         return await self._respond(request, body, response_id, engine_requests, chat=False)
 
     @api.post("/v1/chat/completions")
@@ -273,10 +298,12 @@ class OpenAIIngress:
         body = protocol.parse_request(protocol.ChatCompletionRequest, await _body(request))
         self._check_model(body.model)
         response_id = protocol.new_id("chatcmpl")
-        engine_request = EngineRequest(messages=body.template_messages(),
-                                       params=body.sampling_params(self.default_max_tokens
-                                                                   or UNLIMITED_MAX_TOKENS),
-                                       request_id=response_id, strict_max_tokens=body.gives_max_tokens)
+        engine_request = EngineRequest(
+            messages=body.template_messages(),
+            params=body.sampling_params(self.default_max_tokens or UNLIMITED_MAX_TOKENS),
+            request_id=response_id,
+            strict_max_tokens=body.gives_max_tokens,
+        )
         return await self._respond(request, body, response_id, [engine_request], chat=True)
 
     def _authorize(self, request: Request) -> None:
@@ -285,15 +312,17 @@ class OpenAIIngress:
         header = request.headers.get("authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self._api_key):
-            raise unauthorized("Incorrect API key provided." if header else
-                               "Missing API key: send 'Authorization: Bearer <key>'.")
+            raise unauthorized(
+                "Incorrect API key provided." if header else "Missing API key: send 'Authorization: Bearer <key>'."
+            )
 
     def _check_model(self, model: str) -> None:
         if model != self.model_name:
             raise model_not_found(model, self.model_name)
 
-    async def _respond(self, request: Request, body, response_id: str, engine_requests: list[EngineRequest],
-                       chat: bool):
+    async def _respond(
+        self, request: Request, body, response_id: str, engine_requests: list[EngineRequest], chat: bool
+    ):
         """The answer to one API request: its engine requests (one per prompt) run concurrently; if one is refused,
         the others are cancelled and the refusal is the answer."""
         if not body.stream:
@@ -306,10 +335,18 @@ class OpenAIIngress:
             usage = protocol.usage_of(finals, self.args.speculation)
             if chat:
                 (final,) = finals
-                return _answer(request, protocol.chat_body(response_id, self.model_name, final.text,
-                                                           final.finish_reason, usage, final.logprobs))
-            return _answer(request, protocol.completion_body(
-                response_id, self.model_name, [(f.text, f.finish_reason, f.logprobs) for f in finals], usage))
+                return _answer(
+                    request,
+                    protocol.chat_body(
+                        response_id, self.model_name, final.text, final.finish_reason, usage, final.logprobs
+                    ),
+                )
+            return _answer(
+                request,
+                protocol.completion_body(
+                    response_id, self.model_name, [(f.text, f.finish_reason, f.logprobs) for f in finals], usage
+                ),
+            )
         streams = [self.engine.options(stream=True).generate_stream.remote(r) for r in engine_requests]
         # The first outputs (or an admission error: bad prompt, too long, queue full) before any byte is sent, so
         # that errors keep their HTTP status.
@@ -321,8 +358,9 @@ class OpenAIIngress:
         events = self._sse(firsts, streams, body, response_id, chat)
         # `_sse` cancels in its `finally`; a client gone before the body starts never starts `_sse`, and closing an
         # unstarted generator runs no `finally`: Starlette's background task runs after the response either way.
-        return StreamingResponse(events, media_type="text/event-stream",
-                                 background=BackgroundTask(_cancel_all, streams))
+        return StreamingResponse(
+            events, media_type="text/event-stream", background=BackgroundTask(_cancel_all, streams)
+        )
 
     async def _sse(self, firsts: list, streams: list, body, response_id: str, chat: bool) -> AsyncIterator[str]:
         """Server-sent events of one or more engine streams (a batch of prompts: each chunk names its choice's
@@ -335,10 +373,16 @@ class OpenAIIngress:
         def chunk(index: int, text: str, finish_reason: str | None) -> dict:
             lp = logprobs[index].take() if logprobs[index] is not None else None
             if chat:
-                return protocol.chat_chunk(response_id, model, created, {"content": text} if text or not finish_reason
-                                           else {}, finish_reason, include_usage, lp)
-            return protocol.completion_chunk(response_id, model, created, text, finish_reason, include_usage, lp,
-                                             index)
+                return protocol.chat_chunk(
+                    response_id,
+                    model,
+                    created,
+                    {"content": text} if text or not finish_reason else {},
+                    finish_reason,
+                    include_usage,
+                    lp,
+                )
+            return protocol.completion_chunk(response_id, model, created, text, finish_reason, include_usage, lp, index)
 
         arrived: asyncio.Queue = asyncio.Queue()
 
@@ -355,13 +399,15 @@ class OpenAIIngress:
             except Exception as exc:  # noqa: BLE001 - raised where the events are written
                 await arrived.put((index, None, exc))
 
-        tasks = [asyncio.create_task(forward(i, first, stream)) for i, (first, stream) in enumerate(zip(firsts,
-                                                                                                     streams))]
+        tasks = [
+            asyncio.create_task(forward(i, first, stream)) for i, (first, stream) in enumerate(zip(firsts, streams))
+        ]
         finals = [None] * len(streams)
         try:
             if chat:
-                role = protocol.chat_chunk(response_id, model, created, {"role": "assistant", "content": ""}, None,
-                                           include_usage)
+                role = protocol.chat_chunk(
+                    response_id, model, created, {"role": "assistant", "content": ""}, None, include_usage
+                )
                 yield _event(role)
             num_open = len(streams)
             while num_open:
@@ -377,8 +423,11 @@ class OpenAIIngress:
                     num_open -= 1
             if include_usage:
                 usage = protocol.usage_of(finals, self.args.speculation)
-                yield _event(protocol.usage_chunk(response_id, model, created,
-                                                  "chat.completion.chunk" if chat else "text_completion", usage))
+                yield _event(
+                    protocol.usage_chunk(
+                        response_id, model, created, "chat.completion.chunk" if chat else "text_completion", usage
+                    )
+                )
             yield "data: [DONE]\n\n"
         except APIError as exc:  # after the headers went out: the error travels as an event, then the stream's end
             yield _event(exc.body())
@@ -395,14 +444,24 @@ class OpenAIIngress:
         """The engine replica's settings and cumulative timings (`DDTreeEngine.info`), from one replica."""
         return await _engine_call(self.engine.info.remote())
 
-    async def generate(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None, *,
-                       messages: list[dict] | None = None):
+    async def generate(
+        self,
+        prompt: str | list[int] | None = None,
+        params: SamplingParams | None = None,
+        *,
+        messages: list[dict] | None = None,
+    ):
         """The finished `ddtree.RequestOutput` for a prompt (text or token ids) or chat `messages`."""
         request = _python_request(prompt, params, messages)
         return await _engine_call(self.engine.generate.remote(request))
 
-    async def generate_stream(self, prompt: str | list[int] | None = None, params: SamplingParams | None = None, *,
-                              messages: list[dict] | None = None) -> AsyncIterator:
+    async def generate_stream(
+        self,
+        prompt: str | list[int] | None = None,
+        params: SamplingParams | None = None,
+        *,
+        messages: list[dict] | None = None,
+    ) -> AsyncIterator:
         """Incremental `RequestOutput`s (`new_text`, `new_token_ids`); call with `handle.options(stream=True)`."""
         request = _python_request(prompt, params, messages)
         outputs = self.engine.options(stream=True).generate_stream.remote(request)

@@ -57,19 +57,23 @@ class EngineMetrics:
         self.kv_every_s = kv_every_s
         self.tokens = Counter("ddtree_generated_tokens_total", "Output tokens emitted.")
         self.tokens_per_second = Gauge("ddtree_output_tokens_per_second", "Output tokens/s over a sliding window.")
-        self.tau = Histogram("ddtree_acceptance_length", "Accepted length per speculative request-round.",
-                             boundaries=_TAU_BOUNDARIES)
-        self.budget = Histogram("ddtree_round_budget", "Draft nodes verified per speculative request-round.",
-                                boundaries=_BUDGET_BOUNDARIES)
+        self.tau = Histogram(
+            "ddtree_acceptance_length", "Accepted length per speculative request-round.", boundaries=_TAU_BOUNDARIES
+        )
+        self.budget = Histogram(
+            "ddtree_round_budget", "Draft nodes verified per speculative request-round.", boundaries=_BUDGET_BOUNDARIES
+        )
         self.speculative = Gauge("ddtree_speculative_requests", "Requests that drafted in the last round.")
         self.fallback = Gauge("ddtree_autoregressive_requests", "Requests decoding without a draft (fallback).")
-        self.ngram_tokens = Counter("ddtree_ngram_tokens_total",
-                                    "Tokens accepted from n-gram chains of requests in fallback (no draft).")
+        self.ngram_tokens = Counter(
+            "ddtree_ngram_tokens_total", "Tokens accepted from n-gram chains of requests in fallback (no draft)."
+        )
         self.running = Gauge("ddtree_running_requests", "Requests being decoded.")
         self.queue_depth = Gauge("ddtree_queue_depth", "Requests waiting for admission.")
         self.kv_bytes = Gauge("ddtree_kv_cache_bytes_used", "Target KV cache bytes in use.")
-        self.round_seconds = Histogram("ddtree_round_seconds", "Wall time of one engine round.",
-                                       boundaries=_ROUND_BOUNDARIES)
+        self.round_seconds = Histogram(
+            "ddtree_round_seconds", "Wall time of one engine round.", boundaries=_ROUND_BOUNDARIES
+        )
         self.pipelined = Gauge("ddtree_pipelined", "1 when the last round ran two request groups in flight.")
         self.stage_seconds = Counter("ddtree_stage_seconds_total", "Seconds per round stage.", tag_keys=("stage",))
         self.hop_seconds = Counter("ddtree_actor_hop_seconds_total", "Actor call overhead (overlaps stages).")
@@ -162,7 +166,10 @@ class EngineMetrics:
         if other > 0 and not delta["num_pipelined_phases"]:
             self.stage_seconds.inc(other, tags={"stage": "other"})
 
-        if (self.kv_cache_stats is not None and self.engine.target_lost is None
-                and now - self._last_kv_time >= self.kv_every_s):
+        if (
+            self.kv_cache_stats is not None
+            and self.engine.target_lost is None
+            and now - self._last_kv_time >= self.kv_every_s
+        ):
             self._last_kv_time = now
             self.kv_bytes.set(self.kv_cache_stats()["bytes_used"])

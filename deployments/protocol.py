@@ -19,8 +19,16 @@ import uuid
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, ValidationError, field_validator,
-                      model_validator)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from ddtree.sampling_params import MAX_LOGPROBS, SamplingParams
 from deployments.errors import APIError, bad_request
@@ -29,8 +37,15 @@ MAX_STOP_SEQUENCES = 16
 # Fields accepted at these values only (the neutral ones; anything else is a 400, never silently ignored). The
 # validators check them, and the published schema (`request_body_schema`) gives them as enums.
 NEUTRAL_VALUES: dict[str, tuple] = {
-    "n": (1,), "frequency_penalty": (0,), "presence_penalty": (0,), "repetition_penalty": (1,), "min_tokens": (0,),
-    "skip_special_tokens": (True,), "include_stop_str_in_output": (False,), "echo": (False,), "suffix": (None,),
+    "n": (1,),
+    "frequency_penalty": (0,),
+    "presence_penalty": (0,),
+    "repetition_penalty": (1,),
+    "min_tokens": (0,),
+    "skip_special_tokens": (True,),
+    "include_stop_str_in_output": (False,),
+    "echo": (False,),
+    "suffix": (None,),
     "best_of": (None, 1),
 }
 # What a client may send that does not change the answer; accepted and ignored.
@@ -70,8 +85,9 @@ class _GenerationRequest(BaseModel):
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
     # Extensions:
-    top_k: StrictInt = Field(0, ge=-1, description="Sample among the k most likely tokens only (0 or -1, vLLM's "
-                             "spelling: off).")
+    top_k: StrictInt = Field(
+        0, ge=-1, description="Sample among the k most likely tokens only (0 or -1, vLLM's spelling: off)."
+    )
     ignore_eos: StrictBool = Field(False, description="Keep generating past the end-of-sequence token.")
     stop_token_ids: list[StrictInt] | None = Field(None, description="Token ids that end the generation.")
     # Ignored metadata:
@@ -111,12 +127,19 @@ class _GenerationRequest(BaseModel):
         _require_neutral(not any((self.logit_bias or {}).values()), "logit_bias", "logit_bias is not supported")
         _require_neutral(neutral["repetition_penalty"], "repetition_penalty", "repetition_penalty is not supported")
         _require_neutral(neutral["min_tokens"], "min_tokens", "min_tokens is not supported")
-        _require_neutral(neutral["skip_special_tokens"], "skip_special_tokens",
-                         "special tokens are always skipped in the text")
-        _require_neutral(neutral["include_stop_str_in_output"], "include_stop_str_in_output",
-                         "the stop string is never included in the output")
-        _require_neutral(self.stream or self.stream_options is None, "stream_options",
-                         "stream_options is only allowed with stream=true")
+        _require_neutral(
+            neutral["skip_special_tokens"], "skip_special_tokens", "special tokens are always skipped in the text"
+        )
+        _require_neutral(
+            neutral["include_stop_str_in_output"],
+            "include_stop_str_in_output",
+            "the stop string is never included in the output",
+        )
+        _require_neutral(
+            self.stream or self.stream_options is None,
+            "stream_options",
+            "stream_options is only allowed with stream=true",
+        )
         return self
 
     @property
@@ -242,12 +265,18 @@ class ChatCompletionRequest(_GenerationRequest):
     def _check_chat_unsupported(self):
         _require_neutral(not self.tools, "tools", "tools are not supported")
         _require_neutral(self.tool_choice in (None, "none"), "tool_choice", "tool_choice is not supported")
-        _require_neutral(self.response_format in (None, {"type": "text"}), "response_format",
-                         "only response_format {'type': 'text'} is supported")
+        _require_neutral(
+            self.response_format in (None, {"type": "text"}),
+            "response_format",
+            "only response_format {'type': 'text'} is supported",
+        )
         if self.top_logprobs and not self.logprobs:
             raise _ParamError("top_logprobs", "top_logprobs needs logprobs=true")
-        if self.max_tokens is not None and self.max_completion_tokens is not None \
-                and self.max_tokens != self.max_completion_tokens:
+        if (
+            self.max_tokens is not None
+            and self.max_completion_tokens is not None
+            and self.max_tokens != self.max_completion_tokens
+        ):
             raise _ParamError("max_completion_tokens", "max_tokens and max_completion_tokens disagree; give one")
         return self
 
@@ -309,8 +338,9 @@ def validation_error(exc: ValidationError) -> APIError:
     # A value no member of a union takes fails once per member: the member that got furthest into the value says
     # what is wrong (a content part of another type, not "should be a valid string").
     first_path = _param_path(errors[0])
-    first = max((e for e in errors if _param_path(e)[: len(first_path)] == first_path),
-                key=lambda e: len(_param_path(e)))
+    first = max(
+        (e for e in errors if _param_path(e)[: len(first_path)] == first_path), key=lambda e: len(_param_path(e))
+    )
     param = ".".join(str(p) for p in _param_path(first)) or None
     cause = (first.get("ctx") or {}).get("error")
     if isinstance(cause, _ParamError):
@@ -320,8 +350,7 @@ def validation_error(exc: ValidationError) -> APIError:
         return bad_request(f"Unrecognized request argument: {param}", param, "unrecognized_parameter")
     if first.get("type") == "missing":
         return bad_request(f"Missing required parameter: {param}", param, "missing_parameter")
-    return bad_request(f"Invalid value for {param}: {message.removeprefix('Value error, ')}", param,
-                       "invalid_value")
+    return bad_request(f"Invalid value for {param}: {message.removeprefix('Value error, ')}", param, "invalid_value")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -366,8 +395,10 @@ def usage_of(final_outputs: list, speculation: str) -> UsageInfo:
             "acceptance_lengths": lengths,
             "mean_acceptance_length": sum(lengths) / len(lengths) if lengths else None,
             "budgets": [b for s in stats for b in s["budgets"]],
-            **{key: sum(s[key] for s in stats)
-               for key in ("num_speculative_rounds", "num_autoregressive_rounds", "num_ngram_tokens")},
+            **{
+                key: sum(s[key] for s in stats)
+                for key in ("num_speculative_rounds", "num_autoregressive_rounds", "num_ngram_tokens")
+            },
             "time_to_first_token_s": min(first_times) if first_times else None,
             "latency_s": max(latencies) if latencies else None,
         }
@@ -423,9 +454,11 @@ def completion_logprobs(token_logprobs: list | None, offsets: TextOffsets | None
         "tokens": [lp.text for lp in token_logprobs],
         "token_logprobs": [lp.logprob for lp in token_logprobs],
         # the k most likely, and the generated token (OpenAI: up to logprobs + 1 entries)
-        "top_logprobs": [{text: value for _, text, value in lp.top} | ({} if any(t == lp.token_id for t, _, _ in lp.top)
-                                                                       else {lp.text: lp.logprob})
-                         for lp in token_logprobs],
+        "top_logprobs": [
+            {text: value for _, text, value in lp.top}
+            | ({} if any(t == lp.token_id for t, _, _ in lp.top) else {lp.text: lp.logprob})
+            for lp in token_logprobs
+        ],
         "text_offset": offsets,
     }
 
@@ -442,8 +475,9 @@ def chat_logprobs(token_logprobs: list | None) -> dict | None:
         raws = lp.top_bytes if lp.top_bytes is not None else [t.encode() for _, t, _ in lp.top]
         return [entry(t, v, raw) for (_, t, v), raw in zip(lp.top, raws)]
 
-    return {"content": [{**entry(lp.text, lp.logprob, _token_bytes(lp)), "top_logprobs": top(lp)}
-                        for lp in token_logprobs]}
+    return {
+        "content": [{**entry(lp.text, lp.logprob, _token_bytes(lp)), "top_logprobs": top(lp)} for lp in token_logprobs]
+    }
 
 
 class StreamLogprobs:
@@ -466,58 +500,89 @@ class StreamLogprobs:
         return completion_logprobs(taken, self.offsets)
 
 
-def completion_body(request_id: str, model: str, choices: list[tuple[str, str | None, list | None]],
-                    usage: UsageInfo) -> dict:
+def completion_body(
+    request_id: str, model: str, choices: list[tuple[str, str | None, list | None]], usage: UsageInfo
+) -> dict:
     """`choices`: per prompt of the request, in order, (text, finish reason, log-probabilities or None)."""
     return {
         "id": request_id,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": i, "text": text, "finish_reason": openai_finish_reason(finish_reason),
-                     "logprobs": completion_logprobs(logprobs)}
-                    for i, (text, finish_reason, logprobs) in enumerate(choices)],
+        "choices": [
+            {
+                "index": i,
+                "text": text,
+                "finish_reason": openai_finish_reason(finish_reason),
+                "logprobs": completion_logprobs(logprobs),
+            }
+            for i, (text, finish_reason, logprobs) in enumerate(choices)
+        ],
         "usage": usage.body(),
     }
 
 
-def chat_body(request_id: str, model: str, text: str, finish_reason: str | None, usage: UsageInfo,
-              logprobs: list | None = None) -> dict:
+def chat_body(
+    request_id: str, model: str, text: str, finish_reason: str | None, usage: UsageInfo, logprobs: list | None = None
+) -> dict:
     return {
         "id": request_id,
         "object": "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                     "finish_reason": openai_finish_reason(finish_reason), "logprobs": chat_logprobs(logprobs)}],
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "finish_reason": openai_finish_reason(finish_reason),
+                "logprobs": chat_logprobs(logprobs),
+            }
+        ],
         "usage": usage.body(),
     }
 
 
-def completion_chunk(request_id: str, model: str, created: int, text: str, finish_reason: str | None,
-                     include_usage: bool, logprobs: dict | None = None, index: int = 0) -> dict:
+def completion_chunk(
+    request_id: str,
+    model: str,
+    created: int,
+    text: str,
+    finish_reason: str | None,
+    include_usage: bool,
+    logprobs: dict | None = None,
+    index: int = 0,
+) -> dict:
     chunk = {
         "id": request_id,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [{"index": index, "text": text, "finish_reason": openai_finish_reason(finish_reason),
-                     "logprobs": logprobs}],
+        "choices": [
+            {"index": index, "text": text, "finish_reason": openai_finish_reason(finish_reason), "logprobs": logprobs}
+        ],
     }
     if include_usage:
         chunk["usage"] = None
     return chunk
 
 
-def chat_chunk(request_id: str, model: str, created: int, delta: dict, finish_reason: str | None,
-               include_usage: bool, logprobs: dict | None = None) -> dict:
+def chat_chunk(
+    request_id: str,
+    model: str,
+    created: int,
+    delta: dict,
+    finish_reason: str | None,
+    include_usage: bool,
+    logprobs: dict | None = None,
+) -> dict:
     chunk = {
         "id": request_id,
         "object": "chat.completion.chunk",
         "created": created,
         "model": model,
-        "choices": [{"index": 0, "delta": delta, "finish_reason": openai_finish_reason(finish_reason),
-                     "logprobs": logprobs}],
+        "choices": [
+            {"index": 0, "delta": delta, "finish_reason": openai_finish_reason(finish_reason), "logprobs": logprobs}
+        ],
     }
     if include_usage:
         chunk["usage"] = None
@@ -525,8 +590,14 @@ def chat_chunk(request_id: str, model: str, created: int, delta: dict, finish_re
 
 
 def usage_chunk(request_id: str, model: str, created: int, object_name: str, usage: UsageInfo) -> dict:
-    return {"id": request_id, "object": object_name, "created": created, "model": model, "choices": [],
-            "usage": usage.body()}
+    return {
+        "id": request_id,
+        "object": object_name,
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage.body(),
+    }
 
 
 def models_body(model: str, created: int) -> dict:

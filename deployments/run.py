@@ -64,8 +64,11 @@ def main(argv=None) -> int:
     # A process group of its own: a terminal's Ctrl-C reaches this process only, which passes it on once (two would
     # make serve run stop without shutting the applications down). Its SIGINT is reset to the default, since a
     # process started in the background inherits it ignored.
-    child = subprocess.Popen([str(serve) if serve.exists() else "serve", "run", args.config], process_group=0,
-                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    child = subprocess.Popen(
+        [str(serve) if serve.exists() else "serve", "run", args.config],
+        process_group=0,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     num_signals = 0
 
     def forward(_signum, _frame) -> None:

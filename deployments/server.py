@@ -69,7 +69,7 @@ class LocalEngine:
     def __init__(self, engine: DDTreeEngine) -> None:
         self._engine = engine
 
-    def options(self, stream: bool = False) -> "LocalEngine":
+    def options(self, stream: bool = False) -> LocalEngine:
         return self
 
     def __getattr__(self, name: str) -> _LocalMethod:

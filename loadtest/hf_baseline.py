@@ -25,8 +25,20 @@ from ray import serve
 
 api = FastAPI()
 
-_ALLOWED = {"model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p", "stream",
-            "stream_options", "seed", "n", "user"}
+_ALLOWED = {
+    "model",
+    "messages",
+    "prompt",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "stream",
+    "stream_options",
+    "seed",
+    "n",
+    "user",
+}
 
 
 class BadRequest(Exception):
@@ -34,8 +46,10 @@ class BadRequest(Exception):
 
 
 def _error(message: str, status: int = 400) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error", "param": None,
-                                   "code": None}}, status_code=status)
+    return JSONResponse(
+        {"error": {"message": message, "type": "invalid_request_error", "param": None, "code": None}},
+        status_code=status,
+    )
 
 
 def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
@@ -49,11 +63,19 @@ def _number(body: dict, name: str, default: float, low: float, high: float) -> f
 
 # Helpers come before the class: serve.ingress pickles the routes (with the globals they see) when it decorates.
 
+
 class _Generation:
     """One request's `generate()` in a thread of its own, its text read piece by piece from a streamer."""
 
-    def __init__(self, server: "HFGenerate", prompt_ids: list[int], max_tokens: int, temperature: float, top_p: float,
-                 seed: int | None) -> None:
+    def __init__(
+        self,
+        server: "HFGenerate",
+        prompt_ids: list[int],
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int | None,
+    ) -> None:
         from transformers import StoppingCriteria, StoppingCriteriaList, TextIteratorStreamer
 
         torch = server.torch
@@ -64,21 +86,27 @@ class _Generation:
         self.completion_tokens = 0
         self.finish_reason = "length"
         self.cancelled = threading.Event()
-        self.streamer = TextIteratorStreamer(server.tokenizer, skip_prompt=True, skip_special_tokens=True,
-                                             timeout=600)
+        self.streamer = TextIteratorStreamer(server.tokenizer, skip_prompt=True, skip_special_tokens=True, timeout=600)
         cancelled = self.cancelled
 
         class _Cancelled(StoppingCriteria):
             def __call__(self, input_ids, scores, **kwargs):
                 return cancelled.is_set()
 
-        sampling = {"do_sample": False} if temperature == 0 else {"do_sample": True, "temperature": temperature,
-                                                                  "top_p": top_p, "top_k": 0}
-        kwargs = dict(input_ids=torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids),
-                                                                                       dtype=torch.long),
-                      max_new_tokens=max_tokens, streamer=self.streamer,
-                      stopping_criteria=StoppingCriteriaList([_Cancelled()]),
-                      pad_token_id=server.tokenizer.eos_token_id, **sampling)
+        sampling = (
+            {"do_sample": False}
+            if temperature == 0
+            else {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
+        )
+        kwargs = dict(
+            input_ids=torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=max_tokens,
+            streamer=self.streamer,
+            stopping_criteria=StoppingCriteriaList([_Cancelled()]),
+            pad_token_id=server.tokenizer.eos_token_id,
+            **sampling,
+        )
         eos = server.model.generation_config.eos_token_id
         self.eos = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
 
@@ -87,7 +115,7 @@ class _Generation:
                 with torch.inference_mode():
                     if seed is not None:
                         torch.manual_seed(seed)  # (global: concurrent seeded requests are not reproducible)
-                    out = server.model.generate(**kwargs)[0, len(prompt_ids):].tolist()
+                    out = server.model.generate(**kwargs)[0, len(prompt_ids) :].tolist()
                 self.completion_tokens = len(out)
                 if out and out[-1] in self.eos:
                     self.finish_reason = "stop"
@@ -101,15 +129,17 @@ class _Generation:
 
     def pieces(self):
         try:
-            for piece in self.streamer:
-                yield piece
+            yield from self.streamer
             self.thread.join()
         finally:
             self.cancelled.set()  # a client gone mid-stream stops its generation at the next token
 
     def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.prompt_tokens + self.completion_tokens}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+        }
 
     def events(self, chat: bool, include_usage: bool):
         obj = "chat.completion.chunk" if chat else "text_completion"
@@ -148,8 +178,16 @@ def _body(run: _Generation, chat: bool, text: str) -> JSONResponse:
     else:
         choice = {"index": 0, "text": text, "finish_reason": run.finish_reason}
         obj = "text_completion"
-    return JSONResponse({"id": run.id, "object": obj, "created": run.created, "model": run.model_name,
-                         "choices": [choice], "usage": run.usage()})
+    return JSONResponse(
+        {
+            "id": run.id,
+            "object": obj,
+            "created": run.created,
+            "model": run.model_name,
+            "choices": [choice],
+            "usage": run.usage(),
+        }
+    )
 
 
 @serve.deployment(max_ongoing_requests=64)
@@ -172,8 +210,10 @@ class HFGenerate:
 
     @api.get("/v1/models")
     def models(self):
-        return {"object": "list", "data": [{"id": self.name, "object": "model", "created": 0,
-                                            "owned_by": "hf-generate"}]}
+        return {
+            "object": "list",
+            "data": [{"id": self.name, "object": "model", "created": 0, "owned_by": "hf-generate"}],
+        }
 
     @api.post("/v1/chat/completions")
     async def chat(self, request: Request):
@@ -208,8 +248,11 @@ class HFGenerate:
             raise BadRequest("only n=1 is supported")
         if chat:
             messages = body.get("messages")
-            if not isinstance(messages, list) or not messages or not all(
-                    isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
+            if (
+                not isinstance(messages, list)
+                or not messages
+                or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages)
+            ):
                 raise BadRequest("'messages' must be a non-empty list of {role, content} objects")
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
             if not isinstance(ids, list):  # (a BatchEncoding in newer transformers)
@@ -223,13 +266,19 @@ class HFGenerate:
         if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
             raise BadRequest("'max_tokens' must be a positive integer")
         if len(ids) + max_tokens > self.context_len:
-            raise BadRequest(f"the prompt ({len(ids)} tokens) and max_tokens ({max_tokens}) exceed the context "
-                             f"window of {self.context_len} tokens")
+            raise BadRequest(
+                f"the prompt ({len(ids)} tokens) and max_tokens ({max_tokens}) exceed the context "
+                f"window of {self.context_len} tokens"
+            )
         seed = body.get("seed")
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise BadRequest("'seed' must be an integer")
-        return ids, {"max_tokens": max_tokens, "temperature": _number(body, "temperature", 1.0, 0.0, 2.0),
-                     "top_p": _number(body, "top_p", 1.0, 1e-6, 1.0), "seed": seed}
+        return ids, {
+            "max_tokens": max_tokens,
+            "temperature": _number(body, "temperature", 1.0, 0.0, 2.0),
+            "top_p": _number(body, "top_p", 1.0, 1e-6, 1.0),
+            "seed": seed,
+        }
 
 
 def build_app(args: dict | None = None):

@@ -53,8 +53,15 @@ from locust import HttpUser, between, events, task
 from locust.exception import StopUser
 from locust.runners import WorkerRunner
 
-from loadtest.metrics import (PromptOrder, RequestMetrics, Speculation, Summary, format_summary, load_prompts,
-                              summary_csv)
+from loadtest.metrics import (
+    PromptOrder,
+    RequestMetrics,
+    Speculation,
+    Summary,
+    format_summary,
+    load_prompts,
+    summary_csv,
+)
 
 
 @events.init_command_line_parser.add_listener
@@ -65,27 +72,45 @@ def _add_arguments(parser) -> None:
     group.add_argument("--max-tokens", type=int, default=128)
     group.add_argument("--temperature", type=float, default=0.0)
     group.add_argument("--api-key", default="", help="sent as 'Authorization: Bearer <key>' when set")
-    group.add_argument("--prompts-file", default="",
-                       help="JSON lines with a 'text' field (default: ddtree/assets/eval/chat.jsonl)")
+    group.add_argument(
+        "--prompts-file", default="", help="JSON lines with a 'text' field (default: ddtree/assets/eval/chat.jsonl)"
+    )
     group.add_argument("--summary-json", default="", help="write the llmperf-style summary here")
     group.add_argument("--think-time", type=float, default=0.0, help="max seconds between a user's requests")
-    group.add_argument("--read-timeout", type=float, default=300.0,
-                       help="seconds a stream may stay silent before the request counts as failed")
+    group.add_argument(
+        "--read-timeout",
+        type=float,
+        default=300.0,
+        help="seconds a stream may stay silent before the request counts as failed",
+    )
     group.add_argument("--seed", type=int, default=0, help="the prompts' shared order is shuffled with this seed")
-    group.add_argument("--max-requests", type=int, default=0,
-                       help="end the run once this many requests have started and ended (0: no bound)")
-    group.add_argument("--slo-ttft-ms", type=float, default=0.0,
-                       help="goodput counts a request only if its TTFT is at most this (0: no bound)")
-    group.add_argument("--slo-tpot-ms", type=float, default=0.0,
-                       help="goodput counts a request only if its TPOT is at most this (0: no bound)")
+    group.add_argument(
+        "--max-requests",
+        type=int,
+        default=0,
+        help="end the run once this many requests have started and ended (0: no bound)",
+    )
+    group.add_argument(
+        "--slo-ttft-ms",
+        type=float,
+        default=0.0,
+        help="goodput counts a request only if its TTFT is at most this (0: no bound)",
+    )
+    group.add_argument(
+        "--slo-tpot-ms",
+        type=float,
+        default=0.0,
+        help="goodput counts a request only if its TPOT is at most this (0: no bound)",
+    )
 
 
 @events.init.add_listener
 def _on_init(environment, **_) -> None:
     options = environment.parsed_options
     environment.ddtree_summary = _new_summary(options)
-    environment.ddtree_prompts = PromptOrder(load_prompts(options.prompts_file if options else ""),
-                                             options.seed if options else 0)
+    environment.ddtree_prompts = PromptOrder(
+        load_prompts(options.prompts_file if options else ""), options.seed if options else 0
+    )
 
     # Distributed runs: the workers' metrics travel to the master with their stats reports (every few seconds, and
     # a last one when they quit), so the master's summary covers every user.
@@ -119,8 +144,11 @@ def _on_quit(environment, **_) -> None:
     report = environment.ddtree_summary.report()
     # Locust's own totals at the end (its `--csv` stats file is written periodically and may miss the last seconds)
     total = environment.stats.total
-    report["locust"] = {"num_requests": total.num_requests, "num_failures": total.num_failures,
-                        "median_response_time_ms": total.median_response_time}
+    report["locust"] = {
+        "num_requests": total.num_requests,
+        "num_failures": total.num_failures,
+        "median_response_time_ms": total.median_response_time,
+    }
     print(format_summary(report))
     options = environment.parsed_options
     if options is not None and options.summary_json:
@@ -154,16 +182,28 @@ class OpenAIUser(HttpUser):
             _quit_when_done(self.environment)
             raise StopUser()
         prompt = self.environment.ddtree_prompts.take()
-        body = {"model": options.model, "max_tokens": options.max_tokens, "temperature": options.temperature,
-                "stream": True, "stream_options": {"include_usage": True}}
+        body = {
+            "model": options.model,
+            "max_tokens": options.max_tokens,
+            "temperature": options.temperature,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
         if options.endpoint == "chat":
             path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt}]
         else:
             path, body["prompt"] = "/v1/completions", prompt
         summary.start()
         t0 = time.perf_counter()
-        with self.client.post(path, json=body, headers=self.headers, stream=True, catch_response=True,
-                              name=f"{path} (stream)", timeout=(30, options.read_timeout)) as response:
+        with self.client.post(
+            path,
+            json=body,
+            headers=self.headers,
+            stream=True,
+            catch_response=True,
+            name=f"{path} (stream)",
+            timeout=(30, options.read_timeout),
+        ) as response:
             try:
                 metrics = self._read_stream(response, t0, chat=options.endpoint == "chat")
             # a broken or silent connection mid-stream, an event that is not JSON or lacks a field: failures too
@@ -188,7 +228,7 @@ class OpenAIUser(HttpUser):
             line = raw.decode("utf-8") if isinstance(raw, bytes) else raw
             if not line.startswith("data:"):
                 continue
-            data = line[len("data:"):].strip()
+            data = line[len("data:") :].strip()
             if data == "[DONE]":
                 break
             event = json.loads(data)
@@ -211,9 +251,13 @@ class OpenAIUser(HttpUser):
         e2e = time.perf_counter() - t0
         if usage is None:
             raise StreamError("no usage chunk (stream_options.include_usage)")
-        return RequestMetrics(ttft_s=ttft if ttft is not None else e2e, e2e_s=e2e,
-                              output_tokens=int(usage["completion_tokens"]),
-                              speculation=Speculation.from_usage(usage.get("ddtree") or {}), chunk_gaps_s=gaps)
+        return RequestMetrics(
+            ttft_s=ttft if ttft is not None else e2e,
+            e2e_s=e2e,
+            output_tokens=int(usage["completion_tokens"]),
+            speculation=Speculation.from_usage(usage.get("ddtree") or {}),
+            chunk_gaps_s=gaps,
+        )
 
 
 def _quit_when_done(environment) -> None:

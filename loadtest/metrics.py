@@ -12,9 +12,19 @@ import time
 from dataclasses import dataclass, field
 
 METRICS = ("ttft_ms", "itl_ms", "tpot_ms", "e2e_latency_ms", "output_tokens_per_s", "output_tokens")
-COUNTS = ("num_started", "num_completed", "num_failed", "num_good", "total_output_tokens", "num_speculative_rounds",
-          "num_autoregressive_rounds", "num_accepted_tokens", "num_ngram_tokens", "num_reporting_speculation",
-          "speculation_output_tokens")
+COUNTS = (
+    "num_started",
+    "num_completed",
+    "num_failed",
+    "num_good",
+    "total_output_tokens",
+    "num_speculative_rounds",
+    "num_autoregressive_rounds",
+    "num_accepted_tokens",
+    "num_ngram_tokens",
+    "num_reporting_speculation",
+    "speculation_output_tokens",
+)
 QUANTILES = (25, 50, 75, 90, 95, 99)
 
 
@@ -31,8 +41,12 @@ class Speculation:
     def from_usage(cls, ddtree: dict) -> Speculation | None:
         if "num_speculative_rounds" not in ddtree:
             return None
-        return cls(int(ddtree["num_speculative_rounds"]), int(ddtree["num_autoregressive_rounds"]),
-                   int(sum(ddtree.get("acceptance_lengths") or [])), int(ddtree.get("num_ngram_tokens") or 0))
+        return cls(
+            int(ddtree["num_speculative_rounds"]),
+            int(ddtree["num_autoregressive_rounds"]),
+            int(sum(ddtree.get("acceptance_lengths") or [])),
+            int(ddtree.get("num_ngram_tokens") or 0),
+        )
 
 
 @dataclass
@@ -58,8 +72,9 @@ class RequestMetrics:
     def meets(self, slo_ttft_ms: float, slo_tpot_ms: float) -> bool:
         """Within the SLO (a bound of 0 is no bound); a one-token answer has no TPOT to miss."""
         values = self.values()
-        return ((not slo_ttft_ms or values["ttft_ms"] <= slo_ttft_ms)
-                and (not slo_tpot_ms or values.get("tpot_ms", 0.0) <= slo_tpot_ms))
+        return (not slo_ttft_ms or values["ttft_ms"] <= slo_ttft_ms) and (
+            not slo_tpot_ms or values.get("tpot_ms", 0.0) <= slo_tpot_ms
+        )
 
 
 @dataclass
@@ -133,13 +148,15 @@ class Summary:
                 "autoregressive_rounds": c["num_autoregressive_rounds"],
                 "speculative_round_share": c["num_speculative_rounds"] / rounds if rounds else 0.0,
                 # tokens committed per speculative round (tau), every round of every request weighing the same
-                "acceptance_length": (c["num_accepted_tokens"] / c["num_speculative_rounds"]
-                                      if c["num_speculative_rounds"] else None),
+                "acceptance_length": (
+                    c["num_accepted_tokens"] / c["num_speculative_rounds"] if c["num_speculative_rounds"] else None
+                ),
                 # of the speculation-reporting requests: their output tokens (the prefill's first one included) per
                 # decoding round, speculative and autoregressive alike (1.0 = plain decoding)
                 "output_tokens_per_round": c["speculation_output_tokens"] / rounds if rounds else None,
-                "ngram_token_share": (c["num_ngram_tokens"] / c["speculation_output_tokens"]
-                                      if c["speculation_output_tokens"] else 0.0),
+                "ngram_token_share": (
+                    c["num_ngram_tokens"] / c["speculation_output_tokens"] if c["speculation_output_tokens"] else 0.0
+                ),
             }
         return report
 
@@ -213,15 +230,18 @@ def format_summary(report: dict) -> str:
         f"{'metric':<24}" + "".join(f"{k:>10}" for k in [f"p{q}" for q in QUANTILES] + ["mean", "min", "max"]),
     ]
     for name, d in report["metrics"].items():
-        lines.append(f"{name:<24}" + "".join(f"{d[k]:>10.2f}" for k in
-                                             [f"p{q}" for q in QUANTILES] + ["mean", "min", "max"]))
+        lines.append(
+            f"{name:<24}" + "".join(f"{d[k]:>10.2f}" for k in [f"p{q}" for q in QUANTILES] + ["mean", "min", "max"])
+        )
     if report["num_unfinished_requests"]:
         lines.append(f"unfinished at the end (not in the rates): {report['num_unfinished_requests']}")
     spec = report.get("speculation")
     if spec is not None:
         tau = "-" if spec["acceptance_length"] is None else f"{spec['acceptance_length']:.2f}"
-        lines.append(f"speculation: {spec['speculative_rounds']} speculative + {spec['autoregressive_rounds']} "
-                     f"autoregressive rounds ({100 * spec['speculative_round_share']:.0f}% speculative), acceptance "
-                     f"length {tau} per speculative round, {spec['output_tokens_per_round'] or 0:.2f} output tokens "
-                     f"per round, {100 * spec['ngram_token_share']:.0f}% of tokens from n-gram chains")
+        lines.append(
+            f"speculation: {spec['speculative_rounds']} speculative + {spec['autoregressive_rounds']} "
+            f"autoregressive rounds ({100 * spec['speculative_round_share']:.0f}% speculative), acceptance "
+            f"length {tau} per speculative round, {spec['output_tokens_per_round'] or 0:.2f} output tokens "
+            f"per round, {100 * spec['ngram_token_share']:.0f}% of tokens from n-gram chains"
+        )
     return "\n".join(lines)

@@ -11,9 +11,30 @@ import io
 from pathlib import Path
 
 REFERENCE = "ddtree-off"  # the ratio column: against plain decoding of the same engine
-COLUMNS = ("server", "users", "passes", "output_tok_s", "tok_s_min", "tok_s_max", "x_off", "completed", "failed", "unfinished", "ttft_p50_ms",
-           "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "e2e_p50_s", "goodput_req_s",
-           "slo_attainment", "tokens_per_round", "locust_requests", "locust_failures")
+COLUMNS = (
+    "server",
+    "users",
+    "passes",
+    "output_tok_s",
+    "tok_s_min",
+    "tok_s_max",
+    "x_off",
+    "completed",
+    "failed",
+    "unfinished",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
+    "itl_p50_ms",
+    "itl_p99_ms",
+    "tpot_p50_ms",
+    "tpot_p99_ms",
+    "e2e_p50_s",
+    "goodput_req_s",
+    "slo_attainment",
+    "tokens_per_round",
+    "locust_requests",
+    "locust_failures",
+)
 
 
 def _metric(summary: dict, name: str, q: str) -> float | None:
@@ -26,14 +47,22 @@ def _run_row(r: dict) -> dict:
     e2e = _metric(s, "e2e_latency_ms", "p50")
     spec = s.get("speculation") or {}
     return {
-        "server": r["server"], "users": r["concurrency"], "output_tok_s": s["overall_output_tokens_per_s"],
-        "completed": s["num_completed_requests"], "failed": s["num_failed_requests"],
+        "server": r["server"],
+        "users": r["concurrency"],
+        "output_tok_s": s["overall_output_tokens_per_s"],
+        "completed": s["num_completed_requests"],
+        "failed": s["num_failed_requests"],
         "unfinished": s["num_unfinished_requests"],
-        "ttft_p50_ms": _metric(s, "ttft_ms", "p50"), "ttft_p99_ms": _metric(s, "ttft_ms", "p99"),
-        "itl_p50_ms": _metric(s, "itl_ms", "p50"), "itl_p99_ms": _metric(s, "itl_ms", "p99"),
-        "tpot_p50_ms": _metric(s, "tpot_ms", "p50"), "tpot_p99_ms": _metric(s, "tpot_ms", "p99"),
-        "e2e_p50_s": None if e2e is None else e2e / 1000, "goodput_req_s": s.get("goodput_requests_per_s"),
-        "slo_attainment": s.get("slo_attainment"), "tokens_per_round": spec.get("output_tokens_per_round"),
+        "ttft_p50_ms": _metric(s, "ttft_ms", "p50"),
+        "ttft_p99_ms": _metric(s, "ttft_ms", "p99"),
+        "itl_p50_ms": _metric(s, "itl_ms", "p50"),
+        "itl_p99_ms": _metric(s, "itl_ms", "p99"),
+        "tpot_p50_ms": _metric(s, "tpot_ms", "p50"),
+        "tpot_p99_ms": _metric(s, "tpot_ms", "p99"),
+        "e2e_p50_s": None if e2e is None else e2e / 1000,
+        "goodput_req_s": s.get("goodput_requests_per_s"),
+        "slo_attainment": s.get("slo_attainment"),
+        "tokens_per_round": spec.get("output_tokens_per_round"),
         "locust_requests": r.get("locust", {}).get("num_requests"),
         "locust_failures": r.get("locust", {}).get("num_failures"),
     }
@@ -88,15 +117,24 @@ def goals(results: dict) -> list[tuple[str, str]]:
         text = ", ".join(f"{x:.2f}x at {c}" for c, x in measured)
         out.append((goal, f"{'met' if met else 'NOT met'}: {text}"))
 
-    bad = [f"{r['server']} at {r['users']}: {r['failed']} failed, {r['unfinished']} unfinished"
-           for r in table if r["failed"] or r["unfinished"]]
+    bad = [
+        f"{r['server']} at {r['users']}: {r['failed']} failed, {r['unfinished']} unfinished"
+        for r in table
+        if r["failed"] or r["unfinished"]
+    ]
     out.append(("no failed or unfinished request in any run", f"NOT met: {'; '.join(bad)}" if bad else "met"))
     if 16 in concurrency:
         check("ddtree-auto >= 5x hf at 16 users", [(16, ratio("ddtree-auto", "hf", 16))], 5.0)
-    check("ddtree-auto >= 1.5x vllm at every concurrency",
-          [(c, ratio("ddtree-auto", "vllm", c)) for c in concurrency], 1.5)
-    check("ddtree-auto >= 0.98x ddtree-off at every concurrency",
-          [(c, ratio("ddtree-auto", REFERENCE, c)) for c in concurrency], 0.98)
+    check(
+        "ddtree-auto >= 1.5x vllm at every concurrency",
+        [(c, ratio("ddtree-auto", "vllm", c)) for c in concurrency],
+        1.5,
+    )
+    check(
+        "ddtree-auto >= 0.98x ddtree-off at every concurrency",
+        [(c, ratio("ddtree-auto", REFERENCE, c)) for c in concurrency],
+        0.98,
+    )
     if 1 in concurrency:
         check("ddtree-auto >= 1.3x ddtree-off at 1 user", [(1, ratio("ddtree-auto", REFERENCE, 1))], 1.3)
     return out
@@ -115,8 +153,12 @@ def agreement(outputs: dict[str, list[str | None]]) -> dict:
             continue
         pairs = [(i, a, b) for i, (a, b) in enumerate(zip(ref, texts)) if a is not None and b is not None]
         differ = [i for i, a, b in pairs if a != b]
-        out["servers"][name] = {"compared": len(pairs), "equal": len(pairs) - len(differ), "differ": differ,
-                                "failed": sum(t is None for t in texts)}
+        out["servers"][name] = {
+            "compared": len(pairs),
+            "equal": len(pairs) - len(differ),
+            "differ": differ,
+            "failed": sum(t is None for t in texts),
+        }
     return out
 
 
@@ -137,8 +179,12 @@ def markdown(results: dict) -> str:
         "",
         f"{settings['max_tokens']} new tokens at T=0, {settings['num_prompts']} prompts, "
         f"{settings['duration_s']:g} s per run (at most {settings['max_requests']} requests)"
-        + (f", {passes} passes in A B B A order (tokens/s: mean and range; latencies: means; counts: sums)"
-           if passes > 1 else "") + "; goodput: TTFT <= "
+        + (
+            f", {passes} passes in A B B A order (tokens/s: mean and range; latencies: means; counts: sums)"
+            if passes > 1
+            else ""
+        )
+        + "; goodput: TTFT <= "
         f"{_fmt(slo['ttft_ms'], 0)} ms and TPOT <= {_fmt(slo['tpot_ms'], 0)} ms.",
         "",
         "| server | users | output tok/s | x off | done | failed | unfinished | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
@@ -154,7 +200,8 @@ def markdown(results: dict) -> str:
             f"| {r['failed']} | {r['unfinished']} | {_fmt(r['ttft_p50_ms'], 0)} / {_fmt(r['ttft_p99_ms'], 0)} | "
             f"{_fmt(r['itl_p50_ms'], 0)} / {_fmt(r['itl_p99_ms'], 0)} | {_fmt(r['tpot_p50_ms'], 1)} / "
             f"{_fmt(r['tpot_p99_ms'], 1)} | {_fmt(r['e2e_p50_s'], 2)} | {_fmt(r['goodput_req_s'], 2)} | "
-            f"{_fmt(r['tokens_per_round'], 2)} |")
+            f"{_fmt(r['tokens_per_round'], 2)} |"
+        )
     lines += ["", "Goals:", ""]
     lines += [f"- {goal}: {measured}" for goal, measured in goals(results)]
     agree = results.get("agreement") or {}
@@ -223,8 +270,9 @@ def plot(results: dict, folder: Path) -> list[Path]:
     plt.close(fig)
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
-    for ax, (metric, label) in zip(axes, (("ttft", "TTFT (ms)"), ("itl", "ITL, between chunks (ms)"),
-                                          ("tpot", "TPOT, per token (ms)"))):
+    for ax, (metric, label) in zip(
+        axes, (("ttft", "TTFT (ms)"), ("itl", "ITL, between chunks (ms)"), ("tpot", "TPOT, per token (ms)"))
+    ):
         for s in servers:
             mine = [r for r in table if r["server"] == s]
             for q, style in (("p50", "-"), ("p99", "--")):

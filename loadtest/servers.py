@@ -28,8 +28,11 @@ import requests
 import yaml
 
 REPO = Path(__file__).resolve().parent.parent
-DDTREE_MODES = {"auto": {"speculation": "ddtree", "budget": "auto"}, "off": {"speculation": "off"},
-                "dflash": {"speculation": "dflash"}}
+DDTREE_MODES = {
+    "auto": {"speculation": "ddtree", "budget": "auto"},
+    "off": {"speculation": "off"},
+    "dflash": {"speculation": "dflash"},
+}
 DEFAULT_VLLM_VENV = REPO / ".venv-vllm"
 # vLLM's CPU backend reserves this share of the NUMA node's memory up front (the flag keeps its GPU name) and refuses
 # to start if that much is not free; its default (0.92) fails beside the other servers' leftovers and page cache.
@@ -81,9 +84,12 @@ def ddtree_config(args: dict, port: int, base: Path = REPO / "ray_config.yaml") 
 
 
 def hf_config(args: dict, port: int) -> dict:
-    return {"http_options": {"host": "127.0.0.1", "port": port},
-            "applications": [{"name": "hf", "route_prefix": "/", "import_path": "loadtest.hf_baseline:build_app",
-                              "args": args}]}
+    return {
+        "http_options": {"host": "127.0.0.1", "port": port},
+        "applications": [
+            {"name": "hf", "route_prefix": "/", "import_path": "loadtest.hf_baseline:build_app", "args": args}
+        ],
+    }
 
 
 def vllm_available(venv: Path = DEFAULT_VLLM_VENV) -> bool:
@@ -94,8 +100,15 @@ class Server:
     """One server of the sweep. `start()` launches it (unless it is a URL) and waits until `/v1/models` answers;
     `model` is then the served model's name."""
 
-    def __init__(self, spec: ServerSpec, folder: Path, model_args: dict, vllm_venv: Path = DEFAULT_VLLM_VENV,
-                 ready_timeout_s: float = 900.0, vllm_args: str = DEFAULT_VLLM_ARGS) -> None:
+    def __init__(
+        self,
+        spec: ServerSpec,
+        folder: Path,
+        model_args: dict,
+        vllm_venv: Path = DEFAULT_VLLM_VENV,
+        ready_timeout_s: float = 900.0,
+        vllm_args: str = DEFAULT_VLLM_ARGS,
+    ) -> None:
         self.spec = spec
         self.folder = Path(folder)
         self.model_args = dict(model_args)  # model / drafter / served_model_name / ...: --set of the sweep
@@ -125,8 +138,21 @@ class Server:
                 model = str(default_target_dir())
             name = self.model_args.get("served_model_name") or "SmolLM2-135M-Instruct"
             env["VLLM_TARGET_DEVICE"] = "cpu"
-            return ([str(self.vllm_venv / "bin" / "vllm"), "serve", str(model), "--host", "127.0.0.1", "--port",
-                     str(port), "--served-model-name", name, *self.vllm_args], env)
+            return (
+                [
+                    str(self.vllm_venv / "bin" / "vllm"),
+                    "serve",
+                    str(model),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--served-model-name",
+                    name,
+                    *self.vllm_args,
+                ],
+                env,
+            )
         else:
             raise ValueError(f"{spec.name} is not started by the runner")
         path = self.folder / f"{spec.name}.serve.yaml"
@@ -148,13 +174,22 @@ class Server:
         command, env = self.command(port)
         self.folder.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                            cwd=REPO, env=env, start_new_session=True)
+            self.process = subprocess.Popen(
+                command,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                cwd=REPO,
+                env=env,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise ServerError(f"{self.spec.name} exited with status {self.process.returncode} before it was "
-                                  f"ready:\n{self.log_tail()}")
+                raise ServerError(
+                    f"{self.spec.name} exited with status {self.process.returncode} before it was "
+                    f"ready:\n{self.log_tail()}"
+                )
             self.model = self._models(timeout_s=2.0)
             if self.model is not None:
                 return
@@ -213,7 +248,7 @@ def session_processes(sid: int) -> list[int]:
         except OSError:
             continue
         # pid (comm) state ppid pgrp session ...: comm may hold spaces and parentheses, so split after the last ")"
-        fields = stat[stat.rindex(")") + 2:].split()
+        fields = stat[stat.rindex(")") + 2 :].split()
         if fields[0] != "Z" and int(fields[3]) == sid:
             pids.append(int(entry))
     return pids

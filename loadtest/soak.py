@@ -41,8 +41,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sample-every", type=float, default=10.0, help="seconds between samples")
     parser.add_argument("--max-tokens", type=int, default=64, help="new tokens per request")
     parser.add_argument("--check-prompts", type=int, default=8, help="prompts answered at T=0 before, after, offline")
-    parser.add_argument("--max-rss-growth", type=float, default=0.10,
-                        help="the largest accepted growth of the replica's and workers' memory, first to last tenth")
+    parser.add_argument(
+        "--max-rss-growth",
+        type=float,
+        default=0.10,
+        help="the largest accepted growth of the replica's and workers' memory, first to last tenth",
+    )
     parser.add_argument("--drain-timeout", type=float, default=300.0, help="seconds the last requests may take")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="an app arg (repeatable)")
     parser.add_argument("--ready-timeout", type=float, default=900.0, help="seconds the server may take to start")
@@ -66,8 +70,18 @@ def rss_bytes(pid: int | None) -> int:
 class Sampler(threading.Thread):
     """Every `every_s` seconds: memory of the server's processes and the engine's state (`DDTreeEngine.info`)."""
 
-    FIELDS = ("t_s", "rss_session_mib", "rss_replica_mib", "rss_target_mib", "rss_drafter_mib", "kv_cache_bytes_used",
-              "num_running", "num_waiting", "num_threads", "num_asyncio_tasks")
+    FIELDS = (
+        "t_s",
+        "rss_session_mib",
+        "rss_replica_mib",
+        "rss_target_mib",
+        "rss_drafter_mib",
+        "kv_cache_bytes_used",
+        "num_running",
+        "num_waiting",
+        "num_threads",
+        "num_asyncio_tasks",
+    )
 
     def __init__(self, session_id: int, every_s: float) -> None:
         super().__init__(daemon=True, name="soak-sampler")
@@ -125,18 +139,26 @@ def memory_summary(samples: list[dict], under_load: tuple[float, float]) -> dict
         if len(values) < 2:
             continue
         first, last = statistics.median(values[:tenth]), statistics.median(values[-tenth:])
-        out[key] = {"first_tenth": round(first, 1), "last_tenth": round(last, 1), "max": round(max(values), 1),
-                    "growth": round(last / first - 1, 4)}
+        out[key] = {
+            "first_tenth": round(first, 1),
+            "last_tenth": round(last, 1),
+            "max": round(max(values), 1),
+            "growth": round(last / first - 1, 4),
+        }
     kv = [s["kv_cache_bytes_used"] for s in loaded if s["kv_cache_bytes_used"] is not None]
     # after the load: the idle samples before the check prompts run again (the smallest values after its end)
     after = [s for s in samples if s["t_s"] > end and s["kv_cache_bytes_used"] is not None]
-    out["kv_cache_bytes_used"] = {"max_under_load": max(kv, default=None),
-                                  "after": min((s["kv_cache_bytes_used"] for s in after), default=None)}
+    out["kv_cache_bytes_used"] = {
+        "max_under_load": max(kv, default=None),
+        "after": min((s["kv_cache_bytes_used"] for s in after), default=None),
+    }
     out["num_threads"] = sorted({s["num_threads"] for s in samples if s["num_threads"] is not None})
-    out["num_asyncio_tasks_max"] = max((s["num_asyncio_tasks"] for s in samples if s["num_asyncio_tasks"]),
-                                       default=None)
-    out["num_asyncio_tasks_after"] = min((s["num_asyncio_tasks"] for s in after if s["num_asyncio_tasks"]),
-                                         default=None)
+    out["num_asyncio_tasks_max"] = max(
+        (s["num_asyncio_tasks"] for s in samples if s["num_asyncio_tasks"]), default=None
+    )
+    out["num_asyncio_tasks_after"] = min(
+        (s["num_asyncio_tasks"] for s in after if s["num_asyncio_tasks"]), default=None
+    )
     return out
 
 
@@ -173,15 +195,24 @@ def plot(samples: list[dict], under_load: tuple[float, float], path: Path) -> No
 
     fig, memory = plt.subplots(figsize=(9, 4.5))
     t = [s["t_s"] / 60 for s in samples]
-    for key, label in (("rss_session_mib", "all server processes"), ("rss_replica_mib", "engine replica"),
-                       ("rss_target_mib", "target actor"), ("rss_drafter_mib", "drafter actor")):
+    for key, label in (
+        ("rss_session_mib", "all server processes"),
+        ("rss_replica_mib", "engine replica"),
+        ("rss_target_mib", "target actor"),
+        ("rss_drafter_mib", "drafter actor"),
+    ):
         memory.plot(t, [s[key] or float("nan") for s in samples], label=label)
     memory.set_xlabel("minutes")
     memory.set_ylabel("resident memory (MiB)")
     memory.axvspan(under_load[0] / 60, under_load[1] / 60, color="0.92", zorder=0)
     kv = memory.twinx()
-    kv.plot(t, [(s["kv_cache_bytes_used"] or 0) / 2**20 for s in samples], color="black", linestyle=":",
-            label="KV cache in use")
+    kv.plot(
+        t,
+        [(s["kv_cache_bytes_used"] or 0) / 2**20 for s in samples],
+        color="black",
+        linestyle=":",
+        label="KV cache in use",
+    )
     kv.set_ylabel("KV cache in use (MiB)")
     lines = memory.get_legend_handles_labels()[0] + kv.get_legend_handles_labels()[0]
     memory.legend(lines, [ln.get_label() for ln in lines], loc="center right", fontsize=8)
@@ -205,10 +236,16 @@ def run(args: argparse.Namespace) -> int:
     checks = prompts[: args.check_prompts]
     # run_locust's settings: the soak is one long run, ended by time only
     args.max_requests, args.slo_ttft_ms, args.slo_tpot_ms = 10**9, 2000.0, 100.0
-    settings = {"server": args.server, "users": args.users, "duration_s": args.duration,
-                "sample_every_s": args.sample_every, "max_tokens": args.max_tokens, "set": sets,
-                "command": " ".join(["python -m loadtest soak", *getattr(args, "argv", [])]),
-                "started": datetime.now().isoformat()}
+    settings = {
+        "server": args.server,
+        "users": args.users,
+        "duration_s": args.duration,
+        "sample_every_s": args.sample_every,
+        "max_tokens": args.max_tokens,
+        "set": sets,
+        "command": " ".join(["python -m loadtest soak", *getattr(args, "argv", [])]),
+        "started": datetime.now().isoformat(),
+    }
     server = Server(ServerSpec.parse(args.server), folder, sets, ready_timeout_s=args.ready_timeout)
     progress = Progress(1)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
@@ -249,29 +286,53 @@ def run(args: argparse.Namespace) -> int:
     memory = memory_summary(samples, (load_start, load_end))
     plot(samples, (load_start, load_end), folder / "soak.png")
     summary = record["summary"]
-    agreement = {"before_equals_offline": sum(a == b for a, b in zip(before, offline)),
-                 "after_equals_offline": sum(a == b for a, b in zip(after, offline)), "num_prompts": len(checks)}
+    agreement = {
+        "before_equals_offline": sum(a == b for a, b in zip(before, offline)),
+        "after_equals_offline": sum(a == b for a, b in zip(after, offline)),
+        "num_prompts": len(checks),
+    }
     failures = failures_by_status(folder / f"{server.spec.name}_c{args.users}_failures.csv")
-    result = {"settings": settings, "summary": summary, "locust": record["locust"], "failures": failures,
-              "memory": memory, "agreement": agreement, "sampler_errors": sampler.errors,
-              "locust_command": record["command"]}
+    result = {
+        "settings": settings,
+        "summary": summary,
+        "locust": record["locust"],
+        "failures": failures,
+        "memory": memory,
+        "agreement": agreement,
+        "sampler_errors": sampler.errors,
+        "locust_command": record["command"],
+    }
     (folder / "soak.json").write_text(json.dumps(result, indent=2))
-    growth = max((m["growth"] for k, m in memory.items() if k in ("rss_replica_mib", "rss_target_mib",
-                                                                   "rss_drafter_mib")), default=0.0)
-    print(f"requests: {summary['num_completed_requests']} completed, {summary['num_failed_requests']} failed, "
-          f"{summary['overall_output_tokens_per_s']:.1f} output tokens/s" + (f"; failures {failures}" if failures else ""))
+    growth = max(
+        (m["growth"] for k, m in memory.items() if k in ("rss_replica_mib", "rss_target_mib", "rss_drafter_mib")),
+        default=0.0,
+    )
+    print(
+        f"requests: {summary['num_completed_requests']} completed, {summary['num_failed_requests']} failed, "
+        f"{summary['overall_output_tokens_per_s']:.1f} output tokens/s" + (f"; failures {failures}" if failures else "")
+    )
     for key, m in memory.items():
         if key.startswith("rss_"):
-            print(f"{key}: {m['first_tenth']:.0f} -> {m['last_tenth']:.0f} MiB (max {m['max']:.0f}, "
-                  f"{m['growth']:+.1%})")
-    print(f"KV cache: max {memory['kv_cache_bytes_used']['max_under_load']} bytes under load, "
-          f"{memory['kv_cache_bytes_used']['after']} after; threads {memory['num_threads']}; asyncio tasks at most "
-          f"{memory['num_asyncio_tasks_max']}, {memory['num_asyncio_tasks_after']} after")
-    print(f"T=0 texts equal to the offline engine's: before {agreement['before_equals_offline']}/{len(checks)}, "
-          f"after {agreement['after_equals_offline']}/{len(checks)}")
+            print(
+                f"{key}: {m['first_tenth']:.0f} -> {m['last_tenth']:.0f} MiB (max {m['max']:.0f}, {m['growth']:+.1%})"
+            )
+    print(
+        f"KV cache: max {memory['kv_cache_bytes_used']['max_under_load']} bytes under load, "
+        f"{memory['kv_cache_bytes_used']['after']} after; threads {memory['num_threads']}; asyncio tasks at most "
+        f"{memory['num_asyncio_tasks_max']}, {memory['num_asyncio_tasks_after']} after"
+    )
+    print(
+        f"T=0 texts equal to the offline engine's: before {agreement['before_equals_offline']}/{len(checks)}, "
+        f"after {agreement['after_equals_offline']}/{len(checks)}"
+    )
     print(f"wrote {folder}")
-    ok = (summary["num_failed_requests"] == 0 and summary["num_unfinished_requests"] == 0 and agreement["before_equals_offline"] == len(checks)
-          and agreement["after_equals_offline"] == len(checks) and growth <= args.max_rss_growth)
+    ok = (
+        summary["num_failed_requests"] == 0
+        and summary["num_unfinished_requests"] == 0
+        and agreement["before_equals_offline"] == len(checks)
+        and agreement["after_equals_offline"] == len(checks)
+        and growth <= args.max_rss_growth
+    )
     return 0 if ok else 1
 
 

@@ -42,38 +42,66 @@ DEFAULT_CONCURRENCY = "1,4,16,32"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--servers", default=DEFAULT_SERVERS,
-                        help="comma-separated: auto, off, dflash, b<N> (ddtree at a fixed budget), hf (naive HF "
-                             "generate() on Serve), vllm (skipped with a message when `make vllm-venv` was not run), "
-                             "NAME=URL (a running server)")
-    parser.add_argument("--concurrency", default=None,
-                        help=f"comma-separated numbers of users (default {DEFAULT_CONCURRENCY}; --quick: 1,8)")
-    parser.add_argument("--duration", type=float, default=None,
-                        help="seconds of load per run (default 60; --quick: 15)")
+    parser.add_argument(
+        "--servers",
+        default=DEFAULT_SERVERS,
+        help="comma-separated: auto, off, dflash, b<N> (ddtree at a fixed budget), hf (naive HF "
+        "generate() on Serve), vllm (skipped with a message when `make vllm-venv` was not run), "
+        "NAME=URL (a running server)",
+    )
+    parser.add_argument(
+        "--concurrency",
+        default=None,
+        help=f"comma-separated numbers of users (default {DEFAULT_CONCURRENCY}; --quick: 1,8)",
+    )
+    parser.add_argument(
+        "--duration", type=float, default=None, help="seconds of load per run (default 60; --quick: 15)"
+    )
     parser.add_argument("--max-requests", type=int, default=500, help="a run ends after this many requests too")
-    parser.add_argument("--drain-timeout", type=float, default=300.0,
-                        help="seconds the requests in flight at a run's end may take to finish; those still running "
-                             "after it are reported as unfinished")
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=300.0,
+        help="seconds the requests in flight at a run's end may take to finish; those still running "
+        "after it are reported as unfinished",
+    )
     parser.add_argument("--max-tokens", type=int, default=None, help="new tokens per request (default 64; --quick: 32)")
-    parser.add_argument("--passes", type=int, default=1,
-                        help="run the servers this many times, every other pass in reverse order (A B B A): the "
-                             "table gives each server's mean and range, so that the machine's drift hurts all alike")
-    parser.add_argument("--prompts", default="",
-                        help="JSON lines with a 'text' field (default: 16 each of the built-in code, math and chat "
-                             "evaluation prompts)")
-    parser.add_argument("--check-prompts", type=int, default=None,
-                        help="prompts sent once at T=0 to each server before its runs, to compare the outputs "
-                             "(default 8; --quick: 2)")
+    parser.add_argument(
+        "--passes",
+        type=int,
+        default=1,
+        help="run the servers this many times, every other pass in reverse order (A B B A): the "
+        "table gives each server's mean and range, so that the machine's drift hurts all alike",
+    )
+    parser.add_argument(
+        "--prompts",
+        default="",
+        help="JSON lines with a 'text' field (default: 16 each of the built-in code, math and chat evaluation prompts)",
+    )
+    parser.add_argument(
+        "--check-prompts",
+        type=int,
+        default=None,
+        help="prompts sent once at T=0 to each server before its runs, to compare the outputs (default 8; --quick: 2)",
+    )
     parser.add_argument("--slo-ttft-ms", type=float, default=2000.0, help="goodput: TTFT bound (0: none)")
     parser.add_argument("--slo-tpot-ms", type=float, default=100.0, help="goodput: TPOT bound (0: none)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="an app arg of the ddtree servers (YAML value), e.g. --set max_num_seqs=32; model, "
-                             "drafter and served_model_name go to the hf and vllm servers too")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an app arg of the ddtree servers (YAML value), e.g. --set max_num_seqs=32; model, "
+        "drafter and served_model_name go to the hf and vllm servers too",
+    )
     parser.add_argument("--vllm-venv", default=str(DEFAULT_VLLM_VENV), help="the venv of `make vllm-venv`")
     parser.add_argument("--vllm-args", default=DEFAULT_VLLM_ARGS, help="options of `vllm serve`")
     parser.add_argument("--ready-timeout", type=float, default=900.0, help="seconds a server may take to start")
-    parser.add_argument("--quick", action="store_true",
-                        help="concurrency 1,8, 15 s runs, 32 new tokens, 2 check prompts (unless given explicitly)")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="concurrency 1,8, 15 s runs, 32 new tokens, 2 check prompts (unless given explicitly)",
+    )
     parser.add_argument("--out", default="", help="the sweep folder (default work/loadtest/sweep-<time>)")
 
 
@@ -100,13 +128,20 @@ def parse_concurrency(text: str) -> list[int]:
 def default_prompts(per_category: int = 16) -> list[dict]:
     from ddtree.training.prompts import load_eval_prompts
 
-    return [{"category": category, "text": text} for category in ("code", "math", "chat")
-            for text in load_eval_prompts(category)[:per_category]]
+    return [
+        {"category": category, "text": text}
+        for category in ("code", "math", "chat")
+        for text in load_eval_prompts(category)[:per_category]
+    ]
 
 
 def run(args: argparse.Namespace) -> int:
-    for name, default, quick in (("concurrency", DEFAULT_CONCURRENCY, "1,8"), ("duration", 60.0, 15.0),
-                                 ("check_prompts", 8, 2), ("max_tokens", 64, 32)):
+    for name, default, quick in (
+        ("concurrency", DEFAULT_CONCURRENCY, "1,8"),
+        ("duration", 60.0, 15.0),
+        ("check_prompts", 8, 2),
+        ("max_tokens", 64, 32),
+    ):
         if getattr(args, name) is None:
             setattr(args, name, quick if args.quick else default)
     concurrency = parse_concurrency(args.concurrency)
@@ -115,10 +150,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--servers: name at least one server")
     if len({s.name for s in specs}) != len(specs):
         raise ValueError(f"--servers {args.servers!r}: a server is named twice")
-    if args.duration <= 0 or args.max_requests < 1 or args.max_tokens < 1 or args.passes < 1 or \
-            args.drain_timeout < 0:
-        raise ValueError("--duration, --max-requests, --max-tokens and --passes must be positive, --drain-timeout "
-                         "not negative")
+    if args.duration <= 0 or args.max_requests < 1 or args.max_tokens < 1 or args.passes < 1 or args.drain_timeout < 0:
+        raise ValueError(
+            "--duration, --max-requests, --max-tokens and --passes must be positive, --drain-timeout not negative"
+        )
     sets = parse_sets(args.set)
     folder = Path(args.out or REPO / "work" / "loadtest" / datetime.now().strftime("sweep-%Y%m%d-%H%M%S"))
     folder.mkdir(parents=True, exist_ok=True)
@@ -137,11 +172,19 @@ def run(args: argparse.Namespace) -> int:
         print(f"skipping vllm: {skipped['vllm']}", flush=True)
         specs = [s for s in specs if s.kind != "vllm"]
 
-    settings = {"concurrency": concurrency, "duration_s": args.duration, "max_requests": args.max_requests,
-                "max_tokens": args.max_tokens, "passes": args.passes, "temperature": 0.0, "num_prompts": len(prompts),
-                "slo": {"ttft_ms": args.slo_ttft_ms or None, "tpot_ms": args.slo_tpot_ms or None}, "set": sets,
-                "command": " ".join(["python -m loadtest sweep", *getattr(args, "argv", [])]),
-                "started": datetime.now().isoformat()}
+    settings = {
+        "concurrency": concurrency,
+        "duration_s": args.duration,
+        "max_requests": args.max_requests,
+        "max_tokens": args.max_tokens,
+        "passes": args.passes,
+        "temperature": 0.0,
+        "num_prompts": len(prompts),
+        "slo": {"ttft_ms": args.slo_ttft_ms or None, "tpot_ms": args.slo_tpot_ms or None},
+        "set": sets,
+        "command": " ".join(["python -m loadtest sweep", *getattr(args, "argv", [])]),
+        "started": datetime.now().isoformat(),
+    }
     runs, outputs, failures = [], {}, {}
     order = [(p, spec) for p in range(args.passes) for spec in (specs if p % 2 == 0 else specs[::-1])]
     progress = Progress(len(order) * len(concurrency))
@@ -157,8 +200,9 @@ def run(args: argparse.Namespace) -> int:
             try:
                 started = time.monotonic()
                 server.start()
-                progress.say(f"{spec.name} ready at {server.url} in {time.monotonic() - started:.0f} s "
-                             f"(model {server.model})")
+                progress.say(
+                    f"{spec.name} ready at {server.url} in {time.monotonic() - started:.0f} s (model {server.model})"
+                )
                 if spec.name not in outputs:
                     outputs[spec.name] = check_outputs(server, prompts[: args.check_prompts], args.max_tokens)
                     (folder / f"{spec.name}.outputs.json").write_text(json.dumps(outputs[spec.name], indent=1))
@@ -167,8 +211,7 @@ def run(args: argparse.Namespace) -> int:
             except ServerError as exc:
                 failures[spec.name] = str(exc)
                 progress.say(f"{spec.name} failed: {exc}")
-                progress.skip(len(concurrency) - sum(r["server"] == spec.name and r["pass"] == number
-                                                     for r in runs))
+                progress.skip(len(concurrency) - sum(r["server"] == spec.name and r["pass"] == number for r in runs))
             finally:
                 server.stop()
     except KeyboardInterrupt:
@@ -176,8 +219,13 @@ def run(args: argparse.Namespace) -> int:
         settings["interrupted"] = True
     finally:
         signal.signal(signal.SIGTERM, previous)
-    results = {"settings": settings, "runs": runs, "agreement": report.agreement(outputs), "skipped": skipped,
-               "failed_servers": failures}
+    results = {
+        "settings": settings,
+        "runs": runs,
+        "agreement": report.agreement(outputs),
+        "skipped": skipped,
+        "failed_servers": failures,
+    }
     (folder / "results.json").write_text(json.dumps(results, indent=2))
     table = report.write_all(results, folder)
     print(table)
@@ -194,8 +242,12 @@ def check_outputs(server: Server, prompts: list[dict], max_tokens: int) -> list[
     """Each prompt's T=0 text (None where the request failed), four at a time."""
 
     def one(prompt: dict) -> str | None:
-        body = {"model": server.model, "messages": [{"role": "user", "content": prompt["text"]}],
-                "max_tokens": max_tokens, "temperature": 0.0}
+        body = {
+            "model": server.model,
+            "messages": [{"role": "user", "content": prompt["text"]}],
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+        }
         try:
             response = requests.post(f"{server.url}/v1/chat/completions", json=body, timeout=600)
             response.raise_for_status()
@@ -207,22 +259,58 @@ def check_outputs(server: Server, prompts: list[dict], max_tokens: int) -> list[
         return list(pool.map(one, prompts))
 
 
-def run_locust(server: Server, users: int, args, prompts_path: Path, folder: Path, progress: Progress,
-               number: int = 0) -> dict:
+def run_locust(
+    server: Server, users: int, args, prompts_path: Path, folder: Path, progress: Progress, number: int = 0
+) -> dict:
     name = f"{server.spec.name}_c{users}" + (f"_p{number + 1}" if number else "")
     prefix, summary_path = folder / name, folder / f"{name}.locust_summary.json"
-    command = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--host", server.url, "--headless",
-               "-u", str(users), "-r", str(users), "-t", f"{args.duration:g}s",
-               # requests in flight at the end get to finish (a slow server's whole batch may take minutes)
-               "--stop-timeout", f"{args.drain_timeout:g}", "--csv", str(prefix), "--summary-json",
-               str(summary_path), "--model", server.model, "--max-tokens", str(args.max_tokens), "--temperature", "0",
-               "--prompts-file", str(prompts_path), "--max-requests", str(args.max_requests),
-               "--slo-ttft-ms", f"{args.slo_ttft_ms:g}", "--slo-tpot-ms", f"{args.slo_tpot_ms:g}",
-               "--exit-code-on-error", "0", "--only-summary", "--loglevel", "WARNING"]
+    command = [
+        sys.executable,
+        "-m",
+        "locust",
+        "-f",
+        str(LOCUSTFILE),
+        "--host",
+        server.url,
+        "--headless",
+        "-u",
+        str(users),
+        "-r",
+        str(users),
+        "-t",
+        f"{args.duration:g}s",
+        # requests in flight at the end get to finish (a slow server's whole batch may take minutes)
+        "--stop-timeout",
+        f"{args.drain_timeout:g}",
+        "--csv",
+        str(prefix),
+        "--summary-json",
+        str(summary_path),
+        "--model",
+        server.model,
+        "--max-tokens",
+        str(args.max_tokens),
+        "--temperature",
+        "0",
+        "--prompts-file",
+        str(prompts_path),
+        "--max-requests",
+        str(args.max_requests),
+        "--slo-ttft-ms",
+        f"{args.slo_ttft_ms:g}",
+        "--slo-tpot-ms",
+        f"{args.slo_tpot_ms:g}",
+        "--exit-code-on-error",
+        "0",
+        "--only-summary",
+        "--loglevel",
+        "WARNING",
+    ]
     progress.begin(f"{server.spec.name} c={users}", args.duration)
     with open(folder / f"{name}.locust.log", "wb") as log:
-        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO,
-                                   start_new_session=True)
+        process = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO, start_new_session=True
+        )
         try:
             while process.poll() is None:
                 progress.tick(_requests_so_far(prefix))
@@ -241,9 +329,15 @@ def run_locust(server: Server, users: int, args, prompts_path: Path, folder: Pat
         raise ServerError(f"locust failed on {name} (status {process.returncode}):\n{log_tail}")
     summary = json.loads(summary_path.read_text())
     stats = summary.pop("locust")
-    record = {"server": server.spec.name, "kind": server.spec.kind, "concurrency": users, "pass": number,
-              "summary": summary,
-              "locust": stats, "command": " ".join(command)}
+    record = {
+        "server": server.spec.name,
+        "kind": server.spec.kind,
+        "concurrency": users,
+        "pass": number,
+        "summary": summary,
+        "locust": stats,
+        "command": " ".join(command),
+    }
     (folder / f"{name}.json").write_text(json.dumps(record, indent=2))
     return record
 
@@ -310,8 +404,11 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(sweep)
     from loadtest import soak
 
-    soak.add_arguments(commands.add_parser("soak", help="one server under a steady load for a long time, watched "
-                                                        "for leaks (loadtest/soak.py)"))
+    soak.add_arguments(
+        commands.add_parser(
+            "soak", help="one server under a steady load for a long time, watched for leaks (loadtest/soak.py)"
+        )
+    )
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     args.argv = argv[1:]

@@ -18,9 +18,7 @@ def tree_of(tokens: list[int], parents: list[int]) -> DraftTree:
     depths: list[int] = []
     for p in parents:
         depths.append(1 if p < 0 else depths[p] + 1)
-    return DraftTree(
-        torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths), torch.zeros(len(tokens))
-    )
+    return DraftTree(torch.tensor(tokens), torch.tensor(parents), torch.tensor(depths), torch.zeros(len(tokens)))
 
 
 # --- chi-square without scipy ---
@@ -97,10 +95,25 @@ def test_hand_made_walks() -> None:
     # Packed: r0 = [root, n0..n5] 0-6, r1 = [root] 7, r2 = [root, c0, c1, c2] 8-11, r3 = [root, n0..n5] 12-18.
     target = torch.tensor(
         [
-            10, 13, 99, 14, 99, 99, 99,  # r0: root -> n0 (10), n0 -> n3 (13), n3 -> 99: bonus 99
+            10,
+            13,
+            99,
+            14,
+            99,
+            99,
+            99,  # r0: root -> n0 (10), n0 -> n3 (13), n3 -> 99: bonus 99
             42,  # r1: autoregressive: bonus 42
-            20, 21, 22, 5,  # r2: the whole chain, bonus 5
-            11, 99, 15, 99, 99, 99, 3,  # r3: root -> n1, n1 -> n5 (15), n5 -> 3
+            20,
+            21,
+            22,
+            5,  # r2: the whole chain, bonus 5
+            11,
+            99,
+            15,
+            99,
+            99,
+            99,
+            3,  # r3: root -> n1, n1 -> n5 (15), n5 -> 3
         ]
     )
     result = accept(packed, target)
@@ -283,8 +296,15 @@ def test_seeded_requests_do_not_depend_on_the_rest_of_the_batch() -> None:
     assert torch.equal(mixed[seq_index == 3], mixed_logits[seq_index == 3].argmax(-1))
     # rows of the batch's greedy request only (a pass of the on-demand walk can ask for just those): its argmax
     greedy_rows = seq_index == 3
-    only_greedy = target_tokens_sampled(mixed_logits[greedy_rows], seq_index[greedy_rows], positions[greedy_rows],
-                                        [0.9, 1.0, 0.7, 0.0], [1.0, 0.9, 1.0, 1.0], [0, 0, 5, 0], [7, 11, 3, 5])
+    only_greedy = target_tokens_sampled(
+        mixed_logits[greedy_rows],
+        seq_index[greedy_rows],
+        positions[greedy_rows],
+        [0.9, 1.0, 0.7, 0.0],
+        [1.0, 0.9, 1.0, 1.0],
+        [0, 0, 5, 0],
+        [7, 11, 3, 5],
+    )
     assert torch.equal(only_greedy, mixed_logits[greedy_rows].argmax(-1))
 
 
@@ -292,8 +312,15 @@ def test_tiny_temperatures_sample_the_argmax() -> None:
     """Logits divided by 1e-40 overflow float32 (several +inf, and 0 / 0 = NaN): below GREEDY_TEMPERATURE a request
     is greedy instead of sampling whichever infinite score argmax meets first."""
     logits = torch.tensor([[-1.0, 0.5, 3.0, 0.0, 2.0]] * 3)
-    tokens = target_tokens_sampled(logits, torch.tensor([0, 1, 2]), torch.zeros(3, dtype=torch.long),
-                                   [1e-6, 1e-40, 1e-50], [1.0] * 3, [0] * 3, [1, 2, 3])
+    tokens = target_tokens_sampled(
+        logits,
+        torch.tensor([0, 1, 2]),
+        torch.zeros(3, dtype=torch.long),
+        [1e-6, 1e-40, 1e-50],
+        [1.0] * 3,
+        [0] * 3,
+        [1, 2, 3],
+    )
     assert tokens.tolist() == [2, 2, 2]
 
 
@@ -306,8 +333,9 @@ def test_extreme_top_p_and_temperature_keep_their_meaning() -> None:
     assert tokens.tolist() == [2, 2, 2, 2]
     # a huge temperature without top-k is the uniform limit: every token is sampled
     many = torch.tensor([[0.0, 1.0, 9.0, 2.0]]).expand(4000, 4)
-    sampled = target_tokens_sampled(many, torch.zeros(4000, dtype=torch.long), torch.arange(4000), [1e39], [1.0],
-                                    [0], [3])
+    sampled = target_tokens_sampled(
+        many, torch.zeros(4000, dtype=torch.long), torch.arange(4000), [1e39], [1.0], [0], [3]
+    )
     assert chi_square_p_value(torch.bincount(sampled, minlength=4).tolist(), [0.25] * 4) > 1e-4
 
 
@@ -349,7 +377,7 @@ def lossless_check(num_samples: int, sample_targets) -> float:
     for t, p in zip(TREE.token_ids.tolist(), TREE.parents.tolist()):
         tree_paths.append((tree_paths[p] if p >= 0 else ()) + (t,))
     packed = pack([TREE] * num_samples, [0] * num_samples, [3] * num_samples)
-    rows = torch.tensor([context_row(()) ] + [context_row(path) for path in tree_paths])
+    rows = torch.tensor([context_row(())] + [context_row(path) for path in tree_paths])
     logits = TARGET_LOGITS[rows.repeat(num_samples)]  # [N, V]: the target's logits given each token's path
     result = accept(packed, sample_targets(packed, logits))
 

@@ -14,9 +14,36 @@ def test_bench_runs_every_mode_over_several_passes(tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["hello world", "the cat sat on"]))
     out = tmp_path / "out"
-    assert main(["bench", "--model", str(target), "--drafter", str(drafter), "--dtype", "float64",
-                 "--prompts", str(prompts), "--num-prompts", "0", "--max-tokens", "6", "--budgets", "2,4",
-                 "--modes", "hf,off,dflash,ddtree,auto", "--passes", "2", "--threads", "1", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--model",
+                str(target),
+                "--drafter",
+                str(drafter),
+                "--dtype",
+                "float64",
+                "--prompts",
+                str(prompts),
+                "--num-prompts",
+                "0",
+                "--max-tokens",
+                "6",
+                "--budgets",
+                "2,4",
+                "--modes",
+                "hf,off,dflash,ddtree,auto",
+                "--passes",
+                "2",
+                "--threads",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "pass 2 of 2" in printed and "T=0 outputs identical to `off`: all modes" in printed
     rows = {r["mode"]: r for r in json.loads((out / "results.json").read_text())}
@@ -38,10 +65,36 @@ def test_bench_sweeps_concurrency_in_one_table(tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["hello world", "the cat sat on", "a"]))
     out = tmp_path / "out"
-    assert main(["bench", "--model", str(target), "--drafter", str(drafter), "--dtype", "float64",
-                 "--prompts", str(prompts), "--num-prompts", "0", "--max-tokens", "6", "--budgets", "2,4",
-                 "--modes", "off,dflash,ddtree,auto", "--concurrency", "1,3", "--threads", "1",
-                 "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--model",
+                str(target),
+                "--drafter",
+                str(drafter),
+                "--dtype",
+                "float64",
+                "--prompts",
+                str(prompts),
+                "--num-prompts",
+                "0",
+                "--max-tokens",
+                "6",
+                "--budgets",
+                "2,4",
+                "--modes",
+                "off,dflash,ddtree,auto",
+                "--concurrency",
+                "1,3",
+                "--threads",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "| concurrency | mode | tokens/s | x off | drafted | tokens/round | tau |" in printed
     table = [line for line in printed.splitlines() if line.startswith("| 1 |") or line.startswith("| 3 |")]
@@ -50,9 +103,9 @@ def test_bench_sweeps_concurrency_in_one_table(tmp_path, capsys):
     assert "T=0 outputs identical to `off`: all modes, every concurrency" in printed
     rows = json.loads((out / "results.json").read_text())
     assert {(r["concurrency"], r["mode"]) for r in rows} == {
-        (c, m) for c in (1, 3) for m in ("off", "dflash", "ddtree B=2", "ddtree B=4", "ddtree auto")}
+        (c, m) for c in (1, 3) for m in ("off", "dflash", "ddtree B=2", "ddtree B=4", "ddtree auto")
+    }
     assert all(r["num_tokens"] == 3 * 6 for r in rows)
-
 
 
 def test_bench_samples_seeded_and_checks_every_mode_against_off(tmp_path, capsys):
@@ -63,9 +116,31 @@ def test_bench_samples_seeded_and_checks_every_mode_against_off(tmp_path, capsys
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ["hello world", "the cat sat on", "a"]))
     out = tmp_path / "out"
-    common = ["bench", "--model", str(target), "--drafter", str(drafter), "--dtype", "float64", "--prompts",
-              str(prompts), "--num-prompts", "0", "--max-tokens", "8", "--budgets", "4", "--threads", "1",
-              "--out", str(out), "--concurrency", "1,2", "--modes", "hf,off,dflash,ddtree,auto"]
+    common = [
+        "bench",
+        "--model",
+        str(target),
+        "--drafter",
+        str(drafter),
+        "--dtype",
+        "float64",
+        "--prompts",
+        str(prompts),
+        "--num-prompts",
+        "0",
+        "--max-tokens",
+        "8",
+        "--budgets",
+        "4",
+        "--threads",
+        "1",
+        "--out",
+        str(out),
+        "--concurrency",
+        "1,2",
+        "--modes",
+        "hf,off,dflash,ddtree,auto",
+    ]
     assert main(common + ["--temperature", "0.9", "--seed", "3"]) == 0
     printed = capsys.readouterr().out
     assert "T=0.9 seeded outputs identical to `off`: all modes, every concurrency" in printed
@@ -79,6 +154,7 @@ def test_bench_samples_seeded_and_checks_every_mode_against_off(tmp_path, capsys
         main(common + ["--temperature", "-1"])
     assert set(greedy) - set(sampled) == {(1, "hf generate")}
 
+
 def test_bench_compares_two_drafters_on_one_target(tmp_path, capsys):
     target = make_tiny_target(tmp_path / "target", logit_scale=8.0)
     first = make_tiny_drafter(tmp_path / "first", target)
@@ -86,16 +162,60 @@ def test_bench_compares_two_drafters_on_one_target(tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "hello world"}) + "\n")
     out = tmp_path / "out"
-    assert main(["bench", "--model", str(target), "--drafter", str(first), "--compare-drafter", str(second),
-                 "--dtype", "float64", "--prompts", str(prompts), "--num-prompts", "0", "--max-tokens", "6",
-                 "--budgets", "2", "--modes", "off,ddtree,auto", "--threads", "1", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "--model",
+                str(target),
+                "--drafter",
+                str(first),
+                "--compare-drafter",
+                str(second),
+                "--dtype",
+                "float64",
+                "--prompts",
+                str(prompts),
+                "--num-prompts",
+                "0",
+                "--max-tokens",
+                "6",
+                "--budgets",
+                "2",
+                "--modes",
+                "off,ddtree,auto",
+                "--threads",
+                "1",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert "T=0 outputs identical to `off`: all modes" in capsys.readouterr().out
     rows = {r["mode"] for r in json.loads((out / "results.json").read_text())}
     assert rows == {"off", "ddtree B=2", "ddtree B=2 [second]", "ddtree auto", "ddtree auto [second]"}
     other_layers = make_tiny_drafter(tmp_path / "other", target, target_layer_ids=[1])
     with pytest.raises(ValueError, match="features of layers"):
-        main(["bench", "--model", str(target), "--drafter", str(first), "--compare-drafter", str(other_layers),
-              "--dtype", "float64", "--prompts", str(prompts), "--modes", "off", "--out", str(out)])
+        main(
+            [
+                "bench",
+                "--model",
+                str(target),
+                "--drafter",
+                str(first),
+                "--compare-drafter",
+                str(other_layers),
+                "--dtype",
+                "float64",
+                "--prompts",
+                str(prompts),
+                "--modes",
+                "off",
+                "--out",
+                str(out),
+            ]
+        )
 
 
 def test_ddtree_generate_streams_with_logprobs_and_bad_input_is_one_line(tmp_path, capsys, monkeypatch):
@@ -107,14 +227,27 @@ def test_ddtree_generate_streams_with_logprobs_and_bad_input_is_one_line(tmp_pat
 
     target = make_tiny_target(tmp_path / "target", logit_scale=8.0)
     drafter = make_tiny_drafter(tmp_path / "drafter", target)
-    common = ["ddtree", "generate", "hello", "--raw", "--model", str(target), "--drafter", str(drafter),
-              "--dtype", "float64", "--max-tokens", "5"]
+    common = [
+        "ddtree",
+        "generate",
+        "hello",
+        "--raw",
+        "--model",
+        str(target),
+        "--drafter",
+        str(drafter),
+        "--dtype",
+        "float64",
+        "--max-tokens",
+        "5",
+    ]
     monkeypatch.setattr(sys, "argv", common + ["--logprobs", "2"])
     assert console_main() == 0
     captured = capsys.readouterr()
     assert captured.out.strip() and len([line for line in captured.err.splitlines() if "top:" in line]) == 5
-    monkeypatch.setattr(sys, "argv", ["ddtree", "generate", "hello", "--model", str(tmp_path / "missing"),
-                                      "--temperature", "-1"])
+    monkeypatch.setattr(
+        sys, "argv", ["ddtree", "generate", "hello", "--model", str(tmp_path / "missing"), "--temperature", "-1"]
+    )
     assert console_main() == 2
     assert capsys.readouterr().err.strip().startswith("ddtree: error: --temperature must be")  # the flag's name
     monkeypatch.setattr(sys, "argv", ["ddtree", "generate", "hello", "--logprobs", "25"])
@@ -133,8 +266,25 @@ def test_ddtree_chat_keeps_the_conversation_and_quits(tmp_path, capsys, monkeypa
     target = make_tiny_target(tmp_path / "target", logit_scale=8.0)
     drafter = make_tiny_drafter(tmp_path / "drafter", target)
     monkeypatch.setattr(sys, "stdin", io.StringIO("hi\nhi\n/reset\nhi\n/quit\nnever sent\n"))
-    assert main(["chat", "--model", str(target), "--drafter", str(drafter), "--dtype", "float64",
-                 "--max-tokens", "4", "--stats", "--temperature", "0"]) == 0
+    assert (
+        main(
+            [
+                "chat",
+                "--model",
+                str(target),
+                "--drafter",
+                str(drafter),
+                "--dtype",
+                "float64",
+                "--max-tokens",
+                "4",
+                "--stats",
+                "--temperature",
+                "0",
+            ]
+        )
+        == 0
+    )
     err = capsys.readouterr().err
     stats = [line for line in err.splitlines() if line.startswith("[")]
     assert len(stats) == 3  # three answers: "never sent" was not
@@ -172,11 +322,18 @@ def test_bench_refuses_bad_arguments_and_prompt_files_before_loading(tmp_path):
     }
     for (flag, value), message in cases.items():
         with pytest.raises(ValueError, match=message):
-            main(["bench", "--model", missing, "--prompts", str(good), flag, value, "--out", str(tmp_path / "o")]
-                 if flag != "--out" else ["bench", "--model", missing, "--prompts", str(good), flag, value])
-    lines = {'{"text": "hello"}': "'prompt' must be a non-empty string", '"just a string"': "expected an object",
-             '{"prompt": 5}': "'prompt' must be a non-empty string", "{not json": "not JSON",
-             '{"messages": [{"role": "user"}]}': "'messages' must be a non-empty list"}
+            main(
+                ["bench", "--model", missing, "--prompts", str(good), flag, value, "--out", str(tmp_path / "o")]
+                if flag != "--out"
+                else ["bench", "--model", missing, "--prompts", str(good), flag, value]
+            )
+    lines = {
+        '{"text": "hello"}': "'prompt' must be a non-empty string",
+        '"just a string"': "expected an object",
+        '{"prompt": 5}': "'prompt' must be a non-empty string",
+        "{not json": "not JSON",
+        '{"messages": [{"role": "user"}]}': "'messages' must be a non-empty list",
+    }
     for line, message in lines.items():
         bad = tmp_path / "bad.jsonl"
         bad.write_text(json.dumps({"prompt": "fine"}) + "\n\n" + line + "\n")
@@ -190,8 +347,7 @@ def test_bench_refuses_bad_arguments_and_prompt_files_before_loading(tmp_path):
         main(["bench", "--model", missing, "--num-prompts", "0", "--out", str(tmp_path / "o")])
 
 
-def test_bench_without_speculative_modes_needs_no_drafter_and_ctrl_c_keeps_finished_runs(tmp_path, capsys,
-                                                                                          monkeypatch):
+def test_bench_without_speculative_modes_needs_no_drafter_and_ctrl_c_keeps_finished_runs(tmp_path, capsys, monkeypatch):
     import ddtree.bench as bench
 
     target = make_tiny_target(tmp_path / "target", logit_scale=8.0)
@@ -199,8 +355,21 @@ def test_bench_without_speculative_modes_needs_no_drafter_and_ctrl_c_keeps_finis
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "hello world"}) + "\n")
     out = tmp_path / "out"
-    common = ["bench", "--model", str(target), "--dtype", "float64", "--prompts", str(prompts), "--max-tokens", "4",
-              "--threads", "1", "--out", str(out)]
+    common = [
+        "bench",
+        "--model",
+        str(target),
+        "--dtype",
+        "float64",
+        "--prompts",
+        str(prompts),
+        "--max-tokens",
+        "4",
+        "--threads",
+        "1",
+        "--out",
+        str(out),
+    ]
     assert main(common + ["--modes", "off"]) == 0  # a custom target, no --drafter: fine without speculation
     real_run_engine, calls = bench.run_engine, []
 
@@ -232,8 +401,11 @@ def test_generate_reads_stdin_and_stops_and_chat_survives_a_bad_turn(tmp_path, c
     target = make_tiny_target(tmp_path / "target", logit_scale=8.0)
     drafter = make_tiny_drafter(tmp_path / "drafter", target)
     model = ["--model", str(target), "--drafter", str(drafter), "--dtype", "float64"]
-    reference = LLM(str(target), str(drafter), dtype="float64", speculation="off").generate(
-        "hello", SamplingParams(max_tokens=12, temperature=0))[0].text
+    reference = (
+        LLM(str(target), str(drafter), dtype="float64", speculation="off")
+        .generate("hello", SamplingParams(max_tokens=12, temperature=0))[0]
+        .text
+    )
     stop = reference[3:5]
     monkeypatch.setattr(sys, "stdin", io.StringIO("hello"))
     assert main(["generate", "-", "--raw", "--max-tokens", "12", "--stop", stop] + model) == 0

@@ -89,8 +89,9 @@ def test_allocate_equals_a_scan_of_every_total():
     nodes in decreasing calibrated value, ties in request order: checked against a direct scan."""
     rng = random.Random(0)
     for trial in range(30):
-        cost = CostModel([(n, 0.01 + rng.uniform(0, 0.002) * n) for n in (1, 4, 16, 64)],
-                         [(r, 0.005 * r) for r in (1, 8)])
+        cost = CostModel(
+            [(n, 0.01 + rng.uniform(0, 0.002) * n) for n in (1, 4, 16, 64)], [(r, 0.005 * r) for r in (1, 8)]
+        )
         policy = BudgetPolicy(BudgetConfig(), cost)
         rids = [f"r{i}" for i in range(rng.randint(1, 6))]
         probs = []
@@ -189,8 +190,9 @@ def simulate(policy, arrivals, num_rounds, accepted):
                 policy.add(rid)
         rids = [rid for rid, start in arrivals.items() if start <= t]
         plan = policy.plan(rids)
-        counts = policy.allocate(plan.speculative_ids, [PATH_PROBS] * len(plan.speculative_ids),
-                                 len(plan.autoregressive_ids))
+        counts = policy.allocate(
+            plan.speculative_ids, [PATH_PROBS] * len(plan.speculative_ids), len(plan.autoregressive_ids)
+        )
         seconds = cost.draft_seconds(len(plan.speculative_ids)) + cost.verify_seconds(len(rids) + sum(counts))
         for rid, n in zip(plan.speculative_ids, counts):
             policy.observe(rid, predicted=sum(PATH_PROBS[:n]), num_accepted_nodes=accepted(rid, t, n), num_nodes=n)
@@ -382,8 +384,12 @@ def test_allocate_round_keeps_what_merging_into_the_whole_trees_keeps(seed):
     for rid in allocation.request_ids[3:]:
         t, p, d, v = merge_chain([], [], [], chains[rid], policy.ngram_values(len(chains[rid])))
         whole.append(ProposedTree(v, t, p, d))
-    counts = policy.allocate(allocation.request_ids, [t.values for t in whole],
-                             len(plan.autoregressive_ids) - (len(whole) - 3), num_drafted=3)
+    counts = policy.allocate(
+        allocation.request_ids,
+        [t.values for t in whole],
+        len(plan.autoregressive_ids) - (len(whole) - 3),
+        num_drafted=3,
+    )
     assert allocation.counts == counts and 0 < sum(counts[:3]) < 72  # some nodes cut, some kept
     for got, want, n in zip(allocation.trees, whole, counts):
         assert sorted(_node_paths(got, n)) == sorted(_node_paths(want, n))

@@ -104,14 +104,16 @@ def test_ngram_chains_carry_a_repetitive_request_the_drafter_cannot():
     trace = token_trace("code", ids, 10, depth_matched=0)
     off = total(Replay(slow_drafter).run_off([trace]))
     plain = total(Replay(slow_drafter).run_policy(BudgetPolicy(BudgetConfig(max_budget=8), slow_drafter), [trace]))
-    ngram = total(Replay(slow_drafter).run_policy(BudgetPolicy(BudgetConfig(max_budget=8), slow_drafter), [trace],
-                                                  ngram_tokens=3))
+    ngram = total(
+        Replay(slow_drafter).run_policy(BudgetPolicy(BudgetConfig(max_budget=8), slow_drafter), [trace], ngram_tokens=3)
+    )
     assert off.tokens == plain.tokens == ngram.tokens == trace.num_positions == 119
     assert plain.tokens_per_second < 1.05 * off.tokens_per_second
     assert ngram.tokens_per_second > 2.5 * off.tokens_per_second and ngram.ngram_tokens > 60
     with pytest.raises(ValueError, match="n-gram"):
-        Replay(slow_drafter).run_policy(BudgetPolicy(BudgetConfig(), slow_drafter), [Trace("x", [[0.5]], [[]])],
-                                        ngram_tokens=3)
+        Replay(slow_drafter).run_policy(
+            BudgetPolicy(BudgetConfig(), slow_drafter), [Trace("x", [[0.5]], [[]])], ngram_tokens=3
+        )
 
 
 def test_truncated_traces_keep_their_tokens():

@@ -15,9 +15,22 @@ import yaml
 REPO = Path(__file__).resolve().parent.parent
 CLUSTER = REPO / "cluster"
 # The args a GPU deployment changes; every other arg of ray_config.yaml must be the same in cluster/serve-gpu.yaml.
-GPU_ARGS = {"model", "drafter", "served_model_name", "device", "dtype", "placement", "attention", "kv_cache_bytes",
-            "max_num_seqs", "max_budget", "engine_num_cpus", "worker_num_cpus", "num_replicas",
-            "autoscaling_config"}
+GPU_ARGS = {
+    "model",
+    "drafter",
+    "served_model_name",
+    "device",
+    "dtype",
+    "placement",
+    "attention",
+    "kv_cache_bytes",
+    "max_num_seqs",
+    "max_budget",
+    "engine_num_cpus",
+    "worker_num_cpus",
+    "num_replicas",
+    "autoscaling_config",
+}
 GPU_DEPLOYMENT_OPTIONS = {"health_check_timeout_s"}
 
 

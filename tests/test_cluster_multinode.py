@@ -36,8 +36,9 @@ _ENV.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
 
 
 def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    done = subprocess.run([str(BIN / args[0]), *args[1:]], capture_output=True, text=True, timeout=timeout,
-                          cwd=REPO, env=_ENV)
+    done = subprocess.run(
+        [str(BIN / args[0]), *args[1:]], capture_output=True, text=True, timeout=timeout, cwd=REPO, env=_ENV
+    )
     assert done.returncode == 0, f"{' '.join(args)}:\n{done.stdout[-2000:]}{done.stderr[-3000:]}"
     return done
 
@@ -45,8 +46,15 @@ def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 def _start_node(*args: str) -> int:
     """`ray start ...` in a session of its own; returns the session id (its daemons stay in it)."""
     env = _ENV
-    process = subprocess.Popen([str(BIN / "ray"), "start", *args, "--disable-usage-stats"], cwd=REPO, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    process = subprocess.Popen(
+        [str(BIN / "ray"), "start", *args, "--disable-usage-stats"],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     out, _ = process.communicate(timeout=180)
     if process.returncode != 0:
         kill_session(process.pid, wait_s=0.5)
@@ -61,13 +69,26 @@ def two_nodes(tmp_path):
     gcs_port, dashboard_port, http_port = free_port(), free_port(), free_port()
     sessions = []
     try:
-        sessions.append(_start_node("--head", "--node-ip-address=127.0.0.1", f"--port={gcs_port}", "--num-cpus=0",
-                                    "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-                                    f"--dashboard-port={dashboard_port}", f"--temp-dir={temp_dir}"))
-        sessions.append(_start_node(f"--address=127.0.0.1:{gcs_port}", "--node-ip-address=127.0.0.1",
-                                    "--num-cpus=2"))
-        yield {"gcs": f"127.0.0.1:{gcs_port}", "dashboard": f"http://127.0.0.1:{dashboard_port}",
-               "http": f"http://127.0.0.1:{http_port}", "http_port": http_port, "sessions": sessions}
+        sessions.append(
+            _start_node(
+                "--head",
+                "--node-ip-address=127.0.0.1",
+                f"--port={gcs_port}",
+                "--num-cpus=0",
+                "--include-dashboard=true",
+                "--dashboard-host=127.0.0.1",
+                f"--dashboard-port={dashboard_port}",
+                f"--temp-dir={temp_dir}",
+            )
+        )
+        sessions.append(_start_node(f"--address=127.0.0.1:{gcs_port}", "--node-ip-address=127.0.0.1", "--num-cpus=2"))
+        yield {
+            "gcs": f"127.0.0.1:{gcs_port}",
+            "dashboard": f"http://127.0.0.1:{dashboard_port}",
+            "http": f"http://127.0.0.1:{http_port}",
+            "http_port": http_port,
+            "sessions": sessions,
+        }
     finally:
         for sid in sessions:
             kill_session(sid, wait_s=10)
@@ -96,8 +117,14 @@ def test_serve_deploy_on_two_nodes_places_the_engine_on_the_worker(two_nodes, tm
     config["proxy_location"] = "HeadOnly"
     config["http_options"] = {"host": "127.0.0.1", "port": two_nodes["http_port"]}
     (app,) = config["applications"]
-    app["args"].update(model=str(target), drafter=str(drafter), served_model_name=MODEL_NAME, dtype="float64",
-                       worker_torch_threads=1, max_budget=16)
+    app["args"].update(
+        model=str(target),
+        drafter=str(drafter),
+        served_model_name=MODEL_NAME,
+        dtype="float64",
+        worker_torch_threads=1,
+        max_budget=16,
+    )
     path = tmp_path / "ray_config-multinode.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
 
@@ -108,8 +135,11 @@ def test_serve_deploy_on_two_nodes_places_the_engine_on_the_worker(two_nodes, tm
     alive = {n["node_id"]: n for n in nodes if n["state"] == "ALIVE"}
     (head,) = [i for i, n in alive.items() if n["is_head_node"]]
     (worker,) = [i for i, n in alive.items() if not n["is_head_node"]]
-    actors = json.loads(_run("ray", "list", "actors", "--detail", "--format", "json", "--limit", "1000",
-                             "--address", two_nodes["gcs"]).stdout)
+    actors = json.loads(
+        _run(
+            "ray", "list", "actors", "--detail", "--format", "json", "--limit", "1000", "--address", two_nodes["gcs"]
+        ).stdout
+    )
     alive_actors = [a for a in actors if a["state"] == "ALIVE"]
     where = {a["class_name"]: a["node_id"] for a in alive_actors}
     assert where["TargetActor"] == worker and where["DrafterActor"] == worker
@@ -117,9 +147,16 @@ def test_serve_deploy_on_two_nodes_places_the_engine_on_the_worker(two_nodes, tm
     assert where[replica] == worker
     assert where["ServeController"] == head  # (the controller and the proxy need no CPU)
 
-    r = requests.post(f"{two_nodes['http']}/v1/chat/completions", timeout=120,
-                      json={"model": MODEL_NAME, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 8,
-                            "temperature": 0})
+    r = requests.post(
+        f"{two_nodes['http']}/v1/chat/completions",
+        timeout=120,
+        json={
+            "model": MODEL_NAME,
+            "messages": [{"role": "user", "content": "hello"}],
+            "max_tokens": 8,
+            "temperature": 0,
+        },
+    )
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["usage"]["completion_tokens"] >= 1 and body["choices"][0]["finish_reason"] in ("stop", "length")

@@ -148,8 +148,9 @@ def test_incremental_text_equals_decoding_everything(make):
 
 def _byte_fallback_tokenizer():
     """Every byte as a <0xNN> token, a few letters and words."""
-    return make_sentencepiece_tokenizer(["<unk>", *(f"<0x{b:02X}>" for b in range(256)), "\u2581",
-                                         *"abcdehlnorw\u00e9", "\u2581h", "\u2581w"])
+    return make_sentencepiece_tokenizer(
+        ["<unk>", *(f"<0x{b:02X}>" for b in range(256)), "\u2581", *"abcdehlnorw\u00e9", "\u2581h", "\u2581w"]
+    )
 
 
 @pytest.mark.parametrize("make", [make_byte_tokenizer, make_char_tokenizer, _byte_fallback_tokenizer])
@@ -157,8 +158,11 @@ def test_token_bytes_join_into_the_text(make):
     """OpenAI's `bytes` of log-probabilities: a token holding part of a character decodes to U+FFFD alone, but its
     bytes are that part, so the tokens' bytes join into the text."""
     tok = make()
-    text = {make_byte_tokenizer: "héllo 🎉 東京!", make_char_tokenizer: "hello, world 42.",
-            _byte_fallback_tokenizer: "hello w\u00e9rld \u6771\U0001f389"}[make]
+    text = {
+        make_byte_tokenizer: "héllo 🎉 東京!",
+        make_char_tokenizer: "hello, world 42.",
+        _byte_fallback_tokenizer: "hello w\u00e9rld \u6771\U0001f389",
+    }[make]
     tokens = ids(tok, text)
     joined = b"".join(Detokenizer(tok).token_bytes(t) for t in tokens)
     # (SentencePiece: the first word's "\u2581" is a space that a decode strips at the start of a text)

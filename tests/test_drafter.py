@@ -13,8 +13,9 @@ def pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("pair")
     target_dir = write_random_target(root / "target", model_type="qwen3", num_hidden_layers=4)
     target = TargetModel.load(target_dir, dtype=torch.float64, feature_layer_ids=[1, 2], max_kv_bytes=2**22)
-    drafter_dir = write_random_dflash(root / "drafter", target.config, num_layers=2, block_size=5,
-                                      target_layer_ids=[1, 2])
+    drafter_dir = write_random_dflash(
+        root / "drafter", target.config, num_layers=2, block_size=5, target_layer_ids=[1, 2]
+    )
     return target, drafter_dir
 
 
@@ -223,8 +224,9 @@ def test_draft_vocabulary_restricts_the_head(pair, tmp_path):
         in_vocab = [(v, t) for v, t in zip(full_values[0, pos].tolist(), full_ids[0, pos].tolist()) if t in vocab]
         assert ids[0, pos].tolist() == [t for _, t in in_vocab]  # same order as the full distribution
         expected = torch.tensor([v for v, _ in in_vocab], dtype=torch.float64)
-        torch.testing.assert_close(values[0, pos].double(), expected - torch.logsumexp(expected, 0),
-                                   rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(
+            values[0, pos].double(), expected - torch.logsumexp(expected, 0), rtol=1e-6, atol=1e-6
+        )
     config, model = load_dflash(drafter_dir, dtype=torch.float64)
     with pytest.raises(ValueError, match="distinct"):
         DFlashDrafter(config, model, target, torch.device("cpu"), torch.float64, draft_token_ids=[3, 3])

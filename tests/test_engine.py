@@ -13,9 +13,9 @@ import torch
 from ddtree.budget import CostModel
 from ddtree.engine import Engine, EngineConfig, PromptTooLongError
 from ddtree.llm import LLM
+from ddtree.loaders import build_workers
 from ddtree.sampling_params import SamplingParams
 from ddtree.scheduler import EngineFullError
-from ddtree.loaders import build_workers
 from tests.factories import make_tiny_drafter, make_tiny_target
 from tests.tiny_tokenizer import make_sentencepiece_tokenizer
 
@@ -44,8 +44,9 @@ def make_llm(workers, **config) -> LLM:
     # (tests/test_guard.py tests it), which would make the policy's tests depend on the machine.
     config = EngineConfig(**{"max_explore_share": 0.0, **config})
     # Engines refresh their cost model from live timings: each gets its own copy.
-    engine = Engine(config, target, drafter if config.speculation != "off" else None, tokenizer,
-                    cost=copy.deepcopy(FLAT_COST))
+    engine = Engine(
+        config, target, drafter if config.speculation != "off" else None, tokenizer, cost=copy.deepcopy(FLAT_COST)
+    )
     return LLM.from_engine(engine)
 
 
@@ -61,9 +62,8 @@ def test_off_matches_hugging_face_greedy(checkpoints, workers):
     tok = workers[2]
     for prompt, out in zip(PROMPTS, llm.generate(PROMPTS, greedy(16))):
         ids = tok.encode(prompt, add_special_tokens=False)
-        ref = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)
-        assert out.token_ids == ref[0, len(ids):].tolist()
+        ref = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
+        assert out.token_ids == ref[0, len(ids) :].tolist()
 
 
 @pytest.mark.parametrize(
@@ -90,8 +90,13 @@ def test_speculative_t0_equals_off_batched(workers, config):
 
 
 def test_requests_join_and_leave_mid_flight(workers):
-    reference = {p: o.token_ids for p, o in zip(PROMPTS, make_llm(workers, speculation="off").generate(
-        PROMPTS, [greedy(8 + 4 * i) for i in range(len(PROMPTS))]))}
+    reference = {
+        p: o.token_ids
+        for p, o in zip(
+            PROMPTS,
+            make_llm(workers, speculation="off").generate(PROMPTS, [greedy(8 + 4 * i) for i in range(len(PROMPTS))]),
+        )
+    }
     engine = make_llm(workers, speculation="ddtree", budget=8, max_num_seqs=2).engine
     ids, finals, pending = {}, {}, list(enumerate(PROMPTS))
     steps = 0
@@ -169,15 +174,21 @@ def test_eos_and_context_length(workers, checkpoints):
     eos_target = free.token_ids[3]
     target.eos_token_ids.append(eos_target)  # pretend that token is EOS for a moment
     try:
-        engine = Engine(EngineConfig(speculation="ddtree", budget=16), target, drafter, tok,
-                        cost=copy.deepcopy(FLAT_COST))
+        engine = Engine(
+            EngineConfig(speculation="ddtree", budget=16), target, drafter, tok, cost=copy.deepcopy(FLAT_COST)
+        )
         out = LLM.from_engine(engine).generate(PROMPTS[0], SamplingParams(max_tokens=40))[0]
         first = free.token_ids.index(eos_target)
         assert out.finish_reason == "stop" and out.token_ids == free.token_ids[: first + 1]
     finally:
         target.eos_token_ids.remove(eos_target)
-    short = Engine(EngineConfig(speculation="ddtree", budget=16, max_model_len=20), target, drafter, tok,
-                   cost=copy.deepcopy(FLAT_COST))
+    short = Engine(
+        EngineConfig(speculation="ddtree", budget=16, max_model_len=20),
+        target,
+        drafter,
+        tok,
+        cost=copy.deepcopy(FLAT_COST),
+    )
     out = LLM.from_engine(short).generate(PROMPTS[0], greedy(100))[0]
     prompt_len = len(tok.encode(PROMPTS[0], add_special_tokens=False))
     assert out.finish_reason == "length" and len(out.token_ids) == 20 - prompt_len
@@ -255,9 +266,15 @@ def test_a_request_with_one_token_left_does_not_draft(workers):
     assert longer.acceptance_lengths and sum(longer.acceptance_lengths) <= 11  # drafted, except maybe the last
 
 
-@pytest.mark.parametrize("config", [dict(speculation="ddtree", budget=64), dict(speculation="dflash"),
-                                    dict(speculation="ddtree", budget="auto", ngram_tokens=8)],
-                         ids=["ddtree-64", "dflash", "auto-ngram"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(speculation="ddtree", budget=64),
+        dict(speculation="dflash"),
+        dict(speculation="ddtree", budget="auto", ngram_tokens=8),
+    ],
+    ids=["ddtree-64", "dflash", "auto-ngram"],
+)
 def test_trees_hold_no_node_deeper_than_the_tokens_left(workers, config, monkeypatch):
     """A round commits at most accepted nodes + 1 tokens: a request with n tokens left verifies no node deeper
     than n - 1, and its output stays the target's own."""
@@ -286,9 +303,12 @@ def test_the_lm_head_on_the_walked_rows_only_changes_nothing(workers, monkeypatc
     tokens) gives the tokens and log-probabilities of one over every row, greedy and sampled (seeded), and in a batch
     mixing both (a pass of the walk may then ask for greedy requests' rows only: it crashed the engine once)."""
     target = workers[0]
-    params = [SamplingParams(temperature=temperatures[s % len(temperatures)], max_tokens=20, ignore_eos=True, seed=s,
-                             logprobs=2)
-              for s in range(len(PROMPTS))]
+    params = [
+        SamplingParams(
+            temperature=temperatures[s % len(temperatures)], max_tokens=20, ignore_eos=True, seed=s, logprobs=2
+        )
+        for s in range(len(PROMPTS))
+    ]
     runs = {}
     for name, min_tokens in (("all rows", 10**9), ("walked rows", 1)):
         monkeypatch.setattr(target, "lm_head_on_demand_min_tokens", min_tokens)
@@ -298,7 +318,9 @@ def test_the_lm_head_on_the_walked_rows_only_changes_nothing(workers, monkeypatc
     for walked, full in zip(runs["walked rows"], runs["all rows"]):
         assert walked.token_ids == full.token_ids
         # (an LM head over fewer rows may block its float64 sums differently: the last bits)
-        assert [[t for t, _, _ in lp.top] for lp in walked.logprobs] == [[t for t, _, _ in lp.top] for lp in full.logprobs]
+        assert [[t for t, _, _ in lp.top] for lp in walked.logprobs] == [
+            [t for t, _, _ in lp.top] for lp in full.logprobs
+        ]
         assert [lp.logprob for lp in walked.logprobs] == pytest.approx([lp.logprob for lp in full.logprobs], abs=1e-9)
 
 
@@ -315,8 +337,9 @@ def test_logprob_bytes_and_offsets_follow_the_text_with_a_sentencepiece_tokenize
 
     target, drafter, _ = workers
     tokenizer = _sentencepiece_tokenizer(target.vocab_size)
-    engine = Engine(EngineConfig(speculation="ddtree", budget=4), target, drafter, tokenizer,
-                    cost=copy.deepcopy(FLAT_COST))
+    engine = Engine(
+        EngineConfig(speculation="ddtree", budget=4), target, drafter, tokenizer, cost=copy.deepcopy(FLAT_COST)
+    )
     outputs = LLM.from_engine(engine).generate([[5, 12], [41, 27], [3, 3, 3]], greedy(24, logprobs=1))
     num_spaced_starts = 0
     for out in outputs:
@@ -324,8 +347,9 @@ def test_logprob_bytes_and_offsets_follow_the_text_with_a_sentencepiece_tokenize
         first_piece = tokenizer.convert_ids_to_tokens(out.token_ids[0])
         num_spaced_starts += first_piece.startswith("\u2581")
         offsets = completion_logprobs(out.logprobs)["text_offset"]
-        assert offsets == [len(tokenizer.decode(out.token_ids[:i], skip_special_tokens=True))
-                           for i in range(len(out.token_ids))]
+        assert offsets == [
+            len(tokenizer.decode(out.token_ids[:i], skip_special_tokens=True)) for i in range(len(out.token_ids))
+        ]
     assert num_spaced_starts  # outputs whose first token's space the text dropped
 
 
@@ -383,11 +407,13 @@ def test_the_cost_model_sees_what_a_call_costs_the_round(workers, monkeypatch, p
     observed = {"draft": [], "verify": []}
     for kind in observed:
         method = getattr(engine.budget.cost, f"observe_{kind}")
-        monkeypatch.setattr(engine.budget.cost, f"observe_{kind}",
-                            lambda n, seconds, method=method, kind=kind: (observed[kind].append(seconds),
-                                                                          method(n, seconds)))
+        monkeypatch.setattr(
+            engine.budget.cost,
+            f"observe_{kind}",
+            lambda n, seconds, method=method, kind=kind: (observed[kind].append(seconds), method(n, seconds)),
+        )
     llm.generate(PROMPTS[:2], greedy(12))
-    for kind, seconds in observed.items():
+    for seconds in observed.values():
         assert seconds and (all(s >= 1.0 for s in seconds) if not pipeline else all(s < 1.0 for s in seconds))
 
 
@@ -397,8 +423,9 @@ def test_fallback_skips_the_drafter_and_recovers(workers):
     expensive = CostModel([(1, 0.010), (2, 0.030), (64, 1.0)], [(1, 0.050), (16, 0.060)])
     target, drafter, tok = workers
     # (the policy alone: the closed loop would measure this machine's real costs, not the scripted ones)
-    engine = Engine(EngineConfig(speculation="ddtree", budget="auto", max_explore_share=0.0), target, drafter, tok,
-                    cost=expensive)
+    engine = Engine(
+        EngineConfig(speculation="ddtree", budget="auto", max_explore_share=0.0), target, drafter, tok, cost=expensive
+    )
     reference = make_llm(workers, speculation="off").generate(PROMPTS[:2], greedy(60))
     ids = [engine.add_request(p, greedy(60)) for p in PROMPTS[:2]]
     finals = {}
@@ -423,8 +450,13 @@ def test_ngram_chains_of_requests_in_fallback_are_exact_and_accepted(workers, pi
     reference = make_llm(workers, speculation="off").generate(prompts, greedy(40))
     target, drafter, tok = workers
     for ngram_tokens in (3, 1):
-        engine = Engine(EngineConfig(max_num_seqs=2, ngram_tokens=ngram_tokens, pipeline=pipeline,
-                                     max_explore_share=0.0), target, drafter, tok, cost=copy.deepcopy(NGRAM_ONLY_COST))
+        engine = Engine(
+            EngineConfig(max_num_seqs=2, ngram_tokens=ngram_tokens, pipeline=pipeline, max_explore_share=0.0),
+            target,
+            drafter,
+            tok,
+            cost=copy.deepcopy(NGRAM_ONLY_COST),
+        )
         outputs = LLM.from_engine(engine).generate(prompts, greedy(40))
         assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
         assert engine.timings.num_draft_calls == 0
@@ -443,8 +475,13 @@ def test_pipelined_chains_are_priced_after_the_group_in_flight(workers):
     from ddtree.budget import RoundPlan
 
     target, drafter, tok = workers
-    engine = Engine(EngineConfig(max_num_seqs=4, pipeline=True, max_explore_share=0.0), target, drafter, tok,
-                    cost=copy.deepcopy(FLAT_COST))
+    engine = Engine(
+        EngineConfig(max_num_seqs=4, pipeline=True, max_explore_share=0.0),
+        target,
+        drafter,
+        tok,
+        cost=copy.deepcopy(FLAT_COST),
+    )
     real_plan = engine.budget.plan
 
     def one_drafts(request_ids):
@@ -467,8 +504,10 @@ def test_pipelined_chains_are_priced_after_the_group_in_flight(workers):
     while engine.has_unfinished_requests():
         group = engine._drafted_group  # verified in the coming phase
         trees = group.drafted.trees if group is not None else []
-        in_flight[0] = (len(trees) + sum(t.num_nodes for t in trees),
-                        len(trees) + sum(group.drafted.predicted if group is not None else []))
+        in_flight[0] = (
+            len(trees) + sum(t.num_nodes for t in trees),
+            len(trees) + sum(group.drafted.predicted if group is not None else []),
+        )
         engine.step()
     assert any(expected[0] > 0 for _, expected in calls)  # some chains joined a pass holding a drafted group
     for packed, expected in calls:
@@ -555,8 +594,15 @@ def test_sampling_matches_the_target_distribution(checkpoints, workers, proposal
         llm = make_llm(workers, speculation="ddtree", budget=16, max_num_seqs=8)
     else:
         target, drafter, _ = workers
-        llm = LLM.from_engine(Engine(EngineConfig(max_num_seqs=4, max_explore_share=0.0), target, drafter, tok,
-                                     cost=copy.deepcopy(NGRAM_ONLY_COST)))
+        llm = LLM.from_engine(
+            Engine(
+                EngineConfig(max_num_seqs=4, max_explore_share=0.0),
+                target,
+                drafter,
+                tok,
+                cost=copy.deepcopy(NGRAM_ONLY_COST),
+            )
+        )
     n = 1500
     torch.manual_seed(1234)
     outs = llm.generate([prompt] * n, params)
@@ -578,22 +624,26 @@ def test_seeded_sampling_depends_on_the_seed_only(workers):
     for config in (dict(budget=8), dict(budget=64, max_num_seqs=1), dict(budget="auto"), dict(speculation="dflash")):
         outputs = make_llm(workers, **{"speculation": "ddtree", **config}).generate(PROMPTS[:3], p)
         assert [o.token_ids for o in outputs] == [r.token_ids for r in reference], config
-    other_seed = make_llm(workers, speculation="off").generate(PROMPTS[:3], SamplingParams(
-        temperature=0.8, top_p=0.9, max_tokens=20, seed=8, ignore_eos=True))
+    other_seed = make_llm(workers, speculation="off").generate(
+        PROMPTS[:3], SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, seed=8, ignore_eos=True)
+    )
     assert [o.token_ids for o in other_seed] != [r.token_ids for r in reference]
 
 
 # ---- two request groups in flight (pipeline=True) ------------------------------------------------------------
 
 
-@pytest.mark.parametrize("config", [dict(budget=8), dict(budget="auto"), dict(speculation="dflash")],
-                         ids=["fixed", "auto", "dflash"])
+@pytest.mark.parametrize(
+    "config", [dict(budget=8), dict(budget="auto"), dict(speculation="dflash")], ids=["fixed", "auto", "dflash"]
+)
 def test_pipelined_t0_equals_off_with_requests_joining(workers, config):
     """Two groups alternate drafting and verifying; requests join every other phase and finish at different
     lengths: every output is still exactly `off`'s."""
     lengths = [8 + 5 * i for i in range(len(PROMPTS))]
-    reference = {p: o.token_ids for p, o in zip(PROMPTS, make_llm(workers, speculation="off").generate(
-        PROMPTS, [greedy(n) for n in lengths]))}
+    reference = {
+        p: o.token_ids
+        for p, o in zip(PROMPTS, make_llm(workers, speculation="off").generate(PROMPTS, [greedy(n) for n in lengths]))
+    }
     config = {"speculation": "ddtree", **config}
     engine = make_llm(workers, pipeline=True, max_num_seqs=4, **config).engine
     ids, finals, pending, steps = {}, {}, list(zip(PROMPTS, lengths)), 0
@@ -630,6 +680,7 @@ def test_pipelined_groups_stay_balanced(workers):
         engine.abort_request(rid)
     assert not engine.requests and engine.target.num_kv_bytes_used == 0
 
+
 def test_pipelined_abort_of_a_request_in_flight(workers):
     engine = make_llm(workers, pipeline=True, speculation="ddtree", budget=8, max_num_seqs=4).engine
     kv_before = engine.target.num_kv_bytes_used
@@ -649,7 +700,8 @@ def test_pipelined_abort_of_a_request_in_flight(workers):
     assert list(finals) == [survivor] and finals[survivor].finish_reason == "length"
     assert engine.target.num_kv_bytes_used == kv_before
     expected = make_llm(workers, speculation="off").generate(
-        "hello world" if survivor == keep else "the cat sat on", greedy(20 if survivor == keep else 50))[0]
+        "hello world" if survivor == keep else "the cat sat on", greedy(20 if survivor == keep else 50)
+    )[0]
     assert finals[survivor].token_ids == expected.token_ids
 
 
@@ -662,9 +714,10 @@ def test_pipeline_and_probe_config_are_validated():
 
 
 def test_pipeline_auto_follows_the_cost_model_and_needs_concurrent_workers(workers):
-    """pipeline="auto": never in one process (the calls could not overlap); with workers that run concurrently
-    (the actor proxies say can_overlap where they have cores or devices of their own) it pipelines while the cost model predicts a gain, and goes back to one group
-    (verifying the group in flight first) when it does not. Outputs stay exactly `off`'s throughout."""
+    """pipeline="auto": never in one process (the calls could not overlap); with workers that run concurrently (the
+    actor proxies say can_overlap where they have cores or devices of their own) it pipelines while the cost model
+    predicts a gain, and goes back to one group (verifying the group in flight first) when it does not. Outputs stay
+    exactly `off`'s throughout."""
     target, drafter, tok = workers
     compute_bound = CostModel([(1, 0.01), (1000, 1.0)], [(1, 0.05), (16, 0.8)])
     bandwidth_bound = CostModel([(1, 0.04), (1000, 0.05)], [(1, 0.002), (16, 0.004)])
@@ -672,8 +725,9 @@ def test_pipeline_auto_follows_the_cost_model_and_needs_concurrent_workers(worke
     reference = make_llm(workers, speculation="off").generate(PROMPTS[:4], greedy(30))
 
     local = Engine(config, target, drafter, tok, cost=copy.deepcopy(compute_bound))
-    assert [o.token_ids for o in LLM.from_engine(local).generate(PROMPTS[:4], greedy(30))] == \
-        [r.token_ids for r in reference]
+    assert [o.token_ids for o in LLM.from_engine(local).generate(PROMPTS[:4], greedy(30))] == [
+        r.token_ids for r in reference
+    ]
     assert local._drafted_group is None and local.timings.num_pipelined_phases == 0
 
     class RemoteTarget(type(target)):  # the same worker, declared concurrent as the actor proxies are
@@ -743,8 +797,9 @@ def test_the_context_window_is_capped_by_what_one_request_can_reserve(checkpoint
     # would wait at the head of the queue forever. The engine caps its window to what fits, and says so.
     target_dir, drafter_dir = checkpoints
     bytes_per_token = workers[0].model.kv.bytes_per_token
-    target, drafter, tok = build_workers(str(target_dir), str(drafter_dir), dtype="float64",
-                                         kv_cache_bytes=40 * bytes_per_token)
+    target, drafter, tok = build_workers(
+        str(target_dir), str(drafter_dir), dtype="float64", kv_cache_bytes=40 * bytes_per_token
+    )
     assert target.max_request_tokens == 40 < target.max_model_len
     engine = Engine(EngineConfig(speculation="ddtree", budget=4), target, drafter, tok, cost=copy.deepcopy(FLAT_COST))
     assert engine.max_model_len == 40 - 1 - 4
@@ -767,7 +822,9 @@ def test_text_prompts_get_the_tokenizers_special_tokens(workers):
     target, drafter, _ = workers
     bos_tok = make_char_tokenizer()
     bos_id = bos_tok.convert_tokens_to_ids("<unk>")  # the char tokenizer has no BOS: any special token shows it
-    bos_tok._tokenizer.post_processor = processors.TemplateProcessing(single="<unk> $A", special_tokens=[("<unk>", bos_id)])
+    bos_tok._tokenizer.post_processor = processors.TemplateProcessing(
+        single="<unk> $A", special_tokens=[("<unk>", bos_id)]
+    )
     engine = Engine(EngineConfig(speculation="off"), target, None, bos_tok, cost=copy.deepcopy(FLAT_COST))
     ids, _ = engine.validate("ab", greedy())
     assert ids == [bos_id] + bos_tok.encode("ab", add_special_tokens=False)
@@ -914,8 +971,13 @@ def test_a_request_waiting_past_max_queue_seconds_leaves_unserved(workers):
         calls.append(request_id)
         return original(request_id)
 
-    engine = Engine(EngineConfig(speculation="off", max_num_seqs=1, max_queue_seconds=0.2), target, None, tok,
-                    cost=copy.deepcopy(FLAT_COST))
+    engine = Engine(
+        EngineConfig(speculation="off", max_num_seqs=1, max_queue_seconds=0.2),
+        target,
+        None,
+        tok,
+        cost=copy.deepcopy(FLAT_COST),
+    )
     target.free = counting_free
     try:
         running = engine.add_request(PROMPTS[0], greedy(20))
@@ -991,12 +1053,22 @@ def test_a_lost_target_costs_no_request_and_no_token(workers, spare_workers, pip
     increments holds every final token once, in order."""
     target, drafter, tok = workers
     new_target, spare_drafter, _ = spare_workers
-    params = [greedy(30), SamplingParams(temperature=0.9, seed=11, max_tokens=30, ignore_eos=True), greedy(30),
-              SamplingParams(temperature=0.7, seed=5, max_tokens=30, ignore_eos=True), greedy(30)]
+    params = [
+        greedy(30),
+        SamplingParams(temperature=0.9, seed=11, max_tokens=30, ignore_eos=True),
+        greedy(30),
+        SamplingParams(temperature=0.7, seed=5, max_tokens=30, ignore_eos=True),
+        greedy(30),
+    ]
     reference = make_llm(workers, speculation="off").generate(PROMPTS, params)
     dying = _DyingTarget(target, lives)
-    engine = Engine(EngineConfig(speculation="ddtree", budget=4, max_num_seqs=3, pipeline=pipeline), dying,
-                    drafter, tok, cost=copy.deepcopy(FLAT_COST))
+    engine = Engine(
+        EngineConfig(speculation="ddtree", budget=4, max_num_seqs=3, pipeline=pipeline),
+        dying,
+        drafter,
+        tok,
+        cost=copy.deepcopy(FLAT_COST),
+    )
     ids: list[str] = []
     try:
         ids += [engine.add_request(p, sp) for p, sp in zip(PROMPTS[:4], params[:4])]
@@ -1058,8 +1130,13 @@ def test_a_lost_drafter_costs_no_request_and_a_new_one_resumes_speculation(worke
     target, drafter, tok = workers
     reference = make_llm(workers, speculation="off").generate(PROMPTS, greedy(30))
     dying = _DyingDrafter(drafter, lives)
-    engine = Engine(EngineConfig(speculation="ddtree", budget=4, max_num_seqs=3, pipeline=pipeline), target, dying,
-                    tok, cost=copy.deepcopy(FLAT_COST))
+    engine = Engine(
+        EngineConfig(speculation="ddtree", budget=4, max_num_seqs=3, pipeline=pipeline),
+        target,
+        dying,
+        tok,
+        cost=copy.deepcopy(FLAT_COST),
+    )
     ids = [engine.add_request(p, greedy(30)) for p in PROMPTS[:3]]
     finals = {}
     while engine.drafter_lost is None:

@@ -14,9 +14,21 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_gpu_check_runs_on_the_cpu(tmp_path):
     out = tmp_path / "check.json"
     result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--device", "cpu", "--quick",
-         "--concurrency", "2", "--out", str(out)],
-        capture_output=True, text=True, timeout=600, cwd=ROOT,
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "gpu_check.py"),
+            "--device",
+            "cpu",
+            "--quick",
+            "--concurrency",
+            "2",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     report = json.loads(out.read_text())

@@ -114,8 +114,9 @@ def test_the_explore_share_is_checked():
 # ---- the loop over the real policy -------------------------------------------------------------------------------
 
 
-def run_policy(true_seconds, accept_chance: float, num_rounds: int, with_guard: bool, num_requests: int = 8,
-               seed: int = 0) -> tuple[float, float]:
+def run_policy(
+    true_seconds, accept_chance: float, num_rounds: int, with_guard: bool, num_requests: int = 8, seed: int = 0
+) -> tuple[float, float]:
     """The budget policy deciding from a cost model that believes drafting and verifying are nearly free, on a
     machine whose true round time is `true_seconds(num_speculative, num_tokens)` (jittered +-20%), and requests whose
     draft nodes are each accepted with `accept_chance` (a node only after its parent). The cost model learns from the
@@ -163,6 +164,7 @@ def test_the_loop_over_the_policy_ends_within_its_bound_of_the_better_mode(case)
     """Where the true costs differ from what the policy believes (a per-request cost outside the timed forwards, or
     a verify pass that grows faster than the model was told), the policy alone loses to plain decoding; with the
     loop the engine ends within the bound of the better of the two: plain decoding, or the policy where it pays."""
+
     def true_seconds(num_speculative, num_tokens):
         if case == "hidden cost per draft":  # e.g. tree building and the accept walk, in Python, on a busy core
             return 0.010 + 0.0002 * num_tokens + 0.004 * num_speculative

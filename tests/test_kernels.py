@@ -15,10 +15,15 @@ from ddtree.models.target import TargetModel
 from ddtree.models.testing import write_random_target
 
 HAS_NINJA = shutil.which("ninja") is not None or importlib.util.find_spec("ninja") is not None
-HAS_TOOLCHAIN = (shutil.which("c++") is not None or shutil.which("g++") is not None) and (
-    Path(sysconfig.get_paths()["include"]) / "Python.h").is_file() and HAS_NINJA
-pytestmark = pytest.mark.skipif(not HAS_TOOLCHAIN, reason="no C++ compiler, Python headers or ninja: the runner "
-                                                          "uses torch's kernels (tested elsewhere)")
+HAS_TOOLCHAIN = (
+    (shutil.which("c++") is not None or shutil.which("g++") is not None)
+    and (Path(sysconfig.get_paths()["include"]) / "Python.h").is_file()
+    and HAS_NINJA
+)
+pytestmark = pytest.mark.skipif(
+    not HAS_TOOLCHAIN,
+    reason="no C++ compiler, Python headers or ninja: the runner uses torch's kernels (tested elsewhere)",
+)
 
 EMPTY = torch.empty(0)
 
@@ -52,8 +57,9 @@ def test_panel_linear_matches_torch(ops, threads, k, n):
             x, residual = torch.randn(m, k, generator=gen), torch.randn(m, n, generator=gen)
             expected = x @ w
             torch.testing.assert_close(ops.panel_linear(x, panels, n, EMPTY, EMPTY), expected, rtol=1e-5, atol=1e-4)
-            torch.testing.assert_close(ops.panel_linear(x, panels, n, bias, residual), expected + bias + residual,
-                                       rtol=1e-5, atol=1e-4)
+            torch.testing.assert_close(
+                ops.panel_linear(x, panels, n, bias, residual), expected + bias + residual, rtol=1e-5, atol=1e-4
+            )
         # the transposed view of a contiguous [n, k] matrix (the runner's storage) packs the same
         assert torch.equal(kernels.pack_panels(w.t().contiguous().t()), panels)
     finally:
@@ -81,13 +87,14 @@ def test_bf16_panel_linear_sums_the_bf16_products(ops, threads, k, n):
         # the layout: panel p, row i holds columns 32p..32p+31 of inputs 2i and 2i + 1 in pairs
         p, i, c = (n - 1) // 32, (k - 1) // 2, (n - 1) % 32
         assert panels[p, i, 2 * c + (k - 1) % 2] == w[k - 1, n - 1].bfloat16()
-        tolerance = dict(rtol=1e-5, atol=1e-4 * max(1.0, k ** 0.5 / 8))
+        tolerance = dict(rtol=1e-5, atol=1e-4 * max(1.0, k**0.5 / 8))
         for m in (1, 2, 3, 5, 8, 9, 17, 40):
             x, residual = torch.randn(m, k, generator=gen), torch.randn(m, n, generator=gen)
             expected = bf16_products(x, w)
             torch.testing.assert_close(ops.panel_linear(x, panels, n, EMPTY, EMPTY), expected, **tolerance)
-            torch.testing.assert_close(ops.panel_linear(x, panels, n, bias, residual), expected + bias + residual,
-                                       **tolerance)
+            torch.testing.assert_close(
+                ops.panel_linear(x, panels, n, bias, residual), expected + bias + residual, **tolerance
+            )
         # the float32 result differs by the rounding of x and W: the test above would notice float32 products
         x = torch.randn(4, k, generator=gen)
         assert not torch.allclose(ops.panel_linear(x, panels, n, EMPTY, EMPTY), x @ w, rtol=1e-6, atol=1e-6)
@@ -111,19 +118,25 @@ def test_bf16_panels_without_bf16_dot_products_sum_the_same(ops, tmp_path, monke
 
     def wide(*shape, low=-30, high=30):  # random signs and mantissas over exponents 2^low .. 2^high
         sign = torch.randn(*shape, generator=gen).sign()
-        return sign * (1 + torch.rand(*shape, generator=gen)) * torch.exp2(
-            torch.randint(low, high, shape, generator=gen).float())
+        return (
+            sign
+            * (1 + torch.rand(*shape, generator=gen))
+            * torch.exp2(torch.randint(low, high, shape, generator=gen).float())
+        )
 
-    cases = [(torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen))
-             for k, n, m in [(576, 1000, 8), (37, 53, 3), (1536, 576, 17)]]
+    cases = [
+        (torch.randn(m, k, generator=gen), torch.randn(k, n, generator=gen))
+        for k, n, m in [(576, 1000, 8), (37, 53, 3), (1536, 576, 17)]
+    ]
     cases.append((wide(9, 300), wide(300, 70)))  # cancellations across magnitudes
     cases.append((wide(2, 64, low=-75, high=-55), wide(64, 32, low=-75, high=-55)))  # products below 2^-126
     cases.append((torch.full((1, 2), 1e-39), torch.ones(2, 32)))  # a subnormal input
     for x, w in cases:
         panels = kernels.pack_panels(w, torch.bfloat16)
         n = w.shape[1]
-        assert torch.equal(portable.panel_linear(x, panels, n, EMPTY, EMPTY), ops.panel_linear(x, panels, n, EMPTY,
-                                                                                               EMPTY))
+        assert torch.equal(
+            portable.panel_linear(x, panels, n, EMPTY, EMPTY), ops.panel_linear(x, panels, n, EMPTY, EMPTY)
+        )
 
 
 def test_linear_ops_reject_what_they_cannot_compute(ops):
@@ -153,26 +166,41 @@ def test_rms_norm_and_silu_and_mul_match_torch(ops):
     x, weight = torch.randn(3, 576, generator=gen) * 7, torch.randn(576, generator=gen)
     torch.testing.assert_close(ops.rms_norm(x, weight, 1e-5), F.rms_norm(x, (576,), weight, 1e-5))
     gate_up = torch.randn(3, 2 * 1536, generator=gen) * 4
-    gate_up[0, :9] = torch.tensor([-200.0, -90.0, -87.5, 87.5, 90.0, 200.0, -float("inf"), float("inf"),
-                                   float("nan")])  # past the exp's clamps, and what torch makes of inf and NaN
-    torch.testing.assert_close(ops.silu_and_mul(gate_up), F.silu(gate_up[:, :1536]) * gate_up[:, 1536:],
-                               equal_nan=True)
+    gate_up[0, :9] = torch.tensor(
+        [-200.0, -90.0, -87.5, 87.5, 90.0, 200.0, -float("inf"), float("inf"), float("nan")]
+    )  # past the exp's clamps, and what torch makes of inf and NaN
+    torch.testing.assert_close(ops.silu_and_mul(gate_up), F.silu(gate_up[:, :1536]) * gate_up[:, 1536:], equal_nan=True)
     with pytest.raises(RuntimeError, match="rms_norm"):
         ops.rms_norm(x, torch.randn(5), 1e-5)
     with pytest.raises(RuntimeError, match="silu_and_mul"):
         ops.silu_and_mul(torch.randn(2, 5))
 
 
-@pytest.mark.parametrize("heads, kv_heads, num_cached, num_new, is_tree, d", [
-    (9, 3, 128, 1, False, 64), (4, 4, 0, 1, False, 64), (6, 2, 17, 5, False, 64), (6, 2, 0, 7, False, 64),
-    (9, 3, 40, 8, True, 64), (4, 2, 3, 1, True, 64), (9, 3, 1008, 16, True, 64), (6, 2, 1023, 1, False, 64),
-    (9, 3, 128, 33, True, 64), (9, 3, 300, 129, True, 64), (9, 3, 0, 130, False, 64), (9, 3, 31, 70, False, 64),
-    (4, 2, 20, 9, True, 128), (4, 2, 20, 9, False, 48), (4, 2, 5, 3, True, 16),  # head_dim past / short of 32s
-])
+@pytest.mark.parametrize(
+    "heads, kv_heads, num_cached, num_new, is_tree, d",
+    [
+        (9, 3, 128, 1, False, 64),
+        (4, 4, 0, 1, False, 64),
+        (6, 2, 17, 5, False, 64),
+        (6, 2, 0, 7, False, 64),
+        (9, 3, 40, 8, True, 64),
+        (4, 2, 3, 1, True, 64),
+        (9, 3, 1008, 16, True, 64),
+        (6, 2, 1023, 1, False, 64),
+        (9, 3, 128, 33, True, 64),
+        (9, 3, 300, 129, True, 64),
+        (9, 3, 0, 130, False, 64),
+        (9, 3, 31, 70, False, 64),
+        (4, 2, 20, 9, True, 128),
+        (4, 2, 20, 9, False, 48),
+        (4, 2, 5, 3, True, 16),  # head_dim past / short of 32s
+    ],
+)
 @pytest.mark.parametrize("qk_norm", [False, True])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_attention_block_ropes_writes_the_cache_and_attends(ops, heads, kv_heads, num_cached, num_new, is_tree, d,
-                                                            qk_norm, threads):
+def test_attention_block_ropes_writes_the_cache_and_attends(
+    ops, heads, kv_heads, num_cached, num_new, is_tree, d, qk_norm, threads
+):
     """(Qwen3's per-head q/k RMSNorm,) rotary, the KV write into the cache views and attention (causal, or a tree's
     ancestor mask) against torch's norm, rotary and SDPA."""
     previous = torch.get_num_threads()
@@ -207,13 +235,20 @@ def _check_attention_block(ops, heads, kv_heads, num_cached, num_new, is_tree, d
     norm_weights = (torch.rand(heads + kv_heads, d, generator=gen) + 0.5) if qk_norm else EMPTY
     if qk_norm:  # q_norm rows per q head, then k_norm rows per kv head
         q = (F.rms_norm(q.view(num_new, heads, d), (d,), eps=eps) * norm_weights[:heads]).reshape(num_new, -1)
-        k_new = (F.rms_norm(k_new.view(num_new, kv_heads, d), (d,), eps=eps) * norm_weights[heads:]).reshape(num_new, -1)
+        k_new = (F.rms_norm(k_new.view(num_new, kv_heads, d), (d,), eps=eps) * norm_weights[heads:]).reshape(
+            num_new, -1
+        )
     q = rope_reference(q.view(num_new, heads, d), cos.unsqueeze(1), sin.unsqueeze(1))
     k_new = rope_reference(k_new.view(num_new, kv_heads, d), cos.unsqueeze(1), sin.unsqueeze(1))
     k_ref = torch.cat([pool[0, :, start : start + num_cached], k_new.transpose(0, 1)], dim=1)
     v_ref = torch.cat([pool[1, :, start : start + num_cached], v_new.view(num_new, kv_heads, d).transpose(0, 1)], dim=1)
-    expected = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k_ref.unsqueeze(0), v_ref.unsqueeze(0),
-                                              attn_mask=mask, enable_gqa=heads != kv_heads)
+    expected = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        k_ref.unsqueeze(0),
+        v_ref.unsqueeze(0),
+        attn_mask=mask,
+        enable_gqa=heads != kv_heads,
+    )
     expected = expected[0].transpose(0, 1).reshape(num_new, heads * d)
     untouched = pool.clone()
     k, v = pool[0, :, start : start + t], pool[1, :, start : start + t]
@@ -250,8 +285,10 @@ def test_one_token_forwards_on_native_ops_match_hf(tmp_path, family, ops):
 
     path = write_random_target(tmp_path / family, model_type=family, seed=7)
     hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    runners = {native: TargetModel.load(path, feature_layer_ids=[1, 0], max_kv_bytes=2**22, cpu_kernels=native)
-               for native in (True, False)}
+    runners = {
+        native: TargetModel.load(path, feature_layer_ids=[1, 0], max_kv_bytes=2**22, cpu_kernels=native)
+        for native in (True, False)
+    }
     assert runners[True].uses_cpu_kernels and not runners[False].uses_cpu_kernels
     ids = torch.randint(0, 97, (12,), generator=torch.Generator().manual_seed(1)).tolist()
     for runner in runners.values():
@@ -321,12 +358,22 @@ def test_kernels_are_on_by_default_only_on_x86_cpus_with_avx512_or_avx2(monkeypa
 
     monkeypatch.setattr(kernels, "Path", fake_path)
     monkeypatch.setattr(kernels.platform, "machine", lambda: "x86_64")
-    cases = {"flags\t\t: fpu sse2 avx2 fma avx512f avx512bw\n": True, "flags\t\t: fpu sse2 avx2 fma\n": True,
-             "flags\t\t: fpu sse2 avx2\n": False, "flags\t\t: fpu sse2 sse4_2\n": False}
+    cases = {
+        "flags\t\t: fpu sse2 avx2 fma avx512f avx512bw\n": True,
+        "flags\t\t: fpu sse2 avx2 fma\n": True,
+        "flags\t\t: fpu sse2 avx2\n": False,
+        "flags\t\t: fpu sse2 sse4_2\n": False,
+    }
     for text, has_avx512 in cases.items():
         cpuinfo.write_text("processor\t: 0\n" + text)
-        for value, enabled in ((None, has_avx512), ("auto", has_avx512), ("1", True), ("on", True), ("0", False),
-                               ("off", False)):
+        for value, enabled in (
+            (None, has_avx512),
+            ("auto", has_avx512),
+            ("1", True),
+            ("on", True),
+            ("0", False),
+            ("off", False),
+        ):
             if value is None:
                 monkeypatch.delenv("DDTREE_CPU_KERNELS", raising=False)
             else:
@@ -356,12 +403,17 @@ def test_disabled_or_unbuildable_kernels_fall_back_to_torch(tmp_path, monkeypatc
     assert not runner.uses_cpu_kernels
     assert "native kernel cpu_ops unavailable" in caplog.text and "no_such_header_ddtree.h" in caplog.text
     # a compiler that is not there: the warning says so (the shell's "not found"), not only the command line
-    assert "not found" in kernels._build_error(RuntimeError(
-        "Error building extension 'x': [1/2] /nonexistent/c++ -MMD -c a.cpp -o a.o\n"
-        "FAILED: a.o\n/bin/sh: 1: /nonexistent/c++: not found\nninja: build stopped: subcommand failed."))
+    assert "not found" in kernels._build_error(
+        RuntimeError(
+            "Error building extension 'x': [1/2] /nonexistent/c++ -MMD -c a.cpp -o a.o\n"
+            "FAILED: a.o\n/bin/sh: 1: /nonexistent/c++: not found\nninja: build stopped: subcommand failed."
+        )
+    )
     # many compiler errors: the first (the cause) and the last are kept
-    many = "\n".join(["a.cpp:3:1: error: 'at::Tag' has not been declared"]
-                     + [f"a.cpp:{9 + i}:5: error: 'x{i}' was not declared" for i in range(6)])
+    many = "\n".join(
+        ["a.cpp:3:1: error: 'at::Tag' has not been declared"]
+        + [f"a.cpp:{9 + i}:5: error: 'x{i}' was not declared" for i in range(6)]
+    )
     kept = kernels._build_error(RuntimeError(many))
     assert "at::Tag" in kept and "'x5'" in kept and kept.count("|") == 4
     runner.kv.allocate(0, 8)
@@ -387,8 +439,9 @@ def test_drafter_on_native_ops_drafts_what_torch_drafts(tmp_path, ops):
 
     target_dir = write_random_target(tmp_path / "target", num_hidden_layers=3, seed=4)
     target = TargetModel.load(target_dir, feature_layer_ids=[0, 2], max_kv_bytes=2**22)
-    drafter_dir = write_random_dflash(tmp_path / "drafter", target.config, num_layers=2, block_size=6,
-                                      target_layer_ids=[0, 2])
+    drafter_dir = write_random_dflash(
+        tmp_path / "drafter", target.config, num_layers=2, block_size=6, target_layer_ids=[0, 2]
+    )
     save_draft_vocab(drafter_dir, list(range(3, 90, 2)), source="test")
     drafters = {
         "f32": DFlashDrafter.load(drafter_dir, target, kernel_weight_dtype=torch.float32),
@@ -516,10 +569,19 @@ def test_the_avx2_build_passes_the_kernel_tests(tmp_path):
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     if not ({"avx2", "fma"} <= set(flags.split())):
         pytest.skip("this CPU cannot run AVX2 code")
-    env = dict(os.environ, DDTREE_CPU_KERNELS="1", DDTREE_KERNEL_CFLAGS="-march=x86-64-v3",
-               DDTREE_KERNEL_CACHE=str(tmp_path / "cache"))
+    env = dict(
+        os.environ,
+        DDTREE_CPU_KERNELS="1",
+        DDTREE_KERNEL_CFLAGS="-march=x86-64-v3",
+        DDTREE_KERNEL_CACHE=str(tmp_path / "cache"),
+    )
     selected = "panel_linear or attention_block or exactly_the_logits or native_ops_drafts"
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k",
-                             selected], env=env, capture_output=True, text=True, cwd=Path(__file__).parent.parent)
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", selected],
+        env=env,
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parent.parent,
+    )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and "skipped" not in result.stdout.splitlines()[-1]

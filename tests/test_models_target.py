@@ -73,7 +73,7 @@ def make_verify_case(runner, gen, num_requests=3, vocab=97, scattered=False):
     trees = [random_draft_tree(n, 4, vocab, gen) for n in (7, 0, 12, 5)[:num_requests]]
     roots = [int(t) for t in torch.randint(0, vocab, (num_requests,), generator=gen)]
     seq_ids = [10 + r for r in range(num_requests)]
-    for s in (reversed(seq_ids) if scattered else seq_ids):
+    for s in reversed(seq_ids) if scattered else seq_ids:
         if scattered:
             runner.kv.allocate(100 + s, 37)
         runner.kv.allocate(s, 64)
@@ -89,8 +89,9 @@ def make_verify_case(runner, gen, num_requests=3, vocab=97, scattered=False):
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_verify_matches_hf_on_every_path(checkpoints, family, gemm):
     hf = hf_model(checkpoints[family])
-    runner = TargetModel.load(checkpoints[family], feature_layer_ids=FEATURE_LAYERS, max_kv_bytes=2**22,
-                              cpu_kernels=gemm == "native")
+    runner = TargetModel.load(
+        checkpoints[family], feature_layer_ids=FEATURE_LAYERS, max_kv_bytes=2**22, cpu_kernels=gemm == "native"
+    )
     # float32 on CPU: forwards of several tokens run on the native panel GEMM, or without it (a machine without a
     # C++ compiler) on the oneDNN-packed weights
     if gemm == "native":
@@ -131,8 +132,9 @@ def sequential_logits(runner, prompt, path, seq_id=99):
 @pytest.mark.parametrize("attention", ["sdpa", "flex"])
 def test_verify_equals_sequential_decoding_float64(checkpoints, attention):
     runner = TargetModel.load(checkpoints["qwen2"], dtype=torch.float64, max_kv_bytes=2**23, attention=attention)
-    seq_ids, prompts, trees, roots, packed = make_verify_case(runner, torch.Generator().manual_seed(2), 4,
-                                                              scattered=attention == "flex")
+    seq_ids, prompts, trees, roots, packed = make_verify_case(
+        runner, torch.Generator().manual_seed(2), 4, scattered=attention == "flex"
+    )
     rows = torch.tensor([0, 3, packed.num_tokens - 1])
     logits, _ = runner.verify(seq_ids, packed)
     for r in range(len(seq_ids)):
@@ -154,8 +156,7 @@ def test_flex_matches_sdpa(checkpoints, scattered):
     order with free slots between them."""
     results = []
     for attention in ("sdpa", "flex"):
-        runner = TargetModel.load(checkpoints["llama"], feature_layer_ids=[1], max_kv_bytes=2**22,
-                                  attention=attention)
+        runner = TargetModel.load(checkpoints["llama"], feature_layer_ids=[1], max_kv_bytes=2**22, attention=attention)
         seq_ids, _, _, _, packed = make_verify_case(runner, torch.Generator().manual_seed(3), scattered=scattered)
         results.append(runner.verify(seq_ids, packed))
     torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-5)
@@ -191,8 +192,9 @@ def test_greedy_argmax_matches_hf_float64(checkpoints):
     runner = TargetModel.load(checkpoints["llama"], dtype=torch.float64, max_kv_bytes=2**22)
     prompt = random_ids(7, torch.Generator().manual_seed(5))
     with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)[0, len(prompt):].tolist()
+        ref = hf.generate(
+            torch.tensor([prompt]), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, len(prompt) :].tolist()
     runner.kv.allocate(0, 32)
     logits, _ = runner.prefill([0], [prompt])
     out = [int(logits[0].argmax())]
@@ -232,9 +234,11 @@ def test_a_checkpoint_that_does_not_match_its_config_is_refused(tmp_path):
     config_path = path / "config.json"
     config = json.loads(config_path.read_text())
     TargetModel.load(path, max_kv_bytes=2**20)  # as written: loads
-    for key, value, match in [("num_hidden_layers", config["num_hidden_layers"] - 1, "does not use"),
-                              ("vocab_size", config["vocab_size"] + 5, "has shape"),
-                              ("intermediate_size", config["intermediate_size"] * 2, "has shape")]:
+    for key, value, match in [
+        ("num_hidden_layers", config["num_hidden_layers"] - 1, "does not use"),
+        ("vocab_size", config["vocab_size"] + 5, "has shape"),
+        ("intermediate_size", config["intermediate_size"] * 2, "has shape"),
+    ]:
         config_path.write_text(json.dumps(dict(config, **{key: value})))
         with pytest.raises(ValueError, match=match):
             TargetModel.load(path, max_kv_bytes=2**20)
@@ -283,10 +287,12 @@ def test_decoding_continues_after_the_pool_compacts(checkpoints):
     assert runner.kv.handle(1).slot_start == 0
     logits, _ = runner.decode([1, 3], [11, 12])
     runner.free(7)  # room for the references
-    torch.testing.assert_close(logits[0], sequential_logits(runner, prompt, [11], seq_id=99)[-1],
-                               rtol=1e-10, atol=1e-10)
-    torch.testing.assert_close(logits[1], sequential_logits(runner, prompt[:5], [12], seq_id=99)[-1],
-                               rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(
+        logits[0], sequential_logits(runner, prompt, [11], seq_id=99)[-1], rtol=1e-10, atol=1e-10
+    )
+    torch.testing.assert_close(
+        logits[1], sequential_logits(runner, prompt[:5], [12], seq_id=99)[-1], rtol=1e-10, atol=1e-10
+    )
 
 
 def test_verify_cost_curve(checkpoints):
@@ -323,8 +329,13 @@ def test_packed_and_plain_weights_agree(checkpoints):
             torch.set_num_threads(threads)
             outs = []
             for is_packed in (True, False):
-                runner = TargetModel.load(checkpoints["qwen2"], feature_layer_ids=FEATURE_LAYERS, max_kv_bytes=2**22,
-                                          pack_gemm_weights=is_packed, cpu_kernels=False)
+                runner = TargetModel.load(
+                    checkpoints["qwen2"],
+                    feature_layer_ids=FEATURE_LAYERS,
+                    max_kv_bytes=2**22,
+                    pack_gemm_weights=is_packed,
+                    cpu_kernels=False,
+                )
                 assert (runner.packed_layers is not None) == (is_packed and torch.backends.mkldnn.is_available())
                 seq_ids, prompts, trees, roots, packed = make_verify_case(runner, torch.Generator().manual_seed(3))
                 verify_logits, _ = runner.verify(seq_ids, packed)
@@ -338,11 +349,19 @@ def test_packed_and_plain_weights_agree(checkpoints):
         torch.set_num_threads(previous)
 
 
-@pytest.mark.parametrize("rope_scaling", [
-    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-     "original_max_position_embeddings": 32},
-    {"rope_type": "linear", "factor": 4.0},
-])
+@pytest.mark.parametrize(
+    "rope_scaling",
+    [
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+        {"rope_type": "linear", "factor": 4.0},
+    ],
+)
 def test_rope_scaling_matches_hf(tmp_path, rope_scaling):
     import json
 

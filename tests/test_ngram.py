@@ -40,8 +40,9 @@ def brute_force_proposal(tokens, k, max_n=3):
 def test_merge_chain_shares_nodes_and_keeps_every_prefix_a_tree():
     # tree: 5 (0.6) -> 6 (0.3); 7 (0.2) at the root
     tokens, parents, values = [5, 6, 7], [-1, 0, -1], [0.6, 0.3, 0.2]
-    merged_tokens, merged_parents, merged_depths, merged_values = merge_chain(tokens, parents, values, [5, 8, 9],
-                                                                              [0.5, 0.35, 0.25])
+    merged_tokens, merged_parents, merged_depths, merged_values = merge_chain(
+        tokens, parents, values, [5, 8, 9], [0.5, 0.35, 0.25]
+    )
     assert merged_values == sorted(merged_values, reverse=True)
     assert len(merged_tokens) == 5  # 5 is shared, 8 and 9 are new
     for i, p in enumerate(merged_parents):

@@ -88,9 +88,7 @@ def test_hand_drawn_depth3_tree_and_two_other_requests() -> None:
 def test_trees_beyond_one_bit_word() -> None:
     """Segments longer than 64 tokens use several words per row, including the sign bit of each word."""
     g = torch.Generator().manual_seed(0)
-    trees = [
-        build_tree(torch.log_softmax(torch.randn(6, 30, generator=g), -1), budget) for budget in (200, 63, 64, 1)
-    ]
+    trees = [build_tree(torch.log_softmax(torch.randn(6, 30, generator=g), -1), budget) for budget in (200, 63, 64, 1)]
     packed = pack(trees, root_token_ids=[1, 2, 3, 4], num_cached=[0, 17, 4, 9])
     assert packed.ancestor_bits.shape == (packed.num_tokens, 4)
     for r, tree in enumerate(trees):
@@ -129,8 +127,10 @@ def mask_from_blocks(block_mask, num_queries: int, num_keys: int) -> torch.Tenso
     out = torch.zeros(num_queries, num_keys, dtype=torch.bool)
     for qb in range(block_mask.kv_num_blocks.shape[-1]):
         rows = slice(qb * size, (qb + 1) * size)
-        for counts, indices, is_full in ((block_mask.kv_num_blocks, block_mask.kv_indices, False),
-                                         (block_mask.full_kv_num_blocks, block_mask.full_kv_indices, True)):
+        for counts, indices, is_full in (
+            (block_mask.kv_num_blocks, block_mask.kv_indices, False),
+            (block_mask.full_kv_num_blocks, block_mask.full_kv_indices, True),
+        ):
             for kb in indices[0, 0, qb, : int(counts[0, 0, qb])].tolist():
                 cols = slice(kb * size, (kb + 1) * size)
                 out[rows, cols] = True if is_full else by_mod[rows, cols]
@@ -145,7 +145,9 @@ def test_flex_block_mask_from_the_layout_is_the_exact_mask() -> None:
     for case in range(12):
         num_requests = 1 + case % 5
         trees = [
-            build_tree(torch.log_softmax(torch.randn(5, 20, generator=g), -1), int(torch.randint(0, 40, (1,), generator=g)))
+            build_tree(
+                torch.log_softmax(torch.randn(5, 20, generator=g), -1), int(torch.randint(0, 40, (1,), generator=g))
+            )
             for _ in range(num_requests)
         ]
         num_cached = torch.randint(0, 70, (num_requests,), generator=g).tolist()
@@ -240,8 +242,9 @@ def test_flex_block_mask_on_a_torch_without_from_kv_blocks_lengths(monkeypatch) 
 def test_a_batch_packed_on_the_host_moves_whole() -> None:
     """`PackedBatch.to`: every tensor on the new device with its own values (one stacked copy), the lists kept."""
     g = torch.Generator().manual_seed(9)
-    packed = pack([build_tree(torch.log_softmax(torch.randn(4, 9, generator=g), -1), 12), DraftTree.empty()], [1, 2],
-                  [5, 0])
+    packed = pack(
+        [build_tree(torch.log_softmax(torch.randn(4, 9, generator=g), -1), 12), DraftTree.empty()], [1, 2], [5, 0]
+    )
     assert packed.to("cpu") is packed
     moved = packed.to("meta")
     for name in ("input_ids", "position_ids", "seq_index", "node_index", "local_parents", "depths", "ancestor_bits"):

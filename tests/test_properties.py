@@ -42,8 +42,12 @@ def trees(draw, max_nodes: int = 30, max_vocab: int = 5) -> DraftTree:
         parents.append(parent)
         depths.append(1 if parent < 0 else depths[parent] + 1)
         used.setdefault(index, set())
-    return DraftTree(torch.tensor(tokens, dtype=torch.int64), torch.tensor(parents, dtype=torch.int64),
-                     torch.tensor(depths, dtype=torch.int64), -torch.arange(len(tokens), dtype=torch.float32))
+    return DraftTree(
+        torch.tensor(tokens, dtype=torch.int64),
+        torch.tensor(parents, dtype=torch.int64),
+        torch.tensor(depths, dtype=torch.int64),
+        -torch.arange(len(tokens), dtype=torch.float32),
+    )
 
 
 @st.composite
@@ -59,8 +63,9 @@ def batches(draw, max_requests: int = 5):
 @given(data=st.data(), num_positions=st.integers(1, 3), vocab=st.integers(1, 4))
 def test_the_heap_tree_is_the_best_tree_of_every_budget(data, num_positions, vocab) -> None:
     """build_tree's B nodes are B most probable prefixes (the optimal tree of B nodes), for any budget."""
-    raw = data.draw(st.lists(st.floats(-4, 4, allow_nan=False), min_size=num_positions * vocab,
-                             max_size=num_positions * vocab))
+    raw = data.draw(
+        st.lists(st.floats(-4, 4, allow_nan=False), min_size=num_positions * vocab, max_size=num_positions * vocab)
+    )
     logprobs = torch.log_softmax(torch.tensor(raw, dtype=torch.float64).reshape(num_positions, vocab), -1).float()
     prefixes = all_prefixes(logprobs)
     budget = data.draw(st.integers(0, len(prefixes) + 2))
@@ -84,8 +89,10 @@ def test_packing_lays_out_every_tree_with_its_ancestor_mask(batch) -> None:
         assert packed.input_ids[seg].tolist() == [roots[r]] + tree.token_ids.tolist()
         assert packed.position_ids[seg].tolist() == [cached[r]] + [cached[r] + d for d in tree.depths.tolist()]
         assert torch.equal(packed.tree_mask(r), ancestor_mask_by_walking(tree))
-        assert torch.equal(packed.dense_mask(r), torch.cat(
-            [torch.ones(1 + tree.num_nodes, cached[r], dtype=torch.bool), ancestor_mask_by_walking(tree)], 1))
+        assert torch.equal(
+            packed.dense_mask(r),
+            torch.cat([torch.ones(1 + tree.num_nodes, cached[r], dtype=torch.bool), ancestor_mask_by_walking(tree)], 1),
+        )
     flex = create_mask(packed.flex_mask_mod(), 1, 1, packed.num_tokens, packed.kv_starts()[-1], device="cpu")[0, 0]
     assert torch.equal(flex, torch.block_diag(*[packed.dense_mask(r) for r in range(packed.num_requests)]))
 
@@ -97,8 +104,10 @@ def test_acceptance_follows_the_targets_tokens_down_each_tree(batch, data) -> No
     search accepts, and its bonus token; the on-demand walk gives the same and asks for each token once."""
     trees_, roots, cached = batch
     packed = pack(trees_, roots, cached)
-    target = torch.tensor(data.draw(st.lists(st.integers(0, 5), min_size=packed.num_tokens,
-                                             max_size=packed.num_tokens)), dtype=torch.int64)
+    target = torch.tensor(
+        data.draw(st.lists(st.integers(0, 5), min_size=packed.num_tokens, max_size=packed.num_tokens)),
+        dtype=torch.int64,
+    )
     result = accept(packed, target)
     for r, tree in enumerate(trees_):
         path, bonus = sequential_walk(tree, target[packed.segment(r)].tolist())

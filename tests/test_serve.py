@@ -69,8 +69,9 @@ def _config_app(yaml_path: Path) -> dict:
     from ray.serve.schema import ServeDeploySchema
 
     config = yaml.safe_load(yaml_path.read_text())
-    ServeDeploySchema.model_validate(config) if hasattr(ServeDeploySchema, "model_validate") else \
-        ServeDeploySchema.parse_obj(config)
+    ServeDeploySchema.model_validate(config) if hasattr(
+        ServeDeploySchema, "model_validate"
+    ) else ServeDeploySchema.parse_obj(config)
     (app,) = config["applications"]
     return app
 
@@ -141,9 +142,15 @@ def offline(checkpoints, app_args):
     """The reference: the offline LLM on the same checkpoints and engine settings."""
     from ddtree import LLM
 
-    return LLM(str(checkpoints["target"]), str(checkpoints["drafter"]), dtype="float64",
-               speculation=app_args["speculation"], budget=app_args["budget"], max_budget=app_args["max_budget"],
-               max_num_seqs=MAX_NUM_SEQS)
+    return LLM(
+        str(checkpoints["target"]),
+        str(checkpoints["drafter"]),
+        dtype="float64",
+        speculation=app_args["speculation"],
+        budget=app_args["budget"],
+        max_budget=app_args["max_budget"],
+        max_num_seqs=MAX_NUM_SEQS,
+    )
 
 
 def _engine_info(served) -> dict:
@@ -240,8 +247,9 @@ def test_completions_equal_offline_llm_at_t0(client, offline):
 
 def test_chat_equals_offline_llm_at_t0(client, offline):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "why is the sky blue?"}]
-    prompt_ids = offline.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                       return_dict=False)
+    prompt_ids = offline.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     ref = offline.generate([list(prompt_ids)], SamplingParams(temperature=0.0, max_tokens=20))[0]
     out = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=20, temperature=0)
     assert out.choices[0].message.role == "assistant"
@@ -257,15 +265,24 @@ def test_stop_is_honoured_and_sampling_runs(client, offline):
     assert out.choices[0].finish_reason == "stop"
     # Sampling with every knob set; equal seeds do not give equal samples across requests under budget "auto"
     # (the engine draws per tree node and the trees differ with live timings), so only the run itself is checked.
-    sampled = client.completions.create(model=MODEL_NAME, prompt="the cat", max_tokens=16, temperature=0.8,
-                                        top_p=0.9, seed=7, extra_body={"top_k": 5})
+    sampled = client.completions.create(
+        model=MODEL_NAME, prompt="the cat", max_tokens=16, temperature=0.8, top_p=0.9, seed=7, extra_body={"top_k": 5}
+    )
     assert sampled.choices[0].finish_reason in ("stop", "length") and sampled.usage.completion_tokens >= 1
 
 
 def test_streaming_completion_with_usage(client):
     whole = client.completions.create(model=MODEL_NAME, prompt="the cat sat on", max_tokens=24, temperature=0)
-    chunks = list(client.completions.create(model=MODEL_NAME, prompt="the cat sat on", max_tokens=24, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL_NAME,
+            prompt="the cat sat on",
+            max_tokens=24,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text_chunks = [c for c in chunks if c.choices]
     assert len(text_chunks) > 1  # incremental
     assert "".join(c.choices[0].text for c in text_chunks) == whole.choices[0].text
@@ -284,7 +301,8 @@ def test_a_batch_of_prompts_gets_one_choice_per_prompt(client, offline):
     ids_batch = [[5, 6, 7], [8, 9]]
     ids_out = client.completions.create(model=MODEL_NAME, prompt=ids_batch, max_tokens=6, temperature=0)
     assert [c.text for c in ids_out.choices] == [
-        r.text for r in offline.generate(ids_batch, SamplingParams(temperature=0.0, max_tokens=6))]
+        r.text for r in offline.generate(ids_batch, SamplingParams(temperature=0.0, max_tokens=6))
+    ]
     out = client.completions.create(model=MODEL_NAME, prompt=batch, max_tokens=12, temperature=0)
     assert [c.index for c in out.choices] == [0, 1, 2]
     assert [c.text for c in out.choices] == [r.text for r in refs]
@@ -292,8 +310,16 @@ def test_a_batch_of_prompts_gets_one_choice_per_prompt(client, offline):
     assert out.usage.prompt_tokens == sum(len(r.prompt_token_ids) for r in refs)
     ddtree = out.usage.model_extra["ddtree"]
     assert ddtree["num_speculative_rounds"] == len(ddtree["acceptance_lengths"])
-    chunks = list(client.completions.create(model=MODEL_NAME, prompt=batch, max_tokens=12, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL_NAME,
+            prompt=batch,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     texts, finish = ["", "", ""], [None, None, None]
     for c in chunks[:-1]:
         (choice,) = c.choices
@@ -310,8 +336,16 @@ def test_a_batch_of_prompts_gets_one_choice_per_prompt(client, offline):
 def test_streaming_chat_with_usage(client):
     messages = [{"role": "user", "content": "hi"}]
     whole = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=16, temperature=0)
-    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=16, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=messages,
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
@@ -322,39 +356,48 @@ def test_streaming_chat_with_usage(client):
 def test_logprobs_through_the_client_equal_offline_llm(client, offline):
     """Chat and completions, whole and streamed: the OpenAI shapes, carrying the engine's log-probabilities."""
     ref = offline.generate("the cat sat on", SamplingParams(temperature=0.0, max_tokens=12, logprobs=2))[0]
-    out = client.completions.create(model=MODEL_NAME, prompt="the cat sat on", max_tokens=12, temperature=0,
-                                    logprobs=2)
+    out = client.completions.create(model=MODEL_NAME, prompt="the cat sat on", max_tokens=12, temperature=0, logprobs=2)
     lp = out.choices[0].logprobs
     assert lp.tokens == [t.text for t in ref.logprobs]
     assert lp.token_logprobs == pytest.approx([t.logprob for t in ref.logprobs], abs=1e-4)
     assert [list(d) for d in lp.top_logprobs] == [[text for _, text, _ in t.top] for t in ref.logprobs]
     assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
-    chunks = list(client.completions.create(model=MODEL_NAME, prompt="the cat sat on", max_tokens=12,
-                                            temperature=0, logprobs=2, stream=True))
+    chunks = list(
+        client.completions.create(
+            model=MODEL_NAME, prompt="the cat sat on", max_tokens=12, temperature=0, logprobs=2, stream=True
+        )
+    )
     assert [t for c in chunks for t in c.choices[0].logprobs.tokens] == lp.tokens
 
     messages = [{"role": "user", "content": "hi"}]
-    prompt_ids = offline.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                       return_dict=False)
+    prompt_ids = offline.tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=False
+    )
     ref = offline.generate([list(prompt_ids)], SamplingParams(temperature=0.0, max_tokens=10, logprobs=3))[0]
-    out = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=10, temperature=0,
-                                         logprobs=True, top_logprobs=3)
+    out = client.chat.completions.create(
+        model=MODEL_NAME, messages=messages, max_tokens=10, temperature=0, logprobs=True, top_logprobs=3
+    )
     content = out.choices[0].logprobs.content
     assert [c.token for c in content] == [t.text for t in ref.logprobs]
     assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token for c in content)
     assert content[0].bytes == list(content[0].token.encode())
-    chunks = list(client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=10, temperature=0,
-                                                 logprobs=True, stream=True))
-    streamed = [c.token for ch in chunks if ch.choices and ch.choices[0].logprobs
-                for c in ch.choices[0].logprobs.content]
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=messages, max_tokens=10, temperature=0, logprobs=True, stream=True
+        )
+    )
+    streamed = [
+        c.token for ch in chunks if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content
+    ]
     assert streamed == [t.text for t in ref.logprobs]
     plain = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=4, temperature=0)
     assert plain.choices[0].logprobs is None
 
 
 def test_streaming_without_usage_ends_with_done(served):
-    r = _post(served, "/v1/completions", {"model": MODEL_NAME, "prompt": "a", "max_tokens": 8, "stream": True},
-              stream=True)
+    r = _post(
+        served, "/v1/completions", {"model": MODEL_NAME, "prompt": "a", "max_tokens": 8, "stream": True}, stream=True
+    )
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     events = [line for line in r.iter_lines(decode_unicode=True) if line]
     assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
@@ -375,8 +418,9 @@ def test_errors_through_the_client(served, client):
         client.completions.create(model=MODEL_NAME, prompt="hi", max_tokens=4, n=2)
     assert info.value.body["param"] == "n"
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "x" * 600}],
-                                       max_tokens=4)
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "x" * 600}], max_tokens=4
+        )
     assert info.value.body["code"] == "context_length_exceeded" and info.value.body["param"] == "messages"
     with pytest.raises(openai.BadRequestError) as info:  # the error comes before the stream starts
         client.completions.create(model=MODEL_NAME, prompt="x" * 600, max_tokens=4, stream=True)
@@ -394,13 +438,21 @@ def test_errors_through_the_client(served, client):
         ("/v1/embeddings", {"model": MODEL_NAME, "input": "hi"}, API_KEY, 404),
         # a lone UTF-16 surrogate ("\ud800" in JSON) is not text a tokenizer can take
         ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi \ud800 there"}, API_KEY, 400),
-        ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "user", "content": "a\udfff"}]},
-         API_KEY, 400),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL_NAME, "messages": [{"role": "user", "content": "a\udfff"}]},
+            API_KEY,
+            400,
+        ),
         # OpenAI's types are strict: no true for 1, no "yes" for true, no "0.5" for 0.5
         ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "max_tokens": True}, API_KEY, 400),
         ("/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "stream": "yes"}, API_KEY, 400),
-        ("/v1/chat/completions", {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}],
-                                  "temperature": "0.5"}, API_KEY, 400),
+        (
+            "/v1/chat/completions",
+            {"model": MODEL_NAME, "messages": [{"role": "user", "content": "hi"}], "temperature": "0.5"},
+            API_KEY,
+            400,
+        ),
     ],
 )
 def test_error_shape_and_status(served, path, body, key, status):
@@ -413,8 +465,12 @@ def test_error_shape_and_status(served, path, body, key, status):
 
 def test_invalid_json_is_a_400(served):
     for data in ("{nope", "[" * 100_000 + "]" * 100_000):  # not JSON; JSON nested past the parser's recursion
-        r = requests.post(served["base_url"] + "/v1/completions", data=data, timeout=10,
-                          headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"})
+        r = requests.post(
+            served["base_url"] + "/v1/completions",
+            data=data,
+            timeout=10,
+            headers={"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"},
+        )
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
 
 
@@ -428,15 +484,23 @@ def test_a_body_past_the_limit_is_a_413_before_it_is_read_whole(served):
 
     def chunked():
         for start in range(0, len(big), 1 << 20):
-            yield big[start:start + (1 << 20)]
+            yield big[start : start + (1 << 20)]
 
     for data in (big, chunked()):
         r = requests.post(served["base_url"] + "/v1/completions", data=data, headers=headers, timeout=60)
         assert r.status_code == 413, r.text[:300]
         assert r.json()["error"]["code"] == "request_too_large" and set(r.json()["error"]) == {
-            "message", "type", "param", "code"}
-    ok = requests.post(served["base_url"] + "/v1/completions", headers=headers, timeout=60,
-                       json={"model": MODEL_NAME, "prompt": "a" * 100, "max_tokens": 2})
+            "message",
+            "type",
+            "param",
+            "code",
+        }
+    ok = requests.post(
+        served["base_url"] + "/v1/completions",
+        headers=headers,
+        timeout=60,
+        json={"model": MODEL_NAME, "prompt": "a" * 100, "max_tokens": 2},
+    )
     assert ok.status_code == 200
 
 
@@ -450,8 +514,12 @@ def test_msgpack_bodies_and_answers(served):
     as_json = _post(served, "/v1/completions", body).json()
 
     def post(payload: bytes, **headers) -> requests.Response:
-        return requests.post(served["base_url"] + "/v1/completions", data=payload, timeout=60,
-                             headers={**auth, "Content-Type": "application/msgpack", **headers})
+        return requests.post(
+            served["base_url"] + "/v1/completions",
+            data=payload,
+            timeout=60,
+            headers={**auth, "Content-Type": "application/msgpack", **headers},
+        )
 
     r = post(msgpack.packb(body))
     assert r.headers["content-type"].startswith("application/json")
@@ -467,11 +535,15 @@ def test_msgpack_bodies_and_answers(served):
     for bad in (b"\xc1", msgpack.packb(body) + b"x", b"\xd9\x02\xff\xfe"):  # reserved byte, trailing data, bad UTF-8
         r = post(bad)
         assert r.status_code == 400 and r.json()["error"]["message"] == "The request body is not valid msgpack."
-    models = requests.get(served["base_url"] + "/v1/models", headers={**auth, "Accept": "application/msgpack"},
-                          timeout=10)
+    models = requests.get(
+        served["base_url"] + "/v1/models", headers={**auth, "Accept": "application/msgpack"}, timeout=10
+    )
     assert msgpack.unpackb(models.content)["data"][0]["id"] == MODEL_NAME
-    refused = requests.get(served["base_url"] + "/v1/models", timeout=10,
-                           headers={**auth, "Accept": "application/msgpack;q=0, application/json"})
+    refused = requests.get(
+        served["base_url"] + "/v1/models",
+        timeout=10,
+        headers={**auth, "Accept": "application/msgpack;q=0, application/json"},
+    )
     assert refused.json()["data"][0]["id"] == MODEL_NAME  # q=0 refuses msgpack
     r = post(msgpack.packb([1, 2]))
     assert r.status_code == 400 and "msgpack map" in r.json()["error"]["message"]
@@ -485,12 +557,14 @@ def test_max_tokens_past_the_context_window_is_refused_as_openai_does(served, cl
         client.completions.create(model=MODEL_NAME, prompt="hello", max_tokens=window)
     assert info.value.body["code"] == "context_length_exceeded" and str(window) in info.value.body["message"]
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
-                                       max_completion_tokens=window)
+        client.chat.completions.create(
+            model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], max_completion_tokens=window
+        )
     assert info.value.body["code"] == "context_length_exceeded"
     prompt = [5] * (window - 4)  # token ids: exactly window - 4 tokens
-    out = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0,
-                                    extra_body={"ignore_eos": True})
+    out = client.completions.create(
+        model=MODEL_NAME, prompt=prompt, max_tokens=4, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert out.usage.completion_tokens == 4  # the window, exactly: accepted
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=5)
@@ -510,8 +584,15 @@ def test_a_huge_prompt_is_refused_before_it_is_tokenized(served):
 def test_full_queue_answers_429_and_disconnects_abort(served):
     # Sampled, so that neither drafts nor n-gram chains (a greedy tiny model soon repeats itself) finish 400 tokens
     # before all four requests are in.
-    long_body = {"model": MODEL_NAME, "prompt": "the cat", "max_tokens": 400, "temperature": 1.0, "seed": 0,
-                 "ignore_eos": True, "stream": True}
+    long_body = {
+        "model": MODEL_NAME,
+        "prompt": "the cat",
+        "max_tokens": 400,
+        "temperature": 1.0,
+        "seed": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
     streams = []
     lock = threading.Lock()
 
@@ -599,10 +680,38 @@ def test_locustfile_load_test_runs_and_counts_each_request_once(served, tmp_path
 
     prefix, summary_path = tmp_path / "run", tmp_path / "summary.json"
     subprocess.run(
-        [sys.executable, "-m", "locust", "-f", str(REPO / "loadtest" / "locustfile.py"), "--host", served["base_url"],
-         "--headless", "-u", "2", "-r", "2", "-t", "6s", "--csv", str(prefix), "--summary-json", str(summary_path),
-         "--model", MODEL_NAME, "--api-key", API_KEY, "--max-tokens", "8", "--stop-timeout", "10"],
-        check=True, capture_output=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "locust",
+            "-f",
+            str(REPO / "loadtest" / "locustfile.py"),
+            "--host",
+            served["base_url"],
+            "--headless",
+            "-u",
+            "2",
+            "-r",
+            "2",
+            "-t",
+            "6s",
+            "--csv",
+            str(prefix),
+            "--summary-json",
+            str(summary_path),
+            "--model",
+            MODEL_NAME,
+            "--api-key",
+            API_KEY,
+            "--max-tokens",
+            "8",
+            "--stop-timeout",
+            "10",
+        ],
+        check=True,
+        capture_output=True,
+        timeout=120,
+    )
     summary = json.loads(summary_path.read_text())
     assert summary["num_completed_requests"] > 0 and summary["num_failed_requests"] == 0
     with open(f"{prefix}_stats.csv") as f:
@@ -630,11 +739,40 @@ def test_locustfile_distributed_run_summarises_every_worker(served, tmp_path):
 
     prefix, summary_path = tmp_path / "sub" / "run", tmp_path / "sub" / "summary.json"  # folders made as needed
     result = subprocess.run(
-        [sys.executable, "-m", "locust", "-f", str(REPO / "loadtest" / "locustfile.py"), "--host", served["base_url"],
-         "--headless", "-u", "2", "-r", "2", "-t", "6s", "--processes", "2", "--csv", str(prefix),
-         "--summary-json", str(summary_path), "--model", MODEL_NAME, "--api-key", API_KEY, "--max-tokens", "8",
-         "--stop-timeout", "10"],
-        capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "locust",
+            "-f",
+            str(REPO / "loadtest" / "locustfile.py"),
+            "--host",
+            served["base_url"],
+            "--headless",
+            "-u",
+            "2",
+            "-r",
+            "2",
+            "-t",
+            "6s",
+            "--processes",
+            "2",
+            "--csv",
+            str(prefix),
+            "--summary-json",
+            str(summary_path),
+            "--model",
+            MODEL_NAME,
+            "--api-key",
+            API_KEY,
+            "--max-tokens",
+            "8",
+            "--stop-timeout",
+            "10",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     summary = json.loads(summary_path.read_text())
     with open(f"{prefix}_stats.csv") as f:
@@ -677,8 +815,9 @@ def test_pipelined_engine_on_worker_actors_equals_offline_off(served, app_args, 
         prompts = ["hello world", "the cat sat on", "12 + 7 =", "why is the sky blue?", "a"]
         params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
         outputs = LLM.from_engine(engine).generate(prompts, params)
-        reference = LLM(str(checkpoints["target"]), str(checkpoints["drafter"]), dtype="float64",
-                        speculation="off").generate(prompts, params)
+        reference = LLM(
+            str(checkpoints["target"]), str(checkpoints["drafter"]), dtype="float64", speculation="off"
+        ).generate(prompts, params)
         assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
         assert engine.timings.num_draft_calls > 0 and actors.hops.num_calls > engine.timings.num_draft_calls
     finally:
@@ -698,7 +837,7 @@ def test_features_reach_the_drafter_through_fallback_and_back(served, app_args):
     try:
         prompts = {"a": [5, 6, 7, 8], "b": [9, 10, 11]}
         params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-        for rid, prompt in prompts.items():
+        for rid in prompts:
             assert target.allocate(rid, 64, params)
         roots = dict(zip(prompts, target.prefill(list(prompts), list(prompts.values())).token_ids))
         num_run = {rid: len(p) for rid, p in prompts.items()}  # tokens the target has run (features made)
@@ -734,19 +873,33 @@ def test_a_separate_ingress_serves_the_same_answers(served, app_args, offline):
     from deployments.app import build_app
 
     name = "ddtree-separate"
-    serve.run(build_app({**app_args, "ingress": "separate", "stream_interval_ms": 200}), name=name,
-              route_prefix="/separate")
+    serve.run(
+        build_app({**app_args, "ingress": "separate", "stream_interval_ms": 200}), name=name, route_prefix="/separate"
+    )
     try:
-        client = openai.OpenAI(base_url=served["base_url"] + "/separate/v1", api_key=API_KEY, max_retries=0,
-                               timeout=60)
+        client = openai.OpenAI(base_url=served["base_url"] + "/separate/v1", api_key=API_KEY, max_retries=0, timeout=60)
         params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
         expected = offline.chat([{"role": "user", "content": "hello there"}], params)[0]
-        out = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hello there"}],
-                                             temperature=0, max_tokens=16, extra_body={"ignore_eos": True})
+        out = client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": "hello there"}],
+            temperature=0,
+            max_tokens=16,
+            extra_body={"ignore_eos": True},
+        )
         assert out.choices[0].message.content == expected.text
-        chunks = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
-            model=MODEL_NAME, messages=[{"role": "user", "content": "hello there"}], temperature=0, max_tokens=16,
-            stream=True, extra_body={"ignore_eos": True}) if c.choices]
+        chunks = [
+            c.choices[0].delta.content or ""
+            for c in client.chat.completions.create(
+                model=MODEL_NAME,
+                messages=[{"role": "user", "content": "hello there"}],
+                temperature=0,
+                max_tokens=16,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+            if c.choices
+        ]
         assert "".join(chunks) == expected.text
         assert serve.get_app_handle(name).info.remote().result()["num_running"] == 0
     finally:
@@ -754,8 +907,9 @@ def test_a_separate_ingress_serves_the_same_answers(served, app_args, offline):
 
 
 def test_chat_without_max_tokens_gets_the_servers_default(client):
-    out = client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}],
-                                         temperature=0, extra_body={"ignore_eos": True})
+    out = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "hi"}], temperature=0, extra_body={"ignore_eos": True}
+    )
     assert out.usage.completion_tokens == DEFAULT_MAX_TOKENS and out.choices[0].finish_reason == "length"
 
 
@@ -825,8 +979,7 @@ def fault_app(served, app_args):
 
     name, prefix = "ddtree-faults", "/faults"
     serve.run(build_app({**app_args, "budget": 4}), name=name, route_prefix=prefix)
-    client = openai.OpenAI(base_url=served["base_url"] + prefix + "/v1", api_key=API_KEY, max_retries=0,
-                           timeout=120)
+    client = openai.OpenAI(base_url=served["base_url"] + prefix + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
     try:
         yield serve.get_app_handle(name), client
     finally:
@@ -852,8 +1005,13 @@ def _streams_through_a_kill(client, worker: str, handle, samplings: list[dict]) 
         parts = []
         try:
             for chunk in client.chat.completions.create(
-                    model=MODEL_NAME, messages=FAULT_MESSAGES[i], max_tokens=200, stream=True, **samplings[i],
-                    extra_body={"ignore_eos": True}):
+                model=MODEL_NAME,
+                messages=FAULT_MESSAGES[i],
+                max_tokens=200,
+                stream=True,
+                **samplings[i],
+                extra_body={"ignore_eos": True},
+            ):
                 streaming[i].set()
                 parts.extend(c.delta.content or "" for c in chunk.choices)
             texts[i] = "".join(parts)
@@ -887,8 +1045,9 @@ def _wait_for_info(handle, ready, seconds: float = 90) -> dict:
 def _assert_a_new_request_speculates(handle, client, info: dict, expected: str) -> None:
     """The first fault message, sent after the fault, gets `expected` and drafts (`info`: read before it)."""
     rounds = info["timings"]["num_speculative_request_rounds"]
-    out = client.chat.completions.create(model=MODEL_NAME, messages=FAULT_MESSAGES[0], temperature=0, max_tokens=200,
-                                         extra_body={"ignore_eos": True})
+    out = client.chat.completions.create(
+        model=MODEL_NAME, messages=FAULT_MESSAGES[0], temperature=0, max_tokens=200, extra_body={"ignore_eos": True}
+    )
     assert out.choices[0].message.content == expected
     assert handle.info.remote().result()["timings"]["num_speculative_request_rounds"] > rounds
 
@@ -905,8 +1064,9 @@ def test_a_drafter_actor_killed_mid_stream_loses_no_request_and_comes_back(fault
     texts, num_done_at_kill = _streams_through_a_kill(client, "drafter", handle, [{"temperature": 0}] * 4)
     assert num_done_at_kill < len(FAULT_MESSAGES)
     assert [texts[i] for i in range(len(FAULT_MESSAGES))] == expected
-    info = _wait_for_info(handle, lambda i: i["num_drafter_restarts"] > before["num_drafter_restarts"]
-                          and i["drafter_lost"] is None)
+    info = _wait_for_info(
+        handle, lambda i: i["num_drafter_restarts"] > before["num_drafter_restarts"] and i["drafter_lost"] is None
+    )
     assert info["num_drafter_losses"] == before["num_drafter_losses"] + 1
     assert info["num_drafter_restarts"] == before["num_drafter_restarts"] + 1 and info["drafter_lost"] is None
     assert info["worker_pids"]["drafter"] not in (None, pid)
@@ -919,10 +1079,16 @@ def test_a_target_actor_killed_mid_stream_loses_no_request_and_no_token(fault_ap
     tokens, and every stream ends with the offline answer: no request fails, no token is repeated or missing, and
     seeded sampled requests give the text they give without the fault. Speculation goes on with the new pair."""
     handle, client = fault_app
-    samplings = [{"temperature": 0}, {"temperature": 0.9, "seed": 11}, {"temperature": 0},
-                 {"temperature": 0.7, "seed": 5}]
-    params = [SamplingParams(temperature=s["temperature"], seed=s.get("seed"), max_tokens=200, ignore_eos=True)
-              for s in samplings]
+    samplings = [
+        {"temperature": 0},
+        {"temperature": 0.9, "seed": 11},
+        {"temperature": 0},
+        {"temperature": 0.7, "seed": 5},
+    ]
+    params = [
+        SamplingParams(temperature=s["temperature"], seed=s.get("seed"), max_tokens=200, ignore_eos=True)
+        for s in samplings
+    ]
     expected = [o.text for o in offline.chat(FAULT_MESSAGES, params)]
     before = handle.info.remote().result()
     texts, num_done_at_kill = _streams_through_a_kill(client, "target", handle, samplings)
@@ -955,8 +1121,13 @@ def test_a_replica_killed_mid_stream_fails_only_its_requests_and_is_replaced(fau
         reason = None
         try:
             for chunk in client.chat.completions.create(
-                    model=MODEL_NAME, messages=FAULT_MESSAGES[i], temperature=0, max_tokens=200, stream=True,
-                    extra_body={"ignore_eos": True}):
+                model=MODEL_NAME,
+                messages=FAULT_MESSAGES[i],
+                temperature=0,
+                max_tokens=200,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            ):
                 streaming[i].set()
                 if chunk.choices and chunk.choices[0].finish_reason:
                     reason = chunk.choices[0].finish_reason
@@ -979,8 +1150,13 @@ def test_a_replica_killed_mid_stream_fails_only_its_requests_and_is_replaced(fau
     deadline, out = time.monotonic() + 180, None
     while out is None and time.monotonic() < deadline:  # (Serve notices the death, then loads a new replica)
         try:
-            out = client.chat.completions.create(model=MODEL_NAME, messages=FAULT_MESSAGES[0], temperature=0,
-                                                 max_tokens=200, extra_body={"ignore_eos": True})
+            out = client.chat.completions.create(
+                model=MODEL_NAME,
+                messages=FAULT_MESSAGES[0],
+                temperature=0,
+                max_tokens=200,
+                extra_body={"ignore_eos": True},
+            )
         except openai.APIError:
             time.sleep(1)
     assert out is not None and out.choices[0].message.content == expected[0]
@@ -1039,16 +1215,27 @@ def test_a_storm_of_disconnected_streams_leaves_nothing_behind(served):
     from urllib.parse import urlparse
 
     url = urlparse(served["base_url"])
-    body = json_module.dumps({"model": MODEL_NAME, "prompt": "the cat sat on the mat", "max_tokens": 200,
-                              "temperature": 0, "stream": True, "ignore_eos": True})
+    body = json_module.dumps(
+        {
+            "model": MODEL_NAME,
+            "prompt": "the cat sat on the mat",
+            "max_tokens": 200,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+        }
+    )
     headers = {"Authorization": f"Bearer {API_KEY}", "Content-Type": "application/json"}
 
     def settled(deadline_s: float = 60) -> dict:
         deadline = time.monotonic() + deadline_s
         while True:
             info = _engine_info(served)
-            if (info["num_running"], info["num_waiting"], info["kv_cache_bytes_used"]) == (0, 0, 0) \
-                    or time.monotonic() > deadline:
+            if (info["num_running"], info["num_waiting"], info["kv_cache_bytes_used"]) == (
+                0,
+                0,
+                0,
+            ) or time.monotonic() > deadline:
                 return info
             time.sleep(0.1)
 
@@ -1068,12 +1255,16 @@ def test_a_storm_of_disconnected_streams_leaves_nothing_behind(served):
     for i in range(STORM_CYCLES):
         cycle(1 + i % 3)
     after = settled()
-    print(f"{STORM_CYCLES} cycles in {time.monotonic() - t0:.0f} s; before: {before['num_threads']} threads, "
-          f"{before['num_asyncio_tasks']} tasks; after: {after['num_threads']}, {after['num_asyncio_tasks']}")
+    print(
+        f"{STORM_CYCLES} cycles in {time.monotonic() - t0:.0f} s; before: {before['num_threads']} threads, "
+        f"{before['num_asyncio_tasks']} tasks; after: {after['num_threads']}, {after['num_asyncio_tasks']}"
+    )
     assert (after["num_running"], after["num_waiting"], after["kv_cache_bytes_used"]) == (0, 0, 0)
     assert after["num_drafter_contexts"] == 0
     assert after["num_threads"] <= before["num_threads"] + 2, (before["num_threads"], after["num_threads"])
     assert after["num_asyncio_tasks"] <= before["num_asyncio_tasks"] + 2, (
-        before["num_asyncio_tasks"], after["num_asyncio_tasks"])
+        before["num_asyncio_tasks"],
+        after["num_asyncio_tasks"],
+    )
     ok = _post(served, "/v1/completions", {"model": MODEL_NAME, "prompt": "hi", "max_tokens": 4})
     assert ok.status_code == 200

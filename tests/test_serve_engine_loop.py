@@ -9,8 +9,8 @@ import pytest
 from ddtree import LLM, SamplingParams
 from ddtree.budget import CostModel
 from ddtree.engine import Engine, EngineConfig, PromptTooLongError
-from ddtree.scheduler import EngineFullError
 from ddtree.loaders import build_workers
+from ddtree.scheduler import EngineFullError
 from deployments.engine_loop import EngineDeadError, EngineLoop
 from tests.factories import make_tiny_drafter, make_tiny_target
 
@@ -28,8 +28,9 @@ def workers(tmp_path_factory):
 
 def make_engine(workers, **config) -> Engine:
     target, drafter, tokenizer = workers
-    return Engine(EngineConfig(**{"max_num_seqs": 2, "budget": 8, **config}), target, drafter, tokenizer,
-                  cost=FLAT_COST)
+    return Engine(
+        EngineConfig(**{"max_num_seqs": 2, "budget": 8, **config}), target, drafter, tokenizer, cost=FLAT_COST
+    )
 
 
 def run_loop(engine: Engine, body, **loop_kw):

@@ -11,7 +11,6 @@ from deployments.config import WorkerSpec, parse_args
 from deployments.errors import APIError
 from deployments.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 
-
 # ---- app args --------------------------------------------------------------------------------------------------
 
 
@@ -114,11 +113,28 @@ def _error(model, body) -> APIError:
 
 
 def test_completion_request_to_sampling_params():
-    req = parse_request(CompletionRequest, {"model": "m", "prompt": "hi", "max_tokens": 5, "temperature": 0,
-                                            "top_p": 0.5, "stop": "\n", "seed": 3, "top_k": 4})
+    req = parse_request(
+        CompletionRequest,
+        {
+            "model": "m",
+            "prompt": "hi",
+            "max_tokens": 5,
+            "temperature": 0,
+            "top_p": 0.5,
+            "stop": "\n",
+            "seed": 3,
+            "top_k": 4,
+        },
+    )
     params = req.sampling_params(default_max_tokens=16)
     assert (params.max_tokens, params.temperature, params.top_p, params.stop, params.seed, params.top_k) == (
-        5, 0.0, 0.5, ["\n"], 3, 4)
+        5,
+        0.0,
+        0.5,
+        ["\n"],
+        3,
+        4,
+    )
     assert parse_request(CompletionRequest, {"model": "m", "prompt": [[1, 2]]}).prompt == [[1, 2]]
     assert parse_request(CompletionRequest, {"model": "m", "prompt": [1, 2]}).prompt == [[1, 2]]
     assert parse_request(CompletionRequest, {"model": "m", "prompt": ["a", "b"]}).prompt == ["a", "b"]  # a batch
@@ -138,8 +154,11 @@ def test_completion_request_to_sampling_params():
         ({"model": "m", "prompt": "hi", "stop": ["x"] * 17}, "stop", "invalid_value"),
         ({"model": "m", "prompt": "hi", "echo": True}, "echo", "unsupported_parameter"),
         ({"model": "m", "prompt": "hi", "presence_penalty": 0.5}, "presence_penalty", "unsupported_parameter"),
-        ({"model": "m", "prompt": "hi", "stream_options": {"include_usage": True}}, "stream_options",
-         "unsupported_parameter"),
+        (
+            {"model": "m", "prompt": "hi", "stream_options": {"include_usage": True}},
+            "stream_options",
+            "unsupported_parameter",
+        ),
         ({"model": "m", "prompt": "hi", "temperature": -1}, "temperature", "invalid_value"),
         ({"model": "m", "prompt": "hi", "top_p": 0}, "top_p", "invalid_value"),
         ({"model": "m", "prompt": "hi", "max_tokens": 0}, "max_tokens", "invalid_value"),
@@ -171,12 +190,15 @@ def test_integers_are_floats_and_top_k_minus_one_is_off():
     body = parse_request(CompletionRequest, {"model": "m", "prompt": "hi", "temperature": 1, "top_p": 1, "top_k": -1})
     params = body.sampling_params(16)
     assert (params.temperature, params.top_p, params.top_k) == (1.0, 1.0, 0)  # vLLM's -1: off, as 0
-    chat = parse_request(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "hi"}],
-                                                 "logprobs": True, "top_logprobs": 2})
+    chat = parse_request(
+        ChatCompletionRequest,
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2},
+    )
     assert chat.sampling_params(16).logprobs == 2
     with pytest.raises(APIError):
-        parse_request(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "hi"}],
-                                              "logprobs": 1})
+        parse_request(
+            ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "hi"}], "logprobs": 1}
+        )
 
 
 @pytest.mark.parametrize("prompt", [123, None, b"hi", [True], ["a"], (1.0,)])
@@ -202,23 +224,36 @@ def test_logprobs_requests_and_bodies():
     assert params(ChatCompletionRequest, {**chat, "logprobs": False}) is None
     err = _error(ChatCompletionRequest, {"model": "m", **chat, "top_logprobs": 2})
     assert (err.status, err.param) == (400, "top_logprobs") and "logprobs=true" in err.message
-    assert _error(ChatCompletionRequest, {"model": "m", **chat, "logprobs": True, "top_logprobs": 21}).param \
+    assert (
+        _error(ChatCompletionRequest, {"model": "m", **chat, "logprobs": True, "top_logprobs": 21}).param
         == "top_logprobs"
+    )
 
     lps = [TokenLogprobs(5, "Hi", -0.1, [(5, "Hi", -0.1), (6, "Hey", -2.5)]), TokenLogprobs(7, "!", -0.3, [])]
     usage = UsageInfo(1, 2, {})
     choice = completion_body("id", "m", [("Hi!", "stop", lps)], usage)["choices"][0]
-    assert choice["logprobs"] == {"tokens": ["Hi", "!"], "token_logprobs": [-0.1, -0.3],
-                                  "top_logprobs": [{"Hi": -0.1, "Hey": -2.5}, {"!": -0.3}], "text_offset": [0, 2]}
+    assert choice["logprobs"] == {
+        "tokens": ["Hi", "!"],
+        "token_logprobs": [-0.1, -0.3],
+        "top_logprobs": [{"Hi": -0.1, "Hey": -2.5}, {"!": -0.3}],
+        "text_offset": [0, 2],
+    }
     content = chat_body("id", "m", "Hi!", "stop", usage, lps)["choices"][0]["logprobs"]["content"]
-    assert content[0] == {"token": "Hi", "logprob": -0.1, "bytes": [72, 105],
-                          "top_logprobs": [{"token": "Hi", "logprob": -0.1, "bytes": [72, 105]},
-                                           {"token": "Hey", "logprob": -2.5, "bytes": [72, 101, 121]}]}
+    assert content[0] == {
+        "token": "Hi",
+        "logprob": -0.1,
+        "bytes": [72, 105],
+        "top_logprobs": [
+            {"token": "Hi", "logprob": -0.1, "bytes": [72, 105]},
+            {"token": "Hey", "logprob": -2.5, "bytes": [72, 101, 121]},
+        ],
+    }
     assert chat_body("id", "m", "Hi!", "stop", usage)["choices"][0]["logprobs"] is None
     # the generated token joins the top entries when it is not among them (OpenAI: up to logprobs + 1)
     sampled = [TokenLogprobs(6, "Hey", -2.5, [(5, "Hi", -0.1)])]
-    assert completion_body("id", "m", [("Hey", "length", sampled)], usage)["choices"][0]["logprobs"]["top_logprobs"] \
-        == [{"Hi": -0.1, "Hey": -2.5}]
+    assert completion_body("id", "m", [("Hey", "length", sampled)], usage)["choices"][0]["logprobs"][
+        "top_logprobs"
+    ] == [{"Hi": -0.1, "Hey": -2.5}]
     assert params(CompletionRequest, {"prompt": "x", "logprobs": False}) is None
     assert _error(CompletionRequest, {"model": "m", "prompt": "x", "logprobs": True}).param == "logprobs"
 
@@ -243,15 +278,17 @@ def test_streamed_logprobs_equal_the_whole_responses():
 
 
 def test_logprobs_of_tokens_splitting_a_character_carry_its_bytes_and_offsets():
-    """"é🎉!" as byte-level tokens [é][🎉's first two bytes][its last two][!]: each part's own text is U+FFFD, its
+    """ "é🎉!" as byte-level tokens [é][🎉's first two bytes][its last two][!]: each part's own text is U+FFFD, its
     bytes the part, so chat `bytes` join into the text's UTF-8; completion offsets count characters of the text,
     the emoji's two tokens both starting at its offset (streamed in any chunks: the same)."""
     from ddtree.outputs import TokenLogprobs
     from deployments.protocol import StreamLogprobs, chat_logprobs, completion_logprobs
 
     parts = ["é".encode(), "🎉".encode()[:2], "🎉".encode()[2:], b"!"]
-    lps = [TokenLogprobs(i, raw.decode(errors="replace"), -1.0, [(i, raw.decode(errors="replace"), -1.0)],
-                         raw, [raw]) for i, raw in enumerate(parts)]
+    lps = [
+        TokenLogprobs(i, raw.decode(errors="replace"), -1.0, [(i, raw.decode(errors="replace"), -1.0)], raw, [raw])
+        for i, raw in enumerate(parts)
+    ]
     content = chat_logprobs(lps)["content"]
     assert b"".join(bytes(e["bytes"]) for e in content).decode() == "é🎉!"
     assert [bytes(e["top_logprobs"][0]["bytes"]) for e in content] == parts
@@ -280,41 +317,88 @@ def test_text_offsets_after_an_abandoned_byte_sequence():
 
 
 def test_chat_request_messages_and_limits():
-    req = parse_request(ChatCompletionRequest, {
-        "model": "m", "max_completion_tokens": 7,
-        "messages": [{"role": "developer", "content": "be brief"},
-                     {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]})
+    req = parse_request(
+        ChatCompletionRequest,
+        {
+            "model": "m",
+            "max_completion_tokens": 7,
+            "messages": [
+                {"role": "developer", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            ],
+        },
+    )
     # text parts joined by a newline, as vLLM joins them
     assert req.template_messages() == [{"role": "system", "content": "be brief"}, {"role": "user", "content": "a\nb"}]
     assert req.sampling_params(default_max_tokens=99).max_tokens == 7
     # a part of another type is named as such (not "content should be a valid string")
-    err = _error(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": [
-        {"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}]}]})
+    err = _error(
+        ChatCompletionRequest,
+        {
+            "model": "m",
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "a"}, {"type": "image_url", "image_url": {"url": "x"}}],
+                }
+            ],
+        },
+    )
     assert err.param == "messages.0.content.1.type" and "'text'" in err.message
     # vLLM's extensions at their neutral values are accepted, other values refused by name; so is a zero logit_bias
-    neutral = {"repetition_penalty": 1.0, "min_tokens": 0, "skip_special_tokens": True,
-               "include_stop_str_in_output": False, "logit_bias": {"5": 0}}
+    neutral = {
+        "repetition_penalty": 1.0,
+        "min_tokens": 0,
+        "skip_special_tokens": True,
+        "include_stop_str_in_output": False,
+        "logit_bias": {"5": 0},
+    }
     parse_request(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], **neutral})
-    for param, value in (("repetition_penalty", 1.1), ("min_tokens", 3), ("skip_special_tokens", False),
-                         ("include_stop_str_in_output", True), ("logit_bias", {"5": 2.0})):
-        err = _error(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}],
-                                             param: value})
+    for param, value in (
+        ("repetition_penalty", 1.1),
+        ("min_tokens", 3),
+        ("skip_special_tokens", False),
+        ("include_stop_str_in_output", True),
+        ("logit_bias", {"5": 2.0}),
+    ):
+        err = _error(
+            ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}], param: value}
+        )
         assert (err.param, err.code) == (param, "unsupported_parameter")
-    err = _error(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}],
-                                         "temperature": float("nan")})
+    err = _error(
+        ChatCompletionRequest,
+        {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": float("nan")},
+    )
     assert err.param == "temperature" and "finite" in err.message
     assert _error(ChatCompletionRequest, {"model": "m", "messages": []}).param == "messages"
     assert _error(ChatCompletionRequest, {"model": "m", "messages": [{"role": "tool", "content": "x"}]}).status == 400
-    assert _error(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "x"}],
-                                          "tools": [{"type": "function"}]}).param == "tools"
+    assert (
+        _error(
+            ChatCompletionRequest,
+            {"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]},
+        ).param
+        == "tools"
+    )
 
 
 def test_an_echoed_assistant_message_is_accepted_when_its_extra_fields_are_empty():
     """Clients send a previous response's message back as is (`refusal: null`, `tool_calls: []`, ...)."""
-    echoed = {"role": "assistant", "content": "hi", "refusal": None, "tool_calls": [], "annotations": [],
-              "audio": None, "function_call": None}
-    req = parse_request(ChatCompletionRequest, {"model": "m", "messages": [
-        {"role": "user", "content": "hello"}, echoed, {"role": "user", "content": "again"}]})
+    echoed = {
+        "role": "assistant",
+        "content": "hi",
+        "refusal": None,
+        "tool_calls": [],
+        "annotations": [],
+        "audio": None,
+        "function_call": None,
+    }
+    req = parse_request(
+        ChatCompletionRequest,
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "hello"}, echoed, {"role": "user", "content": "again"}],
+        },
+    )
     assert req.template_messages()[1] == {"role": "assistant", "content": "hi"}
     called = {**echoed, "tool_calls": [{"id": "c1", "type": "function"}]}
     assert _error(ChatCompletionRequest, {"model": "m", "messages": [called]}).status == 400
@@ -323,7 +407,8 @@ def test_an_echoed_assistant_message_is_accepted_when_its_extra_fields_are_empty
 def test_api_error_survives_pickling():
     err = pickle.loads(pickle.dumps(APIError(429, "full", "rate_limit_error", None, "engine_queue_full", 1)))
     assert err.status == 429 and err.body() == {
-        "error": {"message": "full", "type": "rate_limit_error", "param": None, "code": "engine_queue_full"}}
+        "error": {"message": "full", "type": "rate_limit_error", "param": None, "code": "engine_queue_full"}
+    }
     assert err.headers() == {"Retry-After": "1"} and APIError(400, "bad", "invalid_request_error").headers() == {}
 
 
@@ -351,24 +436,36 @@ def _engine_deployment(app):
 def test_build_app_sets_placement_and_autoscaling_of_the_engine():
     from deployments.app import build_app
 
-    ingress, engine = _engine_deployment(build_app({
-        "placement": "gpu-per-worker", "max_num_seqs": 32, "max_waiting": 64, "ingress": "separate",
-        "autoscaling_config": {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 32}}))
+    ingress, engine = _engine_deployment(
+        build_app(
+            {
+                "placement": "gpu-per-worker",
+                "max_num_seqs": 32,
+                "max_waiting": 64,
+                "ingress": "separate",
+                "autoscaling_config": {"min_replicas": 1, "max_replicas": 3, "target_ongoing_requests": 32},
+            }
+        )
+    )
     assert (ingress.name, engine.name) == ("OpenAIIngress", "DDTreeEngine")
     # Serve must pass every request to the engine, whose own queue answers 429.
     assert engine.max_ongoing_requests >= 32 + 64
     assert engine.ray_actor_options["num_cpus"] == 0.5
     # Ray Serve keeps these in private fields; they are what the cluster will be asked for.
-    assert engine._replica_config.placement_group_bundles == [{"CPU": 0.5}, {"CPU": 0.75, "GPU": 1.0},
-                                                              {"CPU": 0.75, "GPU": 1.0}]
+    assert engine._replica_config.placement_group_bundles == [
+        {"CPU": 0.5},
+        {"CPU": 0.75, "GPU": 1.0},
+        {"CPU": 0.75, "GPU": 1.0},
+    ]
     assert engine._replica_config.placement_group_strategy == "STRICT_PACK"
     assert engine._deployment_config.autoscaling_config.max_replicas == 3
 
     _, fixed = _engine_deployment(build_app({"num_replicas": 2, "speculation": "off", "ingress": "separate"}))
     assert fixed.num_replicas == 2 and len(fixed._replica_config.placement_group_bundles) == 2
     # ingress "engine" (the default): the same engine options on the one deployment that serves HTTP too
-    server = build_app({"placement": "gpu-per-worker", "autoscaling_config": {"min_replicas": 1, "max_replicas": 3}}
-                       )._bound_deployment
+    server = build_app(
+        {"placement": "gpu-per-worker", "autoscaling_config": {"min_replicas": 1, "max_replicas": 3}}
+    )._bound_deployment
     assert server.name == "DDTreeServer" and server.ray_actor_options["num_cpus"] == 0.5
     assert server._replica_config.placement_group_bundles == engine._replica_config.placement_group_bundles
     assert server._deployment_config.autoscaling_config.target_ongoing_requests == 16  # max_num_seqs
@@ -383,28 +480,48 @@ def test_a_chat_template_that_refuses_the_messages_is_a_client_error():
     assert chat_prompt_token_ids(tokenizer, [{"role": "user", "content": "hi"}])
     tokenizer.chat_template = (  # as Mistral's and Gemma's templates do for a system message
         "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('no system messages') }}"
-        "{% endif %}{{ m['content'] }}{% endfor %}")
+        "{% endif %}{{ m['content'] }}{% endfor %}"
+    )
     with pytest.raises(ValueError, match="no system messages"):
         chat_prompt_token_ids(tokenizer, [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}])
 
 
 def test_null_optional_fields_take_their_defaults():
-    nulls = {k: None for k in ("temperature", "top_p", "n", "stream", "frequency_penalty", "presence_penalty",
-                               "top_k", "ignore_eos", "stop", "seed", "max_tokens", "stream_options")}
+    nulls = {
+        k: None
+        for k in (
+            "temperature",
+            "top_p",
+            "n",
+            "stream",
+            "frequency_penalty",
+            "presence_penalty",
+            "top_k",
+            "ignore_eos",
+            "stop",
+            "seed",
+            "max_tokens",
+            "stream_options",
+        )
+    }
     req = parse_request(CompletionRequest, {"model": "m", "prompt": "hi", **nulls})
     params = req.sampling_params(default_max_tokens=16)
     assert (params.temperature, params.top_p, params.top_k, params.max_tokens, params.stop) == (1.0, 1.0, 0, 16, [])
     assert req.n == 1 and req.stream is False
-    chat = parse_request(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "hi"}],
-                                                 "temperature": None, "stream": None})
+    chat = parse_request(
+        ChatCompletionRequest,
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": None, "stream": None},
+    )
     assert chat.temperature == 1.0 and chat.stream is False
     err = _error(CompletionRequest, {"model": "m", "prompt": None})  # required fields stay required
     assert (err.status, err.param) == (400, "prompt")
 
 
 def test_disagreeing_token_limits_name_the_parameter():
-    err = _error(ChatCompletionRequest, {"model": "m", "messages": [{"role": "user", "content": "hi"}],
-                                         "max_tokens": 5, "max_completion_tokens": 6})
+    err = _error(
+        ChatCompletionRequest,
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "max_completion_tokens": 6},
+    )
     assert (err.status, err.param, err.code) == (400, "max_completion_tokens", "invalid_value")
     assert "disagree" in err.body()["error"]["message"] and "None" not in err.body()["error"]["message"]
 
@@ -415,12 +532,16 @@ def test_what_crosses_between_actors_round_trips_exactly():
     empty trees survive, through a real pickle as Ray does it."""
     import torch
 
-    from deployments.actors import tensor_from_wire, tensor_to_wire, trees_from_wire, trees_to_wire
     from ddtree.tree import DraftTree, build_tree
+    from deployments.actors import tensor_from_wire, tensor_to_wire, trees_from_wire, trees_to_wire
 
     gen = torch.Generator().manual_seed(0)
-    trees = [build_tree(torch.log_softmax(torch.randn(4, 9, generator=gen), -1), 6), None, DraftTree.empty(),
-             build_tree(torch.log_softmax(torch.randn(3, 9, generator=gen), -1), 3)]
+    trees = [
+        build_tree(torch.log_softmax(torch.randn(4, 9, generator=gen), -1), 6),
+        None,
+        DraftTree.empty(),
+        build_tree(torch.log_softmax(torch.randn(3, 9, generator=gen), -1), 3),
+    ]
     back = trees_from_wire(pickle.loads(pickle.dumps(trees_to_wire(trees))))
     assert back[1] is None and back[2].num_nodes == 0
     for sent, got in zip(trees, back):
@@ -429,22 +550,32 @@ def test_what_crosses_between_actors_round_trips_exactly():
                 assert torch.equal(getattr(sent, field), getattr(got, field))
                 assert getattr(sent, field).dtype == getattr(got, field).dtype
     assert trees_from_wire(trees_to_wire([None, None])) == [None, None]
-    for t in (torch.randn(5, 7, generator=gen), torch.randn(3, 2, dtype=torch.float64, generator=gen),
-              torch.randn(4, 6, generator=gen).bfloat16(), torch.arange(12).view(3, 4)):
+    for t in (
+        torch.randn(5, 7, generator=gen),
+        torch.randn(3, 2, dtype=torch.float64, generator=gen),
+        torch.randn(4, 6, generator=gen).bfloat16(),
+        torch.arange(12).view(3, 4),
+    ):
         got = tensor_from_wire(pickle.loads(pickle.dumps(tensor_to_wire(t))))
         assert got.dtype == t.dtype and torch.equal(got, t)
         got.add_(1)  # writable: not a view of the (read-only) received buffer
 
 
-@pytest.mark.parametrize("accept, wants", [
-    (["application/msgpack"], True),
-    (["application/json, application/msgpack;q=0.1"], False),  # JSON ranked higher
-    (["application/msgpack, */*;q=0.5"], True),
-    (["application/json", "application/msgpack"], True),  # two header lines, tied
-    (["application/msgpack;q=0."], False), (["application/msgpack;q=00"], False), (["application/msgpack;q=-1"], False),
-    (["application/msgpack;q=oops"], True),  # a malformed q counts as 1
-    (["*/*"], False), ([], False),
-])
+@pytest.mark.parametrize(
+    "accept, wants",
+    [
+        (["application/msgpack"], True),
+        (["application/json, application/msgpack;q=0.1"], False),  # JSON ranked higher
+        (["application/msgpack, */*;q=0.5"], True),
+        (["application/json", "application/msgpack"], True),  # two header lines, tied
+        (["application/msgpack;q=0."], False),
+        (["application/msgpack;q=00"], False),
+        (["application/msgpack;q=-1"], False),
+        (["application/msgpack;q=oops"], True),  # a malformed q counts as 1
+        (["*/*"], False),
+        ([], False),
+    ],
+)
 def test_msgpack_answers_follow_the_accept_header_q_values(accept, wants):
     from starlette.requests import Request
 
@@ -461,8 +592,7 @@ def test_autoscaling_and_worker_settings_are_checked_and_defaulted():
         build_app({"autoscaling_config": {"min_replicas": 1, "max_replica": 4}})
     _, engine = _engine_deployment(build_app({"max_num_seqs": 24, "autoscaling_config": {"max_replicas": 2}}))
     assert engine._deployment_config.autoscaling_config.target_ongoing_requests == 24  # not Serve's 2
-    _, engine = _engine_deployment(build_app({"autoscaling_config": {"max_replicas": 2,
-                                                                     "target_ongoing_requests": 5}}))
+    _, engine = _engine_deployment(build_app({"autoscaling_config": {"max_replicas": 2, "target_ongoing_requests": 5}}))
     assert engine._deployment_config.autoscaling_config.target_ongoing_requests == 5
     with pytest.raises(ValueError, match="attention"):
         build_app({"attention": "flexx"})
@@ -482,8 +612,17 @@ def test_a_request_that_timed_out_in_the_queue_is_a_retriable_503():
 
     class Loop:
         async def stream(self, prompt, params, request_id, interval_s):
-            yield RequestOutput(request_id="r", prompt_token_ids=[1], text="", token_ids=[], new_text="",
-                                new_token_ids=[], finished=True, finish_reason="queue_timeout", stats=RequestStats())
+            yield RequestOutput(
+                request_id="r",
+                prompt_token_ids=[1],
+                text="",
+                token_ids=[],
+                new_text="",
+                new_token_ids=[],
+                finished=True,
+                finish_reason="queue_timeout",
+                stats=RequestStats(),
+            )
 
     server = object.__new__(DDTreeEngine)
     server.args, server.loop = parse_args({"max_queue_seconds": 7}), Loop()
@@ -545,8 +684,12 @@ def test_health_check_gives_up_on_a_hung_worker_and_on_a_target_it_cannot_replac
             pass
 
     server = object.__new__(DDTreeEngine)
-    server.args, server.loop, server.actors, server.engine = (parse_args({"max_round_seconds": 5}), Loop(), Actors(),
-                                                              Engine())
+    server.args, server.loop, server.actors, server.engine = (
+        parse_args({"max_round_seconds": 5}),
+        Loop(),
+        Actors(),
+        Engine(),
+    )
     server._drafter_restart = server._workers_restart = server._workers_restart_error = None
 
     async def scenario():
@@ -615,8 +758,10 @@ def test_the_serve_runner_polls_the_first_apps_health_and_refuses_a_bad_config(t
     and route prefix (0.0.0.0 is polled on loopback); a config it cannot use is refused before anything starts."""
     from deployments.run import health_url, main
 
-    assert health_url({"http_options": {"host": "0.0.0.0", "port": 8123},
-                       "applications": [{"route_prefix": "/ddtree/"}]}) == "http://127.0.0.1:8123/ddtree"
+    assert (
+        health_url({"http_options": {"host": "0.0.0.0", "port": 8123}, "applications": [{"route_prefix": "/ddtree/"}]})
+        == "http://127.0.0.1:8123/ddtree"
+    )
     assert health_url({"applications": [{}]}) == "http://127.0.0.1:8000"
     bad = tmp_path / "bad.yaml"
     bad.write_text("applications: []\n")

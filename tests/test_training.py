@@ -44,8 +44,15 @@ def greedy_sequences(target):
     for prompt in PROMPTS:
         prompt_ids = chat_prompt_ids(tokenizer, prompt)
         with torch.no_grad():
-            ids = model.generate(torch.tensor([prompt_ids]), max_new_tokens=NUM_NEW_TOKENS, do_sample=False,
-                                 pad_token_id=tokenizer.eos_token_id, temperature=None, top_p=None, top_k=None)[0]
+            ids = model.generate(
+                torch.tensor([prompt_ids]),
+                max_new_tokens=NUM_NEW_TOKENS,
+                do_sample=False,
+                pad_token_id=tokenizer.eos_token_id,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+            )[0]
             hidden_states = model(ids[None, :-1], output_hidden_states=True).hidden_states
         out.append((ids.tolist(), len(prompt_ids), hidden_states))
     return out
@@ -58,8 +65,9 @@ def chain_tau(drafter: DFlashDraftModel, target, greedy_sequences, draft_token_i
     num_tokens = num_rounds = 0
     for token_ids, prompt_length, hidden_states in greedy_sequences:
         features = torch.cat([hidden_states[i + 1][0] for i in drafter.config.target_layer_ids], dim=-1)
-        values, ids = draft_topk_at_every_anchor(drafter, embed, lm_head, features, token_ids, prompt_length, 1,
-                                                  draft_token_ids=draft_token_ids)
+        values, ids = draft_topk_at_every_anchor(
+            drafter, embed, lm_head, features, token_ids, prompt_length, 1, draft_token_ids=draft_token_ids
+        )
         num_rounds += simulate_rounds(token_ids, prompt_length, ids, values, None)
         num_tokens += len(token_ids) - 1 - prompt_length
     return num_tokens / num_rounds

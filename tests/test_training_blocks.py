@@ -73,10 +73,22 @@ def test_default_gamma_is_seven_for_blocks_of_sixteen():
 
 
 def _tiny_drafter() -> DFlashDraftModel:
-    config = DFlashConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-                          num_key_value_heads=2, head_dim=8, rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=100,
-                          max_position_embeddings=128, block_size=4, num_target_layers=4, mask_token_id=MASK,
-                          target_layer_ids=[1, 2])
+    config = DFlashConfig(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        vocab_size=100,
+        max_position_embeddings=128,
+        block_size=4,
+        num_target_layers=4,
+        mask_token_id=MASK,
+        target_layer_ids=[1, 2],
+    )
     torch.manual_seed(0)
     return DFlashDraftModel(config).to(torch.float64).eval()
 
@@ -92,8 +104,13 @@ def test_no_leakage_through_a_real_drafter_forward():
 
     def run(f, block_ids):
         ctx = drafter.project_context(f)
-        return drafter(torch.nn.functional.embedding(block_ids, embed), ctx, batch.block_positions,
-                       batch.context_positions, batch.attention_mask)
+        return drafter(
+            torch.nn.functional.embedding(block_ids, embed),
+            ctx,
+            batch.block_positions,
+            batch.context_positions,
+            batch.attention_mask,
+        )
 
     base = run(features, batch.block_token_ids)
     # context at the anchor position and later: block 1 (anchor 11) must not see it, block 0 (anchor 6) neither

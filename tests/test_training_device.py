@@ -16,8 +16,25 @@ from ddtree.training.generate import generate_responses, generate_responses_cont
 from ddtree.training.prompts import CATEGORIES, Prompt
 from ddtree.training.target import resolve_device, resolve_dtype
 
-TRAIN_ARGS = ["--num-draft-layers", "1", "--block-size", "4", "--target-layer-ids", "0", "2", "--mask-token-id",
-              "1", "--train-batch-size", "2", "--max-anchors", "3", "--num-negatives", "8", "--num-threads", "1"]
+TRAIN_ARGS = [
+    "--num-draft-layers",
+    "1",
+    "--block-size",
+    "4",
+    "--target-layer-ids",
+    "0",
+    "2",
+    "--mask-token-id",
+    "1",
+    "--train-batch-size",
+    "2",
+    "--max-anchors",
+    "3",
+    "--num-negatives",
+    "8",
+    "--num-threads",
+    "1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +42,31 @@ def tiny_data(tiny_target, tmp_path_factory):
     """Six greedy responses with features at layers 0-2, made through the CLI with an explicit `--device cpu`."""
     data_dir = tmp_path_factory.mktemp("data")
     write_prompts(data_dir, [Prompt(f"p{i}", CATEGORIES[i % 3], f"question number {i}?", "test") for i in range(6)])
-    assert main(["train-drafter", "generate", "--target", str(tiny_target), "--data-dir", str(data_dir),
-                 "--device", "cpu", "--max-new-tokens", "8", "--batch-size", "3", "--stored-layer-ids", "0", "1",
-                 "2", "--num-threads", "1"]) == 0
+    assert (
+        main(
+            [
+                "train-drafter",
+                "generate",
+                "--target",
+                str(tiny_target),
+                "--data-dir",
+                str(data_dir),
+                "--device",
+                "cpu",
+                "--max-new-tokens",
+                "8",
+                "--batch-size",
+                "3",
+                "--stored-layer-ids",
+                "0",
+                "1",
+                "2",
+                "--num-threads",
+                "1",
+            ]
+        )
+        == 0
+    )
     manifest = json.loads((data_dir / "manifest.json").read_text())
     assert manifest["generation"]["device"] == "cpu" and manifest["generation"]["dtype"] == "float32"
     return data_dir
@@ -37,8 +76,19 @@ def tiny_data(tiny_target, tmp_path_factory):
 def test_unavailable_device_is_rejected_before_any_work(tiny_target, tmp_path):
     data_dir = tmp_path / "data"
     with pytest.raises(ValueError, match=r"--device 'cuda'.*torch\.cuda\.is_available\(\) is False"):
-        main(["train-drafter", "prompts", "generate", "--device", "cuda", "--data-dir", str(data_dir),
-              "--target", str(tiny_target)])
+        main(
+            [
+                "train-drafter",
+                "prompts",
+                "generate",
+                "--device",
+                "cuda",
+                "--data-dir",
+                str(data_dir),
+                "--target",
+                str(tiny_target),
+            ]
+        )
     assert not data_dir.exists()  # not even the prompts step ran
     with pytest.raises(ValueError, match="--device 'tpu' is not a torch device"):
         resolve_device("tpu")
@@ -63,15 +113,33 @@ def test_default_dtype_follows_the_device():
 def test_explicit_cpu_device_trains_exactly_like_the_default(tiny_target, tiny_data, tmp_path):
     runs = {"default": [], "explicit": ["--device", "cpu", "--dtype", "float32"]}
     for name, extra in runs.items():
-        assert main(["train-drafter", "train", "--target", str(tiny_target), "--data-dir", str(tiny_data),
-                     "--out-dir", str(tmp_path / name), "--max-steps", "2", *TRAIN_ARGS, *extra]) == 0
+        assert (
+            main(
+                [
+                    "train-drafter",
+                    "train",
+                    "--target",
+                    str(tiny_target),
+                    "--data-dir",
+                    str(tiny_data),
+                    "--out-dir",
+                    str(tmp_path / name),
+                    "--max-steps",
+                    "2",
+                    *TRAIN_ARGS,
+                    *extra,
+                ]
+            )
+            == 0
+        )
     states = {name: torch.load(tmp_path / name / "checkpoint.pt", weights_only=False) for name in runs}
     for key, tensor in states["default"]["model"].items():
         assert torch.equal(tensor, states["explicit"]["model"][key]), key
     moments, other_moments = (s["optimizer"]["state"] for s in states.values())
     assert moments and all(torch.equal(t, other_moments[i][k]) for i, slot in moments.items() for k, t in slot.items())
-    logs = {name: [json.loads(line) for line in (tmp_path / name / "log.jsonl").read_text().splitlines()]
-            for name in runs}
+    logs = {
+        name: [json.loads(line) for line in (tmp_path / name / "log.jsonl").read_text().splitlines()] for name in runs
+    }
     for a, b in zip(logs["default"], logs["explicit"], strict=True):
         assert {k: v for k, v in a.items() if k != "hours"} == {k: v for k, v in b.items() if k != "hours"}
     manifest = json.loads((tmp_path / "explicit" / "manifest.json").read_text())
@@ -79,13 +147,22 @@ def test_explicit_cpu_device_trains_exactly_like_the_default(tiny_target, tiny_d
 
 
 def test_bf16_autocast_training_resumes_in_float32_and_evaluates_in_bf16(tiny_target, tiny_data, tmp_path):
-    common = ["train-drafter", "--target", str(tiny_target), "--data-dir", str(tiny_data),
-              "--out-dir", str(tmp_path / "out"), *TRAIN_ARGS]
+    common = [
+        "train-drafter",
+        "--target",
+        str(tiny_target),
+        "--data-dir",
+        str(tiny_data),
+        "--out-dir",
+        str(tmp_path / "out"),
+        *TRAIN_ARGS,
+    ]
     assert main(common[:1] + ["train"] + common[1:] + ["--max-steps", "2", "--dtype", "bfloat16"]) == 0
     fp32_out = ["--out-dir", str(tmp_path / "fp32"), "--max-steps", "1"]
     assert main(common[:1] + ["train"] + common[1:] + fp32_out) == 0
-    loss_bf16, loss_fp32 = (json.loads((tmp_path / d / "log.jsonl").read_text().splitlines()[0])["loss"]
-                            for d in ("out", "fp32"))
+    loss_bf16, loss_fp32 = (
+        json.loads((tmp_path / d / "log.jsonl").read_text().splitlines()[0])["loss"] for d in ("out", "fp32")
+    )
     assert loss_bf16 != loss_fp32 and abs(loss_bf16 - loss_fp32) < 0.05 * loss_fp32  # autocast ran, and is close
     state = torch.load(tmp_path / "out" / "checkpoint.pt", weights_only=False)
     # master weights and AdamW moments stay float32, and every tensor is a CPU tensor (resumable on any device)
@@ -101,8 +178,25 @@ def test_bf16_autocast_training_resumes_in_float32_and_evaluates_in_bf16(tiny_ta
     for category in CATEGORIES:
         (tmp_path / "eval" / category).parent.mkdir(exist_ok=True)
         (tmp_path / "eval" / category).symlink_to(tiny_data, target_is_directory=True)
-    assert main(common[:1] + ["eval"] + common[1:] + ["--eval-dir", str(tmp_path / "eval"), "--dtype", "bfloat16",
-                                                      "--budgets", "2", "4", "--max-eval-sequences", "2"]) == 0
+    assert (
+        main(
+            common[:1]
+            + ["eval"]
+            + common[1:]
+            + [
+                "--eval-dir",
+                str(tmp_path / "eval"),
+                "--dtype",
+                "bfloat16",
+                "--budgets",
+                "2",
+                "4",
+                "--max-eval-sequences",
+                "2",
+            ]
+        )
+        == 0
+    )
     tau = json.loads((tmp_path / "out" / "drafter" / "tau.json").read_text())
     assert tau["device"] == "cpu" and tau["dtype"] == "bfloat16"
     assert all(r["num_sequences"] == 2 and 1.0 <= r["tau_chain"] <= r["tau_tree_B4"] + 1e-9 for r in tau["results"])
@@ -115,8 +209,18 @@ def test_bf16_generation_stores_bf16_cpu_features(tiny_target, tmp_path):
     layers = (0, 2)
     for name, generate in (("runner", generate_responses_continuous), ("hf", generate_responses)):
         write_prompts(tmp_path / name, prompts)
-        assert generate(tmp_path / name, str(tiny_target), batch_size=2, max_new_tokens=5, stored_layer_ids=layers,
-                        device="cpu", dtype=torch.bfloat16) == 2
+        assert (
+            generate(
+                tmp_path / name,
+                str(tiny_target),
+                batch_size=2,
+                max_new_tokens=5,
+                stored_layer_ids=layers,
+                device="cpu",
+                dtype=torch.bfloat16,
+            )
+            == 2
+        )
         for line in (tmp_path / name / "responses.jsonl").read_text().splitlines():
             r = json.loads(line)
             features = load_file(str(tmp_path / name / "features" / r["shard"]))[r["prompt_id"]]
@@ -125,8 +229,7 @@ def test_bf16_generation_stores_bf16_cpu_features(tiny_target, tmp_path):
 
 
 def test_block_batch_labelled_rows_are_the_labelled_positions():
-    batch = build_block_batch([list(range(3, 12)), list(range(5, 10))], [[2, 5], [3]], block_size=4,
-                              mask_token_id=1)
+    batch = build_block_batch([list(range(3, 12)), list(range(5, 10))], [[2, 5], [3]], block_size=4, mask_token_id=1)
     expected = (batch.labels.reshape(-1) != IGNORE_INDEX).nonzero().squeeze(1)
     assert torch.equal(batch.labelled_rows, expected) and batch.labelled_rows.numel() > 0
     moved = batch.to("cpu")

@@ -16,8 +16,10 @@ from ddtree.training.train import FrozenTargetHead, TrainConfig, block_loss, dra
 @pytest.fixture(scope="module")
 def setup(tiny_target):
     target_model, _ = load_target(str(tiny_target), dtype=torch.float32)
-    config = drafter_config_for(target_model.config, TrainConfig(out_dir="unused", num_draft_layers=1, block_size=4,
-                                                                 target_layer_ids=[0, 2], mask_token_id=1))
+    config = drafter_config_for(
+        target_model.config,
+        TrainConfig(out_dir="unused", num_draft_layers=1, block_size=4, target_layer_ids=[0, 2], mask_token_id=1),
+    )
     torch.manual_seed(0)
     drafter = DFlashDraftModel(config)
     head = FrozenTargetHead(target_model)
@@ -32,8 +34,13 @@ def setup(tiny_target):
 
 
 def _expected(drafter, head, features, batch, columns):
-    hidden = drafter(head.embed(batch.block_token_ids), drafter.project_context(features), batch.block_positions,
-                     batch.context_positions, batch.attention_mask).flatten(0, 1)[batch.labelled_rows]
+    hidden = drafter(
+        head.embed(batch.block_token_ids),
+        drafter.project_context(features),
+        batch.block_positions,
+        batch.context_positions,
+        batch.attention_mask,
+    ).flatten(0, 1)[batch.labelled_rows]
     labels = batch.labels.reshape(-1)[batch.labelled_rows]
     logits = hidden @ head.lm_head_weight[columns].T
     label_columns = torch.searchsorted(columns, labels)

@@ -23,16 +23,26 @@ from ddtree.training.prompts import Prompt
 
 
 def test_runner_and_hf_generation_give_the_same_tokens_and_features(tiny_target, tmp_path):
-    prompts = [Prompt(f"p{i}", "chat", text, "test") for i, text in
-               enumerate(["hello there", "what is 2 and 3?", "a much longer prompt, to make the padding matter.",
-                          "a prompt past the runner's 512-token sizing of its KV pool: kept whole, as by hf. " * 8])]
+    prompts = [
+        Prompt(f"p{i}", "chat", text, "test")
+        for i, text in enumerate(
+            [
+                "hello there",
+                "what is 2 and 3?",
+                "a much longer prompt, to make the padding matter.",
+                "a prompt past the runner's 512-token sizing of its KV pool: kept whole, as by hf. " * 8,
+            ]
+        )
+    ]
     for name in ("runner", "hf"):
         write_prompts(tmp_path / name, prompts)
     layers = (0, 2)
-    n_runner = generate_responses_continuous(tmp_path / "runner", str(tiny_target), batch_size=2, max_new_tokens=9,
-                                             stored_layer_ids=layers)
-    n_hf = generate_responses(tmp_path / "hf", str(tiny_target), batch_size=3, max_new_tokens=9,
-                              stored_layer_ids=layers)
+    n_runner = generate_responses_continuous(
+        tmp_path / "runner", str(tiny_target), batch_size=2, max_new_tokens=9, stored_layer_ids=layers
+    )
+    n_hf = generate_responses(
+        tmp_path / "hf", str(tiny_target), batch_size=3, max_new_tokens=9, stored_layer_ids=layers
+    )
     assert n_runner == n_hf == 4
     by_engine = {}
     for name in ("runner", "hf"):
@@ -52,31 +62,119 @@ def test_runner_generation_stops_on_time_and_resumes(tiny_target, tmp_path):
     prompts = [Prompt(f"p{i}", "math", f"what is {i} and {i}?", "test") for i in range(5)]
     write_prompts(tmp_path, prompts)
     # out of time at once: nothing admitted, and it returns (it once spun forever with prompts still queued)
-    assert generate_responses_continuous(tmp_path, str(tiny_target), batch_size=2, max_new_tokens=4,
-                                         stored_layer_ids=(1,), max_seconds=0.0) == 0
-    assert generate_responses_continuous(tmp_path, str(tiny_target), batch_size=2, max_new_tokens=4,
-                                         stored_layer_ids=(1,), max_prompts=2, shard_size=1) == 2
-    assert generate_responses_continuous(tmp_path, str(tiny_target), batch_size=2, max_new_tokens=4,
-                                         stored_layer_ids=(1,)) == 3
+    assert (
+        generate_responses_continuous(
+            tmp_path, str(tiny_target), batch_size=2, max_new_tokens=4, stored_layer_ids=(1,), max_seconds=0.0
+        )
+        == 0
+    )
+    assert (
+        generate_responses_continuous(
+            tmp_path,
+            str(tiny_target),
+            batch_size=2,
+            max_new_tokens=4,
+            stored_layer_ids=(1,),
+            max_prompts=2,
+            shard_size=1,
+        )
+        == 2
+    )
+    assert (
+        generate_responses_continuous(tmp_path, str(tiny_target), batch_size=2, max_new_tokens=4, stored_layer_ids=(1,))
+        == 3
+    )
     ids = [json.loads(line)["prompt_id"] for line in (tmp_path / "responses.jsonl").read_text().splitlines()]
     assert sorted(ids) == [f"p{i}" for i in range(5)]
 
 
 def test_cli_pipeline_end_to_end_on_a_tiny_target(tiny_target, tmp_path):
-    common = ["train-drafter", "--target", str(tiny_target), "--data-dir", str(tmp_path / "data"),
-              "--eval-dir", str(tmp_path / "eval"), "--out-dir", str(tmp_path / "out"), "--num-threads", "1"]
-    assert main(common[:1] + ["prompts", "generate", "eval-data"] + common[1:] + [
-        "--num-prompts-per-category", "3", "--max-new-tokens", "6", "--batch-size", "4",
-        "--num-eval-prompts", "2", "--stored-layer-ids", "0", "1", "2"]) == 0
+    common = [
+        "train-drafter",
+        "--target",
+        str(tiny_target),
+        "--data-dir",
+        str(tmp_path / "data"),
+        "--eval-dir",
+        str(tmp_path / "eval"),
+        "--out-dir",
+        str(tmp_path / "out"),
+        "--num-threads",
+        "1",
+    ]
+    assert (
+        main(
+            common[:1]
+            + ["prompts", "generate", "eval-data"]
+            + common[1:]
+            + [
+                "--num-prompts-per-category",
+                "3",
+                "--max-new-tokens",
+                "6",
+                "--batch-size",
+                "4",
+                "--num-eval-prompts",
+                "2",
+                "--stored-layer-ids",
+                "0",
+                "1",
+                "2",
+            ]
+        )
+        == 0
+    )
     with pytest.raises(ValueError, match="holds features of the layers"):  # shards are read with one layout
         main(common[:1] + ["generate"] + common[1:] + ["--stored-layer-ids", "0", "1", "3"])
     with pytest.raises(ValueError, match="fewer than one batch"):
-        main(common[:1] + ["train"] + common[1:] + ["--num-draft-layers", "1", "--target-layer-ids", "0", "2",
-                                                    "--mask-token-id", "1", "--train-batch-size", "64"])
-    assert main(common[:1] + ["train", "vocab", "eval"] + common[1:] + [
-        "--num-draft-layers", "1", "--block-size", "4", "--target-layer-ids", "0", "2", "--mask-token-id", "1",
-        "--max-steps", "3", "--train-batch-size", "2", "--max-anchors", "3", "--budgets", "2", "4",
-        "--num-negatives", "8", "--draft-vocab-size", "5"]) == 0
+        main(
+            common[:1]
+            + ["train"]
+            + common[1:]
+            + [
+                "--num-draft-layers",
+                "1",
+                "--target-layer-ids",
+                "0",
+                "2",
+                "--mask-token-id",
+                "1",
+                "--train-batch-size",
+                "64",
+            ]
+        )
+    assert (
+        main(
+            common[:1]
+            + ["train", "vocab", "eval"]
+            + common[1:]
+            + [
+                "--num-draft-layers",
+                "1",
+                "--block-size",
+                "4",
+                "--target-layer-ids",
+                "0",
+                "2",
+                "--mask-token-id",
+                "1",
+                "--max-steps",
+                "3",
+                "--train-batch-size",
+                "2",
+                "--max-anchors",
+                "3",
+                "--budgets",
+                "2",
+                "4",
+                "--num-negatives",
+                "8",
+                "--draft-vocab-size",
+                "5",
+            ]
+        )
+        == 0
+    )
     config, drafter = load_dflash(tmp_path / "out" / "drafter")
     assert config.block_size == 4 and config.target_layer_ids == [0, 2] and config.hidden_size == 64
     tau = json.loads((tmp_path / "out" / "drafter" / "tau.json").read_text())
@@ -90,9 +188,33 @@ def test_cli_pipeline_end_to_end_on_a_tiny_target(tiny_target, tmp_path):
     # resuming with a larger budget continues from step 3 (a log line cut by a crash is dropped)
     with open(tmp_path / "out" / "log.jsonl", "a") as f:
         f.write('{"step": 3, "epo')
-    assert main(common[:1] + ["train"] + common[1:] + [
-        "--num-draft-layers", "1", "--block-size", "4", "--target-layer-ids", "0", "2", "--mask-token-id", "1",
-        "--max-steps", "4", "--train-batch-size", "2", "--max-anchors", "3", "--num-negatives", "8"]) == 0
+    assert (
+        main(
+            common[:1]
+            + ["train"]
+            + common[1:]
+            + [
+                "--num-draft-layers",
+                "1",
+                "--block-size",
+                "4",
+                "--target-layer-ids",
+                "0",
+                "2",
+                "--mask-token-id",
+                "1",
+                "--max-steps",
+                "4",
+                "--train-batch-size",
+                "2",
+                "--max-anchors",
+                "3",
+                "--num-negatives",
+                "8",
+            ]
+        )
+        == 0
+    )
     log = [json.loads(line) for line in (tmp_path / "out" / "log.jsonl").read_text().splitlines()]
     assert log[-1]["step"] == 4
     # ship: only with a tau measured on these weights (training went on since the eval) and over this vocabulary
@@ -134,8 +256,9 @@ def test_interleave_pending_keeps_finished_first_and_spreads_the_added_prompts()
     added = [Prompt(f"n{i}", "math", f"new {i}", "t") for i in range(2)]
     order = [p.prompt_id for p in interleave_pending(old, {"o1", "o4"}, added)]
     assert order == ["o1", "o4", "o0", "n0", "o2", "o3", "n1", "o5"]
-    assert [p.prompt_id for p in interleave_pending(old, set(old_id.prompt_id for old_id in old), added)] == \
-        [f"o{i}" for i in range(6)] + ["n0", "n1"]
+    assert [p.prompt_id for p in interleave_pending(old, set(old_id.prompt_id for old_id in old), added)] == [
+        f"o{i}" for i in range(6)
+    ] + ["n0", "n1"]
 
 
 def test_cli_prompts_add_to_an_existing_data_directory(tmp_path):
@@ -148,27 +271,77 @@ def test_cli_prompts_add_to_an_existing_data_directory(tmp_path):
     with pytest.raises(ValueError, match="exists"):
         main(data + ["--num-prompts-per-category", "4"])
     (tmp_path / "responses.jsonl").write_text(json.dumps({"prompt_id": first[0]["prompt_id"]}) + "\n")
-    assert main(data + ["--add", "--seed", "1", "--categories", "math", "--math-templates", "broad",
-                        "--num-prompts-per-category", "3"]) == 0
+    assert (
+        main(
+            data
+            + [
+                "--add",
+                "--seed",
+                "1",
+                "--categories",
+                "math",
+                "--math-templates",
+                "broad",
+                "--num-prompts-per-category",
+                "3",
+            ]
+        )
+        == 0
+    )
     merged = [json.loads(line) for line in (tmp_path / "prompts.jsonl").read_text().splitlines()]
     assert merged[0] == first[0]  # finished prompts first, unchanged
-    assert sorted(r["prompt_id"] for r in merged[1:] if r["prompt_id"].startswith("math-s1-")) == \
-        ["math-s1-000000", "math-s1-000001", "math-s1-000002"]
+    assert sorted(r["prompt_id"] for r in merged[1:] if r["prompt_id"].startswith("math-s1-")) == [
+        "math-s1-000000",
+        "math-s1-000001",
+        "math-s1-000002",
+    ]
     assert {r["prompt_id"] for r in merged} >= {r["prompt_id"] for r in first} and len(merged) == 11
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert manifest["num_prompts"] == 11 and manifest["added_prompts"][0]["num_prompts"] == 3
     with pytest.raises(ValueError, match="another --seed"):
-        main(data + ["--add", "--seed", "1", "--categories", "math", "--math-templates", "broad",
-                     "--num-prompts-per-category", "3"])
+        main(
+            data
+            + [
+                "--add",
+                "--seed",
+                "1",
+                "--categories",
+                "math",
+                "--math-templates",
+                "broad",
+                "--num-prompts-per-category",
+                "3",
+            ]
+        )
 
 
-@pytest.mark.skipif(importlib.util.find_spec(default_model.PACKAGE) is None, reason=f"run: {default_model.INSTALL_HINT}")
+@pytest.mark.skipif(
+    importlib.util.find_spec(default_model.PACKAGE) is None, reason=f"run: {default_model.INSTALL_HINT}"
+)
 def test_prompts_step_with_chat_prompts_the_target_writes_itself(tmp_path):
     """`--self-written code` on the embedded SmolLM2: whole user messages it wrote, starting with the code opening
     (each sample seeded on its own, so a rerun writes the same ones: seeded sampling is tested with the engine);
     math stays templated."""
-    assert main(["train-drafter", "prompts", "--data-dir", str(tmp_path), "--categories", "code", "math",
-                 "--self-written", "code", "--num-prompts-per-category", "2", "--num-threads", "2"]) == 0
+    assert (
+        main(
+            [
+                "train-drafter",
+                "prompts",
+                "--data-dir",
+                str(tmp_path),
+                "--categories",
+                "code",
+                "math",
+                "--self-written",
+                "code",
+                "--num-prompts-per-category",
+                "2",
+                "--num-threads",
+                "2",
+            ]
+        )
+        == 0
+    )
     records = [json.loads(line) for line in (tmp_path / "prompts.jsonl").read_text().splitlines()]
     code = [r for r in records if r["category"] == "code"]
     assert len(records) == 4 and {r["source"] for r in code} == {"self"}
@@ -177,13 +350,33 @@ def test_prompts_step_with_chat_prompts_the_target_writes_itself(tmp_path):
     manifest = json.loads((tmp_path / "manifest.json").read_text())
     assert "self_prompts.py" in manifest["sources"]["code"] and "templated" in manifest["sources"]["math"]
     with pytest.raises(ValueError, match="not among --categories"):
-        main(["train-drafter", "prompts", "--data-dir", str(tmp_path / "x"), "--categories", "math",
-              "--self-written", "code"])
+        main(
+            [
+                "train-drafter",
+                "prompts",
+                "--data-dir",
+                str(tmp_path / "x"),
+                "--categories",
+                "math",
+                "--self-written",
+                "code",
+            ]
+        )
 
 
-@pytest.mark.parametrize("bad", [["--max-steps", "0"], ["--checkpoint-every", "0"], ["--train-batch-size", "0"],
-                                 ["--lr", "-1e-4"], ["--max-anchors", "0"], ["--block-size", "1"],
-                                 ["--num-eval-prompts", "x"], ["--max-hours", "nan"]])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        ["--max-steps", "0"],
+        ["--checkpoint-every", "0"],
+        ["--train-batch-size", "0"],
+        ["--lr", "-1e-4"],
+        ["--max-anchors", "0"],
+        ["--block-size", "1"],
+        ["--num-eval-prompts", "x"],
+        ["--max-hours", "nan"],
+    ],
+)
 def test_bad_training_values_are_usage_errors_before_any_step(bad, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["train-drafter", "train", "--data-dir", "/nonexistent", *bad])
@@ -197,10 +390,35 @@ def test_pipeline_refuses_what_would_mix_or_lose_data_and_names_the_fix(tiny_tar
     import ddtree.training.train as train_module
 
     data, out = tmp_path / "data", tmp_path / "out"
-    common = ["--target", str(tiny_target), "--data-dir", str(data), "--eval-dir", str(tmp_path / "eval"),
-              "--out-dir", str(out), "--num-threads", "1"]
-    shape = ["--num-draft-layers", "1", "--block-size", "4", "--target-layer-ids", "0", "2", "--mask-token-id", "1",
-             "--train-batch-size", "2", "--max-anchors", "3", "--num-negatives", "8"]
+    common = [
+        "--target",
+        str(tiny_target),
+        "--data-dir",
+        str(data),
+        "--eval-dir",
+        str(tmp_path / "eval"),
+        "--out-dir",
+        str(out),
+        "--num-threads",
+        "1",
+    ]
+    shape = [
+        "--num-draft-layers",
+        "1",
+        "--block-size",
+        "4",
+        "--target-layer-ids",
+        "0",
+        "2",
+        "--mask-token-id",
+        "1",
+        "--train-batch-size",
+        "2",
+        "--max-anchors",
+        "3",
+        "--num-negatives",
+        "8",
+    ]
     with pytest.raises(ValueError, match="run the prompts step first"):
         main(["train-drafter", "generate", *common])
     assert not (data / "manifest.json").exists()
@@ -210,7 +428,9 @@ def test_pipeline_refuses_what_would_mix_or_lose_data_and_names_the_fix(tiny_tar
     assert not out.exists()
     with pytest.raises(ValueError, match="run the train step first"):
         main(["train-drafter", "vocab", *common])
-    assert main(["train-drafter", "generate", *common, "--max-new-tokens", "6", "--stored-layer-ids", "0", "1", "2"]) == 0
+    assert (
+        main(["train-drafter", "generate", *common, "--max-new-tokens", "6", "--stored-layer-ids", "0", "1", "2"]) == 0
+    )
     # another target's directory: refused before the target loads
     other = tmp_path / "other_target"
     other.mkdir()
@@ -224,7 +444,9 @@ def test_pipeline_refuses_what_would_mix_or_lose_data_and_names_the_fix(tiny_tar
         main(["train-drafter", "prompts", *common, "--num-prompts-per-category", "2", "--seed", "7"])
     assert not (data / "prompts.jsonl").exists()
     layers = ["--stored-layer-ids", "0", "1", "2"]
-    assert main(["train-drafter", "eval-data", *common, *layers, "--num-eval-prompts", "1", "--max-new-tokens", "4"]) == 0
+    assert (
+        main(["train-drafter", "eval-data", *common, *layers, "--num-eval-prompts", "1", "--max-new-tokens", "4"]) == 0
+    )
     with pytest.raises(ValueError, match="holds 1 evaluation prompts"):
         main(["train-drafter", "eval-data", *common, *layers, "--num-eval-prompts", "2"])
     assert main(["train-drafter", "eval-data", *common, *layers, "--max-new-tokens", "4"]) == 0  # keeps its count
@@ -262,8 +484,22 @@ def test_pipeline_refuses_what_would_mix_or_lose_data_and_names_the_fix(tiny_tar
     with pytest.raises(ValueError, match="holds data of the target"):  # the eval directories' target too
         main(["train-drafter", "eval", *common[2:], "--target", str(other)])
     with pytest.raises(ValueError, match="dflash_config .* there vs .* now"):  # --init-from names what differs
-        main(["train-drafter", "train", *common, *shape, "--out-dir", str(tmp_path / "out2"), "--max-steps", "1",
-              "--init-from", str(out / "drafter"), "--mask-token-id", "2"])
+        main(
+            [
+                "train-drafter",
+                "train",
+                *common,
+                *shape,
+                "--out-dir",
+                str(tmp_path / "out2"),
+                "--max-steps",
+                "1",
+                "--init-from",
+                str(out / "drafter"),
+                "--mask-token-id",
+                "2",
+            ]
+        )
 
 
 def test_ctrl_c_in_generation_keeps_the_finished_responses(tiny_target, tmp_path, monkeypatch):
@@ -280,11 +516,11 @@ def test_ctrl_c_in_generation_keeps_the_finished_responses(tiny_target, tmp_path
 
     monkeypatch.setattr(TargetModel, "decode", decode)
     with pytest.raises(KeyboardInterrupt):
-        generate_responses_continuous(tmp_path, str(tiny_target), batch_size=2, max_new_tokens=3,
-                                      stored_layer_ids=(1,))
+        generate_responses_continuous(tmp_path, str(tiny_target), batch_size=2, max_new_tokens=3, stored_layer_ids=(1,))
     kept = read_jsonl(tmp_path / "responses.jsonl")
     assert 2 <= len(kept) < 6 and all(len(r["response_ids"]) <= 3 for r in kept)
     monkeypatch.setattr(TargetModel, "decode", real_decode)
-    assert generate_responses_continuous(tmp_path, str(tiny_target), batch_size=2, max_new_tokens=3,
-                                         stored_layer_ids=(1,)) == 6 - len(kept)
+    assert generate_responses_continuous(
+        tmp_path, str(tiny_target), batch_size=2, max_new_tokens=3, stored_layer_ids=(1,)
+    ) == 6 - len(kept)
     assert sorted(r["prompt_id"] for r in read_jsonl(tmp_path / "responses.jsonl")) == [f"p{i}" for i in range(6)]

@@ -114,9 +114,8 @@ def test_self_written_prompts_are_filtered():
 
 
 def test_user_turn_prefix_is_the_template_up_to_the_user_text():
-    from tests.tiny_tokenizer import make_char_tokenizer
-
     from ddtree.training.self_prompts import user_turn_prefix
+    from tests.tiny_tokenizer import make_char_tokenizer
 
     tokenizer = make_char_tokenizer()
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False)

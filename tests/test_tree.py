@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ddtree.tree import (
-    DraftTree,
     HEAP_MAX_TOTAL_NODES,
+    DraftTree,
     build_padded_trees,
     build_round_trees,
     build_tree,
@@ -282,6 +282,6 @@ def test_batched_equals_heap_from_the_same_topk(data, num_requests, num_position
     values, ids = topk_logprobs(logprobs, k)
     trees = build_trees_from_topk(values, ids, budgets)
     heaps = build_trees_with_heap(values, ids, budgets)
-    for r, budget in enumerate(budgets):
+    for r in range(len(budgets)):
         assert_same_tree(heaps[r], trees[r])
         check_structure(heaps[r], logprobs[r])

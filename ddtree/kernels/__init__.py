@@ -115,17 +115,19 @@ class PanelLinear(torch.nn.Module):
     `weight_dtype` panels (float32, or bfloat16: weight-only): an nn.Linear's forward (`PanelLinear.of(linear,
     ops)`) or a bare matrix's."""
 
-    def __init__(self, weight_in_out: torch.Tensor, bias: torch.Tensor | None, ops,
-                 weight_dtype: torch.dtype = torch.float32):
+    def __init__(
+        self, weight_in_out: torch.Tensor, bias: torch.Tensor | None, ops, weight_dtype: torch.dtype = torch.float32
+    ):
         super().__init__()
         self.ops = ops
         self.in_features, self.out_features = weight_in_out.shape
         self.register_buffer("panels", pack_panels(weight_in_out.detach(), weight_dtype), persistent=False)
-        self.register_buffer("bias", NO_TENSOR if bias is None else bias.detach().float().contiguous(),
-                             persistent=False)
+        self.register_buffer(
+            "bias", NO_TENSOR if bias is None else bias.detach().float().contiguous(), persistent=False
+        )
 
     @classmethod
-    def of(cls, linear: torch.nn.Linear, ops, weight_dtype: torch.dtype = torch.float32) -> "PanelLinear":
+    def of(cls, linear: torch.nn.Linear, ops, weight_dtype: torch.dtype = torch.float32) -> PanelLinear:
         return cls(linear.weight.t(), linear.bias, ops, weight_dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -141,8 +143,9 @@ def use_panel_linears(module, ops, weight_dtype: torch.dtype = torch.float32) ->
     for name, child in list(module.named_children()):
         if isinstance(child, torch.nn.Linear):
             if child.weight.dtype != torch.float32 or child.weight.device.type != "cpu":
-                raise ValueError(f"{name}: panel linears are float32 CPU only, got {child.weight.dtype} on "
-                                 f"{child.weight.device}")
+                raise ValueError(
+                    f"{name}: panel linears are float32 CPU only, got {child.weight.dtype} on {child.weight.device}"
+                )
             setattr(module, name, PanelLinear.of(child, ops, weight_dtype))
             count += 1
         else:
@@ -193,17 +196,30 @@ def _load(name: str):
         try:
             module = _build_and_import(name)
         except Exception as error:  # no compiler, no headers, a read-only cache: torch's kernels remain
-            logger.warning("ddtree: native kernel %s unavailable, using torch's (%s: %s)", name,
-                           type(error).__name__, _build_error(error))
+            logger.warning(
+                "ddtree: native kernel %s unavailable, using torch's (%s: %s)",
+                name,
+                type(error).__name__,
+                _build_error(error),
+            )
         _loaded[name] = module
         return module
 
 
 def build_directory(name: str) -> Path:
     """Where kernel `name` is built for this source, torch, Python, compile flags and CPU."""
-    key = hashlib.sha256("\n".join([
-        (SOURCE_DIR / f"{name}.cpp").read_text(), torch.__version__, torch.__file__, sys.version,
-        " ".join(_compile_flags()), _cpu_signature()]).encode()).hexdigest()[:16]
+    key = hashlib.sha256(
+        "\n".join(
+            [
+                (SOURCE_DIR / f"{name}.cpp").read_text(),
+                torch.__version__,
+                torch.__file__,
+                sys.version,
+                " ".join(_compile_flags()),
+                _cpu_signature(),
+            ]
+        ).encode()
+    ).hexdigest()[:16]
     cache = Path(os.environ.get("DDTREE_KERNEL_CACHE", DEFAULT_CACHE_DIR)).expanduser()
     return cache / f"{name}-{key}"
 
@@ -240,7 +256,13 @@ def _build_and_import(name: str):
             (build_dir / "lock").unlink(missing_ok=True)
             if not any(build_dir.glob("*.so")):
                 logger.warning("ddtree: building native kernel %s in %s (once, ~30 s)", name, build_dir)
-            return load(name=f"ddtree_{name}_{key}", sources=[str(source)], build_directory=str(build_dir),
-                        extra_cflags=flags, extra_ldflags=["-fopenmp"], verbose=False)
+            return load(
+                name=f"ddtree_{name}_{key}",
+                sources=[str(source)],
+                build_directory=str(build_dir),
+                extra_cflags=flags,
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
         finally:
             fcntl.flock(lock_file, fcntl.LOCK_UN)

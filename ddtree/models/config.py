@@ -61,8 +61,9 @@ class TargetConfig:
             raise ValueError(f"unsupported model_type {self.model_type!r}; supported: {SUPPORTED_MODEL_TYPES}")
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
-        rope_type = None if self.rope_scaling is None else \
-            self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+        rope_type = (
+            None if self.rope_scaling is None else self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+        )
         if rope_type not in SUPPORTED_ROPE_TYPES:  # before any weight is read (a GGUF dequantises for minutes)
             raise ValueError(f"unsupported rope scaling type {rope_type!r} (supported: default, linear, llama3)")
 
@@ -79,7 +80,7 @@ class TargetConfig:
         return self.num_key_value_heads * self.head_dim
 
     @classmethod
-    def from_hf_dict(cls, d: dict) -> "TargetConfig":
+    def from_hf_dict(cls, d: dict) -> TargetConfig:
         """From a Hugging Face config.json (transformers 4.x `rope_theta` or 5.x `rope_parameters`)."""
         model_type = d.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -92,8 +93,10 @@ class TargetConfig:
         quantization = d.get("quantization_config")
         if quantization:  # FP8 / GPTQ / AWQ weights need their scales: read as plain weights they would be garbage
             method = quantization.get("quant_method", "?") if isinstance(quantization, dict) else "?"
-            raise ValueError(f"quantized checkpoints ({method}) are not supported: use the unquantized "
-                             f"(bfloat16 / float16) checkpoint")
+            raise ValueError(
+                f"quantized checkpoints ({method}) are not supported: use the unquantized "
+                f"(bfloat16 / float16) checkpoint"
+            )
         rope_theta, rope_scaling = read_rope(d)
         # (transformers' MistralConfig defaults to a 4096-token window when the key is absent; null means none)
         sliding_window = d.get("sliding_window", 4096 if model_type == "mistral" else None)
@@ -122,8 +125,12 @@ class TargetConfig:
 
     def to_hf_dict(self) -> dict:
         """A config.json that transformers and `from_hf_dict` both read (used for converted checkpoints)."""
-        archs = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
+        archs = {
+            "llama": "LlamaForCausalLM",
+            "mistral": "MistralForCausalLM",
+            "qwen2": "Qwen2ForCausalLM",
+            "qwen3": "Qwen3ForCausalLM",
+        }
         d = {
             "architectures": [archs[self.model_type]],
             "model_type": self.model_type,

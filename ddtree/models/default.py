@@ -98,8 +98,11 @@ def _convert(gguf_path: Path, out: Path, stamp: dict, is_locked: bool = True) ->
     try:
         with tqdm(total=2, desc="converting the default model (once)", unit="step") as bar:
             config, tensors = read_gguf(gguf_path, progress=True)
-            save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / "model.safetensors"),
-                      metadata={"format": "pt"})
+            save_file(
+                {k: v.contiguous() for k, v in tensors.items()},
+                str(tmp / "model.safetensors"),
+                metadata={"format": "pt"},
+            )
             (tmp / "config.json").write_text(json.dumps(config.to_hf_dict(), indent=2) + "\n")
             bar.update(1)
             tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)

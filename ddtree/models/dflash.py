@@ -84,10 +84,14 @@ class DFlashConfig:
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2 (one anchor plus at least one mask), got {self.block_size}")
         if self.num_target_layers is not None and max(self.target_layer_ids) >= self.num_target_layers:
-            raise ValueError(f"target_layer_ids {self.target_layer_ids} out of range for {self.num_target_layers} layers")
+            raise ValueError(
+                f"target_layer_ids {self.target_layer_ids} out of range for {self.num_target_layers} layers"
+            )
         if not 0 <= self.mask_token_id < self.vocab_size:
-            raise ValueError(f"mask_token_id {self.mask_token_id} is not a token id of the target's vocabulary "
-                             f"(0..{self.vocab_size - 1})")
+            raise ValueError(
+                f"mask_token_id {self.mask_token_id} is not a token id of the target's vocabulary "
+                f"(0..{self.vocab_size - 1})"
+            )
 
     @property
     def num_target_features(self) -> int:
@@ -95,7 +99,7 @@ class DFlashConfig:
         return len(self.target_layer_ids) * self.hidden_size
 
     @classmethod
-    def from_dict(cls, d: dict) -> "DFlashConfig":
+    def from_dict(cls, d: dict) -> DFlashConfig:
         """Parse a DFlash config.json (both the transformers 4.x and 5.x rope layouts)."""
         archs = d.get("architectures") or []
         if archs and ARCHITECTURE not in archs:
@@ -110,8 +114,11 @@ class DFlashConfig:
             raise ValueError("config.json lacks dflash_config.mask_token_id")
         # Newer DFlash drafters may scale the block's input embeddings or the draft logits: not implemented here, so
         # such a drafter is refused rather than drafted with the wrong scaling.
-        scalings = {key: dflash[key] for key, neutral in DFLASH_NEUTRAL_SCALINGS.items()
-                    if dflash.get(key) not in (None, neutral)}
+        scalings = {
+            key: dflash[key]
+            for key, neutral in DFLASH_NEUTRAL_SCALINGS.items()
+            if dflash.get(key) not in (None, neutral)
+        }
         if scalings:
             raise ValueError(f"DFlash drafters with {scalings} in dflash_config are not supported")
         num_layers = int(d["num_hidden_layers"])
@@ -123,12 +130,37 @@ class DFlashConfig:
             target_layer_ids = build_target_layer_ids(int(num_target_layers), num_layers)
         rope_theta, rope_scaling = read_rope(d)
         known = {
-            "architectures", "model_type", "attention_bias", "attention_dropout", "block_size", "dflash_config",
-            "head_dim", "hidden_act", "hidden_size", "intermediate_size", "layer_types", "max_position_embeddings",
-            "max_window_layers", "num_attention_heads", "num_hidden_layers", "num_key_value_heads",
-            "num_target_layers", "rms_norm_eps", "rope_scaling", "rope_theta", "rope_parameters", "sliding_window",
-            "use_sliding_window", "vocab_size", "dtype", "torch_dtype", "tie_word_embeddings", "use_cache",
-            "initializer_range", "auto_map", "transformers_version",
+            "architectures",
+            "model_type",
+            "attention_bias",
+            "attention_dropout",
+            "block_size",
+            "dflash_config",
+            "head_dim",
+            "hidden_act",
+            "hidden_size",
+            "intermediate_size",
+            "layer_types",
+            "max_position_embeddings",
+            "max_window_layers",
+            "num_attention_heads",
+            "num_hidden_layers",
+            "num_key_value_heads",
+            "num_target_layers",
+            "rms_norm_eps",
+            "rope_scaling",
+            "rope_theta",
+            "rope_parameters",
+            "sliding_window",
+            "use_sliding_window",
+            "vocab_size",
+            "dtype",
+            "torch_dtype",
+            "tie_word_embeddings",
+            "use_cache",
+            "initializer_range",
+            "auto_map",
+            "transformers_version",
         }
         return cls(
             hidden_size=int(d["hidden_size"]),
@@ -202,9 +234,7 @@ class DFlashAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
 
-    def project_kv(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def project_kv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [B, T, H] -> k, v [B, T, kv_heads, head_dim], k normed and rotated (what a KV cache holds)."""
         b, t, _ = x.shape
         k = self.k_norm(self.k_proj(x).view(b, t, self.num_kv_heads, self.head_dim))
@@ -439,8 +469,7 @@ def load_draft_vocab(path: str | Path, vocab_size: int) -> list[int] | None:
     token_ids = data.get("token_ids")
     if not isinstance(token_ids, list) or not token_ids:
         raise ValueError(f"{file} has no 'token_ids' list")
-    if len(set(token_ids)) != len(token_ids) or not all(isinstance(t, int) and 0 <= t < vocab_size
-                                                        for t in token_ids):
+    if len(set(token_ids)) != len(token_ids) or not all(isinstance(t, int) and 0 <= t < vocab_size for t in token_ids):
         raise ValueError(f"{file}: token ids must be distinct integers in [0, {vocab_size})")
     return token_ids
 

@@ -204,12 +204,12 @@ class KVCache:
         for seq_id, keep in zip(seq_ids, keep_local_indices):
             h = self.handle(seq_id)
             keep_list = torch.as_tensor(keep, dtype=torch.int64).flatten().tolist()
-            if keep_list and (keep_list[0] < 0 or keep_list[-1] >= h.num_scratch or any(
-                b <= a for a, b in zip(keep_list, keep_list[1:])
-            )):
-                raise ValueError(
-                    f"keep_local_indices must be increasing in [0, {h.num_scratch}), got {keep_list}"
-                )
+            if keep_list and (
+                keep_list[0] < 0
+                or keep_list[-1] >= h.num_scratch
+                or any(b <= a for a, b in zip(keep_list, keep_list[1:]))
+            ):
+                raise ValueError(f"keep_local_indices must be increasing in [0, {h.num_scratch}), got {keep_list}")
             plans.append((h, keep_list))
         if len({h.seq_id for h, _ in plans}) != len(plans):
             raise ValueError("a request appears twice in one commit")

@@ -45,8 +45,13 @@ def resolve_source(source: str | Path) -> Path:
             raise ValueError(f"{source!r} is not a local path and huggingface_hub is not installed") from e
         try:
             # Mistral's repos also hold the same weights as consolidated.safetensors (its own format): not fetched
-            return Path(snapshot_download(str(source), allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"],
-                                          ignore_patterns=["consolidated*"]))
+            return Path(
+                snapshot_download(
+                    str(source),
+                    allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt"],
+                    ignore_patterns=["consolidated*"],
+                )
+            )
         except Exception as e:
             reason = (str(e).strip().splitlines() or [type(e).__name__])[0]  # (hub errors add advice lines)
             raise ValueError(f"{source!r} is not a local path and could not be fetched from the hub: {reason}") from e
@@ -72,13 +77,16 @@ def read_safetensors_folder(path: Path) -> tuple[TargetConfig, dict[str, torch.T
     config = TargetConfig.from_hf_dict(json.loads(config_file.read_text()))
     generation_config = path / "generation_config.json"
     if generation_config.is_file():  # the end tokens `generate` stops at (Qwen lists more there than in config.json)
-        config.eos_token_ids = _merged_ids(config.eos_token_ids,
-                                           json.loads(generation_config.read_text()).get("eos_token_id"))
+        config.eos_token_ids = _merged_ids(
+            config.eos_token_ids, json.loads(generation_config.read_text()).get("eos_token_id")
+        )
     tensors = read_weight_files(safetensors_files(path))
     non_float = sorted(name for name, t in tensors.items() if not t.is_floating_point())
     if non_float:
-        raise ValueError(f"{path}: tensors {non_float[:3]} are not floating point (a quantized checkpoint?); "
-                         f"use the unquantized checkpoint")
+        raise ValueError(
+            f"{path}: tensors {non_float[:3]} are not floating point (a quantized checkpoint?); "
+            f"use the unquantized checkpoint"
+        )
     return config, tensors
 
 
@@ -109,8 +117,9 @@ def safetensors_files(path: Path) -> list[Path]:
         if missing:
             raise ValueError(f"{path}: files {missing[:3]} named in {index.name} are missing")
         return [path / n for n in names]
-    files = [f for f in sorted(path.glob("*.safetensors"))
-             if not f.name.startswith(("consolidated", "adapter_model"))]  # (PEFT adapters are not the model)
+    files = [
+        f for f in sorted(path.glob("*.safetensors")) if not f.name.startswith(("consolidated", "adapter_model"))
+    ]  # (PEFT adapters are not the model)
     if not files:
         raise ValueError(f"{path} holds no .safetensors weights")
     return files
@@ -139,8 +148,11 @@ def read_gguf_config(reader) -> TargetConfig:
     def a(key, default=None):
         return _gguf_field(reader, f"{arch}.{key}", default)
 
-    missing = [f"{arch}.{k}" for k in ("embedding_length", "attention.head_count", "feed_forward_length",
-                                       "block_count") if a(k) is None]
+    missing = [
+        f"{arch}.{k}"
+        for k in ("embedding_length", "attention.head_count", "feed_forward_length", "block_count")
+        if a(k) is None
+    ]
     if missing:
         raise ValueError(f"the GGUF file lacks {', '.join(missing)}: not a complete {arch} model")
     hidden = int(a("embedding_length"))

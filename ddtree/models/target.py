@@ -17,7 +17,8 @@ Public API (engine side):
     runner.prefill(seq_ids, token_id_lists) -> (last_logits [R, V], features: list of [n_i, F])    commits
     runner.decode(seq_ids, token_ids) -> (logits [R, V], features [R, F])                          commits
     runner.verify(seq_ids, packed, logits_rows=None) -> (logits [M, V], features [N, F])   KV in scratch slots
-    runner.verify(seq_ids, packed, hidden_only=True) -> (hidden [N, H], features); runner.lm_head_logits(hidden[rows]) -> [M, V]
+    runner.verify(seq_ids, packed, hidden_only=True) -> (hidden [N, H], features)
+        runner.lm_head_logits(hidden[rows]) -> [M, V]
     runner.commit(seq_id, keep_local_indices)        keep root + accepted path (local indices in the segment)
     runner.free(seq_id) -> bool
     runner.embed(token_ids [n]) -> [n, H];  runner.project_logits(hidden [n, H]) -> [n, V]  (for the drafter)
@@ -36,10 +37,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ddtree.kernels import NO_TENSOR
 from ddtree.models.config import TargetConfig
 from ddtree.models.kv_cache import KVCache, kv_bytes_per_token
 from ddtree.models.layers import Rotary, rms_norm
-from ddtree.kernels import NO_TENSOR
 from ddtree.packing import PackedBatch
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,6 @@ class LayerWeights:
     # w_qkv, w_o, w_gate_up, w_down are None when the native CPU ops hold them as panels (PanelLayerWeights).
 
 
-
 def feature_bytes_per_token(config: TargetConfig, dtype: torch.dtype, num_feature_layers: int) -> int:
     """The features a token keeps for the drafter (hidden states of `num_feature_layers` layers)."""
     return num_feature_layers * config.hidden_size * torch.empty(0, dtype=dtype).element_size()
@@ -70,8 +70,10 @@ def feature_bytes_per_token(config: TargetConfig, dtype: torch.dtype, num_featur
 
 def kv_budget_bytes_per_token(config: TargetConfig, dtype: torch.dtype, num_feature_layers: int) -> int:
     """What one reserved token takes from a runner's `max_kv_bytes`: its K and V in every layer, and its features."""
-    return (kv_bytes_per_token(config.num_hidden_layers, config.num_key_value_heads, config.head_dim, dtype)
-            + feature_bytes_per_token(config, dtype, num_feature_layers))
+    return kv_bytes_per_token(
+        config.num_hidden_layers, config.num_key_value_heads, config.head_dim, dtype
+    ) + feature_bytes_per_token(config, dtype, num_feature_layers)
+
 
 @dataclass
 class PanelLayerWeights:
@@ -126,7 +128,7 @@ class TargetHead:
     def dtype(self) -> torch.dtype:
         return self.lm_head.dtype
 
-    def to(self, device: torch.device | str) -> "TargetHead":
+    def to(self, device: torch.device | str) -> TargetHead:
         lm_head = self.lm_head.to(device)
         is_tied = self.embed_tokens.data_ptr() == self.lm_head.data_ptr()
         embed = lm_head.t() if is_tied else self.embed_tokens.to(device)  # tied: keep one copy
@@ -184,9 +186,11 @@ class TargetModel:
         self.feature_layer_ids = [int(i) for i in feature_layer_ids]
         for i in self.feature_layer_ids:
             if not 0 <= i < config.num_hidden_layers:
-                raise ValueError(f"feature layer id {i} out of range for this target's {config.num_hidden_layers} "
-                                 f"layers (a drafter's target_layer_ids name layers of the target it was made for: "
-                                 f"is the drafter made for another target?)")
+                raise ValueError(
+                    f"feature layer id {i} out of range for this target's {config.num_hidden_layers} "
+                    f"layers (a drafter's target_layer_ids name layers of the target it was made for: "
+                    f"is the drafter made for another target?)"
+                )
         self.feature_dim = len(self.feature_layer_ids) * config.hidden_size
         self._cpu_ops = None  # the native CPU ops (ddtree.kernels)
         if cpu_kernels and self.device.type == "cpu" and dtype == torch.float32:
@@ -216,7 +220,12 @@ class TargetModel:
         # `max_bytes` covers each token's KV entries and its features (kept until the drafter takes them)
         cfg = self.config
         return KVCache(
-            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, max_bytes, self.device, self.dtype,
+            cfg.num_hidden_layers,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            max_bytes,
+            self.device,
+            self.dtype,
             max_tokens_per_request=cfg.sliding_window,
             extra_bytes_per_token=feature_bytes_per_token(cfg, self.dtype, len(self.feature_layer_ids)),
             zero_fill=self.attention == "flex",
@@ -238,9 +247,12 @@ class TargetModel:
         self.panel_layers = []
         for lw in self.layers:
             matrices = {name: getattr(lw, name) for name in names}  # [in, out]
-            self.panel_layers.append(PanelLayerWeights(
-                **{n: pack_panels(w, self.kernel_weight_dtype) for n, w in matrices.items()},
-                widths={n: w.shape[1] for n, w in matrices.items()}))
+            self.panel_layers.append(
+                PanelLayerWeights(
+                    **{n: pack_panels(w, self.kernel_weight_dtype) for n, w in matrices.items()},
+                    widths={n: w.shape[1] for n, w in matrices.items()},
+                )
+            )
             for name in names:
                 setattr(lw, name, None)
         self.panel_lm_head = pack_panels(self.lm_head, self.kernel_weight_dtype)
@@ -249,8 +261,9 @@ class TargetModel:
         def pack(w_in_out: torch.Tensor) -> torch.Tensor:  # [in, out] (x @ W) -> packed [out, in] (nn.Linear)
             return torch.ops.mkldnn._reorder_linear_weight(w_in_out.t().contiguous())
 
-        self.packed_layers = [PackedLayerWeights(pack(lw.w_qkv), pack(lw.w_o), pack(lw.w_gate_up), pack(lw.w_down))
-                              for lw in self.layers]
+        self.packed_layers = [
+            PackedLayerWeights(pack(lw.w_qkv), pack(lw.w_o), pack(lw.w_gate_up), pack(lw.w_down)) for lw in self.layers
+        ]
         self.packed_lm_head = pack(self.lm_head)
 
     @classmethod
@@ -266,7 +279,7 @@ class TargetModel:
         pack_gemm_weights: bool = True,
         cpu_kernels: bool = True,
         kernel_weight_dtype: torch.dtype = torch.float32,
-    ) -> "TargetModel":
+    ) -> TargetModel:
         """`cache_dir`: where the default model's converted copy lives (see ddtree.models.default)."""
         from ddtree.models.loader import read_checkpoint, resolve_source
 
@@ -277,23 +290,41 @@ class TargetModel:
         else:
             path = resolve_source(source)
         config, tensors = read_checkpoint(path)
-        return cls(config, tensors, device, dtype, feature_layer_ids, max_kv_bytes, attention, source_path=path,
-                   pack_gemm_weights=pack_gemm_weights, cpu_kernels=cpu_kernels,
-                   kernel_weight_dtype=kernel_weight_dtype)
+        return cls(
+            config,
+            tensors,
+            device,
+            dtype,
+            feature_layer_ids,
+            max_kv_bytes,
+            attention,
+            source_path=path,
+            pack_gemm_weights=pack_gemm_weights,
+            cpu_kernels=cpu_kernels,
+            kernel_weight_dtype=kernel_weight_dtype,
+        )
 
     def _load_weights(self, t: dict[str, torch.Tensor]) -> None:
         cfg = self.config
         hidden, inter = cfg.hidden_size, cfg.intermediate_size
         shapes = {  # per layer, what the config says each tensor is
-            "input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,),
-            "self_attn.q_proj.weight": (cfg.q_size, hidden), "self_attn.q_proj.bias": (cfg.q_size,),
-            "self_attn.k_proj.weight": (cfg.kv_size, hidden), "self_attn.k_proj.bias": (cfg.kv_size,),
-            "self_attn.v_proj.weight": (cfg.kv_size, hidden), "self_attn.v_proj.bias": (cfg.kv_size,),
-            "self_attn.o_proj.weight": (hidden, cfg.q_size), "self_attn.o_proj.bias": (hidden,),
-            "self_attn.q_norm.weight": (cfg.head_dim,), "self_attn.k_norm.weight": (cfg.head_dim,),
-            "mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
+            "input_layernorm.weight": (hidden,),
+            "post_attention_layernorm.weight": (hidden,),
+            "self_attn.q_proj.weight": (cfg.q_size, hidden),
+            "self_attn.q_proj.bias": (cfg.q_size,),
+            "self_attn.k_proj.weight": (cfg.kv_size, hidden),
+            "self_attn.k_proj.bias": (cfg.kv_size,),
+            "self_attn.v_proj.weight": (cfg.kv_size, hidden),
+            "self_attn.v_proj.bias": (cfg.kv_size,),
+            "self_attn.o_proj.weight": (hidden, cfg.q_size),
+            "self_attn.o_proj.bias": (hidden,),
+            "self_attn.q_norm.weight": (cfg.head_dim,),
+            "self_attn.k_norm.weight": (cfg.head_dim,),
+            "mlp.gate_proj.weight": (inter, hidden),
+            "mlp.up_proj.weight": (inter, hidden),
             "mlp.down_proj.weight": (hidden, inter),
-            "model.norm.weight": (hidden,), "model.embed_tokens.weight": (cfg.vocab_size, hidden),
+            "model.norm.weight": (hidden,),
+            "model.embed_tokens.weight": (cfg.vocab_size, hidden),
             "lm_head.weight": (cfg.vocab_size, hidden),
         }
         used: set[str] = set()
@@ -303,8 +334,10 @@ class TargetModel:
                 raise ValueError(f"checkpoint lacks tensor {name}")
             expected = shapes[name.split(".", 3)[-1] if name.startswith("model.layers.") else name]
             if tuple(t[name].shape) != expected:
-                raise ValueError(f"checkpoint tensor {name} has shape {tuple(t[name].shape)}, the config says "
-                                 f"{expected}: the checkpoint does not match its config.json")
+                raise ValueError(
+                    f"checkpoint tensor {name} has shape {tuple(t[name].shape)}, the config says "
+                    f"{expected}: the checkpoint does not match its config.json"
+                )
             used.add(name)
             return t[name].to(device=self.device, dtype=self.dtype)
 
@@ -343,14 +376,20 @@ class TargetModel:
         self.final_norm = get("model.norm.weight")
         stored_head = t.get("lm_head.weight")
         head_is_embedding = stored_head is None or (  # compared as stored: a cast may round two equal copies apart
-            cfg.tie_word_embeddings and "model.embed_tokens.weight" in t
-            and torch.equal(stored_head, t["model.embed_tokens.weight"]))
+            cfg.tie_word_embeddings
+            and "model.embed_tokens.weight" in t
+            and torch.equal(stored_head, t["model.embed_tokens.weight"])
+        )
         if stored_head is None and not cfg.tie_word_embeddings:
-            logger.warning("config.json says tie_word_embeddings false but the checkpoint has no lm_head.weight: the "
-                           "embedding serves as the LM head")
+            logger.warning(
+                "config.json says tie_word_embeddings false but the checkpoint has no lm_head.weight: the "
+                "embedding serves as the LM head"
+            )
         elif not head_is_embedding and cfg.tie_word_embeddings:
-            logger.warning("config.json says tie_word_embeddings but the checkpoint's lm_head.weight differs from its "
-                           "embedding: the stored head is used, as transformers does")
+            logger.warning(
+                "config.json says tie_word_embeddings but the checkpoint's lm_head.weight differs from its "
+                "embedding: the stored head is used, as transformers does"
+            )
         if head_is_embedding:
             self.lm_head = in_out(get("model.embed_tokens.weight"))  # [H, V]
             self.embed_tokens = self.lm_head.t()  # [V, H] view: one copy of the shared matrix
@@ -362,8 +401,10 @@ class TargetModel:
         # frequency buffers that older checkpoints store are recomputed from the config.)
         unused = sorted(n for n in t if n not in used and not n.endswith("rotary_emb.inv_freq"))
         if unused:
-            raise ValueError(f"checkpoint has {len(unused)} tensor(s) that a {cfg.model_type} model with this config "
-                             f"does not use, e.g. {unused[:3]}: the checkpoint does not match its config.json")
+            raise ValueError(
+                f"checkpoint has {len(unused)} tensor(s) that a {cfg.model_type} model with this config "
+                f"does not use, e.g. {unused[:3]}: the checkpoint does not match its config.json"
+            )
 
     def _qk_norm(self, t: dict[str, torch.Tensor], get, prefix: str) -> torch.Tensor:
         cfg = self.config
@@ -388,9 +429,11 @@ class TargetModel:
             tensors += [x for x in vars(lw).values() if x is not None]
         num_bytes = sum(x.numel() * x.element_size() for x in tensors)
         for pl in self.panel_layers or []:  # the matrices' own bytes, not the panels' zero padding
-            num_bytes += sum(in_features * w * getattr(pl, n).element_size()
-                             for n, w in pl.widths.items()
-                             for in_features in [self._panel_in_features(getattr(pl, n))])
+            num_bytes += sum(
+                in_features * w * getattr(pl, n).element_size()
+                for n, w in pl.widths.items()
+                for in_features in [self._panel_in_features(getattr(pl, n))]
+            )
         if self.panel_lm_head is not None:  # the LM head reads its panels, not the embedding matrix
             num_bytes -= self.lm_head.numel() * self.lm_head.element_size()
             num_bytes += self.lm_head.numel() * self.panel_lm_head.element_size()
@@ -475,7 +518,10 @@ class TargetModel:
 
     @torch.inference_mode()
     def verify(
-        self, seq_ids: list[int], packed: PackedBatch, logits_rows: torch.Tensor | None = None,
+        self,
+        seq_ids: list[int],
+        packed: PackedBatch,
+        logits_rows: torch.Tensor | None = None,
         hidden_only: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward over a packed batch of trees. KV entries go to scratch slots after each request's committed
@@ -497,14 +543,24 @@ class TargetModel:
             masks = [None] * packed.num_requests  # root-only segments see everything; flex uses `packed`
         else:
             masks = [packed.dense_mask(r).to(self.device) for r in range(packed.num_requests)]
-        batch = _Batch(list(seq_ids), list(packed.query_starts), list(packed.num_cached), masks, slots,
-                       packed if (self.attention == "flex" and not is_root_only) else None)
+        batch = _Batch(
+            list(seq_ids),
+            list(packed.query_starts),
+            list(packed.num_cached),
+            masks,
+            slots,
+            packed if (self.attention == "flex" and not is_root_only) else None,
+        )
         if hidden_only:
             logits_rows = None
         elif logits_rows is None:
             logits_rows = torch.arange(packed.num_tokens, device=self.device)
-        return self._forward(packed.input_ids.to(self.device), packed.position_ids.to(self.device), batch,
-                             None if logits_rows is None else logits_rows.to(self.device))
+        return self._forward(
+            packed.input_ids.to(self.device),
+            packed.position_ids.to(self.device),
+            batch,
+            None if logits_rows is None else logits_rows.to(self.device),
+        )
 
     def commit(self, seq_id: int, keep_local_indices) -> None:
         """After verify: keep the given segment entries (root + accepted path), contiguous; drop the rest."""
@@ -645,12 +701,17 @@ class TargetModel:
 
     def _panel_linear(self, x, layer: int, name: str, bias=None, residual=None) -> torch.Tensor:
         pl = self.panel_layers[layer]
-        return self._cpu_ops.panel_linear(x.contiguous(), getattr(pl, name), pl.widths[name],
-                                          NO_TENSOR if bias is None else bias.contiguous(),
-                                          NO_TENSOR if residual is None else residual.contiguous())
+        return self._cpu_ops.panel_linear(
+            x.contiguous(),
+            getattr(pl, name),
+            pl.widths[name],
+            NO_TENSOR if bias is None else bias.contiguous(),
+            NO_TENSOR if residual is None else residual.contiguous(),
+        )
 
-    def _native_attention(self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                          batch: _Batch) -> torch.Tensor:
+    def _native_attention(
+        self, layer: int, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: _Batch
+    ) -> torch.Tensor:
         """Per request: (q/k norm,) rotary, KV write and attention of its new tokens (its mask, or causal) in one
         native call."""
         qk_norm = self.layers[layer].qk_norm
@@ -659,9 +720,19 @@ class TargetModel:
             q0, q1 = batch.query_starts[r], batch.query_starts[r + 1]
             k, v = self.kv.keys_values(seq_id, layer, batch.num_cached[r] + q1 - q0)  # new entries last
             mask = batch.masks[r]
-            outs.append(self._cpu_ops.attention_block(
-                qkv[q0:q1], cos[q0:q1], sin[q0:q1], k, v, NO_TENSOR if mask is None else mask.contiguous(),
-                self.config.num_attention_heads, NO_TENSOR if qk_norm is None else qk_norm, self.config.rms_norm_eps))
+            outs.append(
+                self._cpu_ops.attention_block(
+                    qkv[q0:q1],
+                    cos[q0:q1],
+                    sin[q0:q1],
+                    k,
+                    v,
+                    NO_TENSOR if mask is None else mask.contiguous(),
+                    self.config.num_attention_heads,
+                    NO_TENSOR if qk_norm is None else qk_norm,
+                    self.config.rms_norm_eps,
+                )
+            )
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def _native_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -813,8 +884,11 @@ def measure_verify_cost_curve(
 
 
 def _has_onednn_linear() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") \
+    return (
+        torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    )
 
 
 def _packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -1,10 +1,10 @@
 """Tiny random checkpoints for tests (ours and the engine's): real Hugging Face folders, loadable by transformers.
 
-    write_random_target(path, model_type="llama", seed=0, **sizes) -> Path
-        config.json + model.safetensors in the transformers layout; weights drawn with a large enough scale that
-        logits differ clearly between tokens (argmax ties would make equality tests vacuous).
-    write_random_dflash(path, target_config, num_layers=1, block_size=4, target_layer_ids=None, seed=0) -> Path
-    random_draft_tree(num_nodes, max_depth, vocab_size, generator) -> DraftTree
+write_random_target(path, model_type="llama", seed=0, **sizes) -> Path
+    config.json + model.safetensors in the transformers layout; weights drawn with a large enough scale that
+    logits differ clearly between tokens (argmax ties would make equality tests vacuous).
+write_random_dflash(path, target_config, num_layers=1, block_size=4, target_layer_ids=None, seed=0) -> Path
+random_draft_tree(num_nodes, max_depth, vocab_size, generator) -> DraftTree
 """
 
 from __future__ import annotations
@@ -122,8 +122,9 @@ def _write(path: str | Path, config: dict, tensors: dict[str, torch.Tensor]) -> 
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"),
-              metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()}, str(path / "model.safetensors"), metadata={"format": "pt"}
+    )
     (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return path
 

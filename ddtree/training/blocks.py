@@ -35,7 +35,7 @@ class BlockBatch:
     # indexing on a GPU would wait for the device every step to learn M
     labelled_rows: torch.Tensor
 
-    def to(self, device: torch.device | str) -> "BlockBatch":
+    def to(self, device: torch.device | str) -> BlockBatch:
         """The same batch with every tensor on `device` (itself when already there)."""
         return BlockBatch(**{f.name: getattr(self, f.name).to(device, non_blocking=True) for f in fields(self)})
 
@@ -81,7 +81,8 @@ def build_block_batch(
     attention_mask = torch.zeros((num_seqs, s, c + s), dtype=torch.bool)
     offsets = torch.arange(s) % block_size  # [S]
     position_weights = torch.tensor(
-        [0.0] + [math.exp(-(k - 1) / gamma) for k in range(1, block_size)], dtype=torch.float32)  # [L]
+        [0.0] + [math.exp(-(k - 1) / gamma) for k in range(1, block_size)], dtype=torch.float32
+    )  # [L]
     for b, (seq, seq_anchors) in enumerate(zip(sequences, anchors)):
         n = len(seq)
         tokens = torch.tensor(seq, dtype=torch.long)
@@ -103,5 +104,13 @@ def build_block_batch(
             loss_weights[b, first : first + num_labelled] = position_weights[1 : 1 + num_labelled]
     context_positions = torch.arange(c).unsqueeze(0).expand(num_seqs, c).contiguous()  # [B, C]
     labelled_rows = (labels.view(-1) != IGNORE_INDEX).nonzero().squeeze(1)  # [M]
-    return BlockBatch(block_token_ids, block_positions, context_positions, attention_mask, labels, loss_weights,
-                      offsets.unsqueeze(0).expand(num_seqs, s).contiguous(), labelled_rows)
+    return BlockBatch(
+        block_token_ids,
+        block_positions,
+        context_positions,
+        attention_mask,
+        labels,
+        loss_weights,
+        offsets.unsqueeze(0).expand(num_seqs, s).contiguous(),
+        labelled_rows,
+    )

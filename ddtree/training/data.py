@@ -44,8 +44,14 @@ class FeatureReader:
     """Target features of one sequence, [num_tokens - 1, len(layer_ids) * hidden] in `dtype` (float32 by default;
     bfloat16 is the stored precision, so it loses nothing), from the shards."""
 
-    def __init__(self, data_dir: Path, stored_layer_ids: list[int], layer_ids: list[int], max_open: int = 64,
-                 dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        data_dir: Path,
+        stored_layer_ids: list[int],
+        layer_ids: list[int],
+        max_open: int = 64,
+        dtype: torch.dtype = torch.float32,
+    ):
         missing = [i for i in layer_ids if i not in stored_layer_ids]
         if missing:
             raise ValueError(f"target layers {missing} were not stored (stored: {stored_layer_ids})")

@@ -42,13 +42,19 @@ class TauResult:
         return self.num_tokens / max(1, self.num_rounds_tree.get(budget, 0))
 
     def summary(self) -> dict:
-        return {"category": self.category, "num_sequences": self.num_sequences, "num_tokens": self.num_tokens,
-                "tau_chain": round(self.tau_chain, 3),
-                **{f"tau_tree_B{b}": round(self.tau_tree(b), 3) for b in sorted(self.num_rounds_tree)}}
+        return {
+            "category": self.category,
+            "num_sequences": self.num_sequences,
+            "num_tokens": self.num_tokens,
+            "tau_chain": round(self.tau_chain, 3),
+            **{f"tau_tree_B{b}": round(self.tau_tree(b), 3) for b in sorted(self.num_rounds_tree)},
+        }
 
 
 def load_for_evaluation(
-    drafter_dir: Path, target: str = "smollm2-135m-instruct", device: torch.device | str = "cpu",
+    drafter_dir: Path,
+    target: str = "smollm2-135m-instruct",
+    device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> tuple[DFlashDraftModel, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """What the offline evaluation needs: the drafter (in the dtype it is served in), the target's frozen input
@@ -91,8 +97,9 @@ def draft_topk_at_every_anchor(
         chunk = anchors[start : start + anchors_per_forward]
         batch = build_block_batch([token_ids], [chunk], config.block_size, config.mask_token_id).to(weight.device)
         block_hidden = torch.nn.functional.embedding(batch.block_token_ids, embed_weight)  # [1, S, H]
-        hidden = drafter(block_hidden, context, batch.block_positions, batch.context_positions,
-                         batch.attention_mask)  # [1, S, H]
+        hidden = drafter(
+            block_hidden, context, batch.block_positions, batch.context_positions, batch.attention_mask
+        )  # [1, S, H]
         hidden = hidden.view(len(chunk), config.block_size, -1)[:, 1:]  # [A, L - 1, H]
         logprobs = torch.log_softmax((hidden @ lm_head_weight.T).float(), dim=-1)  # [A, L - 1, V]
         v, i = logprobs.topk(min(top_k, logprobs.shape[-1]), dim=-1)
@@ -102,7 +109,10 @@ def draft_topk_at_every_anchor(
 
 
 def simulate_rounds(
-    token_ids: list[int], first_anchor: int, topk_ids: torch.Tensor, topk_values: torch.Tensor,
+    token_ids: list[int],
+    first_anchor: int,
+    topk_ids: torch.Tensor,
+    topk_values: torch.Tensor,
     budget: int | None,
 ) -> int:
     """Number of speculative rounds to produce tokens first_anchor+1..N-1; budget None = chain (top-1 path)."""
@@ -153,16 +163,31 @@ def load_evaluation_set(data_dir: Path, drafter: DFlashDraftModel, max_sequences
     return sequences, FeatureReader(data_dir, stored_layer_ids(data_dir), drafter.config.target_layer_ids)
 
 
-def drafts_of_sequences(drafter: DFlashDraftModel, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor,
-                        sequences: list, read_features, top_k: int, draft_token_ids: torch.Tensor | None = None):
+def drafts_of_sequences(
+    drafter: DFlashDraftModel,
+    embed_weight: torch.Tensor,
+    lm_head_weight: torch.Tensor,
+    sequences: list,
+    read_features,
+    top_k: int,
+    draft_token_ids: torch.Tensor | None = None,
+):
     """For every sequence with a response to speculate on: (sequence, first anchor, values, ids) of
     `draft_topk_at_every_anchor` (on the CPU), the first anchor being the prompt's last token."""
     for seq in sequences:
         first_anchor = seq.prompt_length  # the first response token comes from prefill, not from a draft
         if len(seq.token_ids) - 1 <= first_anchor:
             continue
-        values, ids = draft_topk_at_every_anchor(drafter, embed_weight, lm_head_weight, read_features(seq),
-                                                 seq.token_ids, first_anchor, top_k, draft_token_ids=draft_token_ids)
+        values, ids = draft_topk_at_every_anchor(
+            drafter,
+            embed_weight,
+            lm_head_weight,
+            read_features(seq),
+            seq.token_ids,
+            first_anchor,
+            top_k,
+            draft_token_ids=draft_token_ids,
+        )
         yield seq, first_anchor, values.cpu(), ids.cpu()  # one copy per sequence: the simulations walk them in Python
 
 
@@ -178,8 +203,9 @@ def evaluate_tau(
 ) -> TauResult:
     result = TauResult(category, num_rounds_tree={b: 0 for b in budgets})
     top_k = min(max(budgets, default=1), lm_head_weight.shape[0])
-    for seq, first_anchor, values, ids in drafts_of_sequences(drafter, embed_weight, lm_head_weight, sequences,
-                                                              read_features, top_k, draft_token_ids):
+    for seq, first_anchor, values, ids in drafts_of_sequences(
+        drafter, embed_weight, lm_head_weight, sequences, read_features, top_k, draft_token_ids
+    ):
         result.num_sequences += 1
         result.num_tokens += len(seq.token_ids) - 1 - first_anchor
         result.num_rounds_chain += simulate_rounds(seq.token_ids, first_anchor, ids, values, None)
@@ -192,8 +218,11 @@ def format_table(results: list[TauResult], budgets: tuple[int, ...] = DEFAULT_BU
     header = "| category | seqs | tokens | tau chain | " + " | ".join(f"tau B={b}" for b in budgets) + " |"
     lines = [header, "|" + "---|" * (4 + len(budgets))]
     for r in results:
-        lines.append(f"| {r.category} | {r.num_sequences} | {r.num_tokens} | {r.tau_chain:.2f} | "
-                     + " | ".join(f"{r.tau_tree(b):.2f}" for b in budgets) + " |")
+        lines.append(
+            f"| {r.category} | {r.num_sequences} | {r.num_tokens} | {r.tau_chain:.2f} | "
+            + " | ".join(f"{r.tau_tree(b):.2f}" for b in budgets)
+            + " |"
+        )
     return "\n".join(lines)
 
 

@@ -7,8 +7,8 @@ Layout of a data directory:
                           every token of prompt + response except the last, [num_tokens - 1, num_layers, hidden]
   manifest.json           sources, counts, seeds, commands, dropped overlaps
 
-The hidden states come from the generation itself (forward hooks on the stored layers): the step that produces token t ran the
-target on token t-1, so its hidden state is exactly the drafter's context feature of position t-1. This saves a
+The hidden states come from the generation itself (forward hooks on the stored layers): the step that produces token t
+ran the target on token t-1, so its hidden state is exactly the drafter's context feature of position t-1. This saves a
 second target forward per sequence.
 
 Both engines run the target on `device` in `dtype` (on a GPU: bfloat16, as DFlash/SpecForge run it); the stored
@@ -152,14 +152,20 @@ def generate_responses(
             # Hugging Face's hidden_states[-1] is after the final norm: the last layer's feature is taken there
             hooks = [
                 (model.model.norm if i == num_layers - 1 else model.model.layers[i]).register_forward_hook(
-                    _capture_into(captured[i]))
+                    _capture_into(captured[i])
+                )
                 for i in stored_layer_ids
             ]
             try:
                 sequences = model.generate(
-                    input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                    input_ids=input_ids.to(device),
+                    attention_mask=attention_mask.to(device),
                     max_new_tokens=max_new_tokens,
-                    do_sample=False, pad_token_id=pad_id, temperature=None, top_p=None, top_k=None,
+                    do_sample=False,
+                    pad_token_id=pad_id,
+                    temperature=None,
+                    top_p=None,
+                    top_k=None,
                 )
             finally:
                 for hook in hooks:
@@ -183,18 +189,27 @@ def generate_responses(
                 num_tokens = len(prompt_ids[row]) + len(response)
                 pad = max_len - len(prompt_ids[row])
                 tensors[p.prompt_id] = all_features[row, pad : pad + num_tokens - 1].contiguous()
-                records.append({
-                    "prompt_id": p.prompt_id, "category": p.category, "prompt_ids": prompt_ids[row],
-                    "response_ids": response, "is_finished": is_finished, "shard": shard_name,
-                })
+                records.append(
+                    {
+                        "prompt_id": p.prompt_id,
+                        "category": p.category,
+                        "prompt_ids": prompt_ids[row],
+                        "response_ids": response,
+                        "is_finished": is_finished,
+                        "shard": shard_name,
+                    }
+                )
             save_file(tensors, str(features_dir / shard_name))
             append_jsonl(data_dir / "responses.jsonl", records)
             shard_index += 1
             num_written += len(batch)
             num_new = sum(len(r["response_ids"]) for r in records)
             elapsed = time.time() - start
-            print(f"[generate] batch {shard_name}: {len(batch)} prompts, {num_new} new tokens, "
-                  f"{num_written} written, {elapsed:.0f}s", flush=True)
+            print(
+                f"[generate] batch {shard_name}: {len(batch)} prompts, {num_new} new tokens, "
+                f"{num_written} written, {elapsed:.0f}s",
+                flush=True,
+            )
     return num_written
 
 
@@ -249,8 +264,13 @@ def generate_responses_continuous(
     # the KV pool is sized from the config, read alone (loading the weights twice would cost an 8B target minutes)
     config = _runner_config(source)
     bytes_per_token = kv_budget_bytes_per_token(config, dtype, len(stored_layer_ids))
-    model = TargetModel.load(source, device=device, dtype=dtype, feature_layer_ids=stored_layer_ids,
-                             max_kv_bytes=batch_size * (typical_prompt_tokens + max_new_tokens) * bytes_per_token)
+    model = TargetModel.load(
+        source,
+        device=device,
+        dtype=dtype,
+        feature_layer_ids=stored_layer_ids,
+        max_kv_bytes=batch_size * (typical_prompt_tokens + max_new_tokens) * bytes_per_token,
+    )
     tokenizer = model.tokenizer
     # the tokenizer's end token and the checkpoint's (generation) end tokens, as in the hf engine
     eos_ids = {tokenizer.eos_token_id} | set(_as_list(getattr(model.config, "eos_token_ids", None)))
@@ -274,8 +294,11 @@ def generate_responses_continuous(
         append_jsonl(data_dir / "responses.jsonl", [{**r, "shard": shard_name} for r in finished])
         num_written += len(finished)
         num_new = sum(len(r["response_ids"]) for r in finished)
-        print(f"[generate] shard {shard_name}: {len(finished)} prompts, {num_new} new tokens, {num_written} written,"
-              f" {time.time() - start:.0f}s", flush=True)
+        print(
+            f"[generate] shard {shard_name}: {len(finished)} prompts, {num_new} new tokens, {num_written} written,"
+            f" {time.time() - start:.0f}s",
+            flush=True,
+        )
         shard_index += 1
         finished = []
 
@@ -288,9 +311,11 @@ def generate_responses_continuous(
                 ids = chat_prompt_ids(tokenizer, p.text)
                 if model.kv.allocate(next_seq_id, len(ids) + max_new_tokens) is None:  # the pool is full: later
                     if not active and not new_ids:
-                        raise ValueError(f"prompt {p.prompt_id} has {len(ids)} tokens: with --max-new-tokens "
-                                         f"{max_new_tokens} it does not fit the KV pool of --batch-size {batch_size} "
-                                         f"sequences of {typical_prompt_tokens} + {max_new_tokens} tokens")
+                        raise ValueError(
+                            f"prompt {p.prompt_id} has {len(ids)} tokens: with --max-new-tokens "
+                            f"{max_new_tokens} it does not fit the KV pool of --batch-size {batch_size} "
+                            f"sequences of {typical_prompt_tokens} + {max_new_tokens} tokens"
+                        )
                     queue.append(p)
                     break
                 new_ids.append(next_seq_id)
@@ -298,10 +323,15 @@ def generate_responses_continuous(
                 next_seq_id += 1
             if new_ids:
                 logits, prompt_features = model.prefill(new_ids, [ids for _, ids in new_prompts])
-                for seq_id, (p, ids), row, feats in zip(new_ids, new_prompts, logits.argmax(-1).tolist(),
-                                                        prompt_features):
-                    active[seq_id] = {"prompt": p, "prompt_ids": ids, "response_ids": [row],
-                                      "features": [feats.to(torch.bfloat16).cpu()]}
+                for seq_id, (p, ids), row, feats in zip(
+                    new_ids, new_prompts, logits.argmax(-1).tolist(), prompt_features
+                ):
+                    active[seq_id] = {
+                        "prompt": p,
+                        "prompt_ids": ids,
+                        "response_ids": [row],
+                        "features": [feats.to(torch.bfloat16).cpu()],
+                    }
             # requests whose last token ends them leave before the decode step
             for seq_id in list(active):
                 a = active[seq_id]
@@ -310,9 +340,16 @@ def generate_responses_continuous(
                     del active[seq_id]
                     model.free(seq_id)
                     feats = torch.cat(a["features"]).view(-1, num_layers, hidden)  # [N - 1, Ls, H]
-                    finished.append({"prompt_id": a["prompt"].prompt_id, "category": a["prompt"].category,
-                                     "prompt_ids": a["prompt_ids"], "response_ids": a["response_ids"],
-                                     "is_finished": last in eos_ids, "features": feats.contiguous()})
+                    finished.append(
+                        {
+                            "prompt_id": a["prompt"].prompt_id,
+                            "category": a["prompt"].category,
+                            "prompt_ids": a["prompt_ids"],
+                            "response_ids": a["response_ids"],
+                            "is_finished": last in eos_ids,
+                            "features": feats.contiguous(),
+                        }
+                    )
                     if len(finished) >= shard_size:
                         flush()
             if not active:

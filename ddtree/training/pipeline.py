@@ -59,43 +59,79 @@ positive_int, non_negative_int = _at_least(1), _at_least(0)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("steps", nargs="+", choices=STEPS, help="which steps to run, in order")
-    parser.add_argument("--target", default="smollm2-135m-instruct",
-                        help="'smollm2-135m-instruct', a .gguf file or a Hugging Face model directory")
+    parser.add_argument(
+        "--target",
+        default="smollm2-135m-instruct",
+        help="'smollm2-135m-instruct', a .gguf file or a Hugging Face model directory",
+    )
     parser.add_argument("--data-dir", type=Path, default=Path("work/drafter_data"))
     parser.add_argument("--eval-dir", type=Path, default=Path("work/drafter_eval"))
     parser.add_argument("--out-dir", type=Path, default=Path("work/drafter_train"))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-threads", type=positive_int, default=1, help="torch threads (leave cores for others)")
-    parser.add_argument("--device", default="cpu",
-                        help="where generate, eval-data, train and eval run: cpu, cuda or cuda:N")
-    parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
-                        help="generate/eval-data/eval: the target's (and drafter's) weights; train: the autocast "
-                             "compute dtype and the frozen embedding/LM head (parameters and optimiser stay "
-                             "float32). Default: float32 on cpu, bfloat16 on cuda")
+    parser.add_argument(
+        "--device", default="cpu", help="where generate, eval-data, train and eval run: cpu, cuda or cuda:N"
+    )
+    parser.add_argument(
+        "--dtype",
+        default=None,
+        choices=("float32", "bfloat16"),
+        help="generate/eval-data/eval: the target's (and drafter's) weights; train: the autocast "
+        "compute dtype and the frozen embedding/LM head (parameters and optimiser stay "
+        "float32). Default: float32 on cpu, bfloat16 on cuda",
+    )
     # prompts
     parser.add_argument("--num-prompts-per-category", type=positive_int, default=4000)
-    parser.add_argument("--categories", nargs="+", default=list(CATEGORIES), choices=CATEGORIES,
-                        help="prompt categories to make")
-    parser.add_argument("--math-templates", default="both", choices=("basic", "broad", "both"),
-                        help="math word-problem template sets (basic: the first drafters' data)")
-    parser.add_argument("--self-written", nargs="+", default=[], choices=("chat", "code"),
-                        help="categories whose prompts the target writes itself instead of the templates (sampled "
-                             "from its chat template up to the user's text; runs the target on --device)")
-    parser.add_argument("--add", action="store_true",
-                        help="add prompts (made with --seed) to an existing data directory: texts already there are "
-                             "skipped, the new ones are interleaved with the pending ones")
+    parser.add_argument(
+        "--categories", nargs="+", default=list(CATEGORIES), choices=CATEGORIES, help="prompt categories to make"
+    )
+    parser.add_argument(
+        "--math-templates",
+        default="both",
+        choices=("basic", "broad", "both"),
+        help="math word-problem template sets (basic: the first drafters' data)",
+    )
+    parser.add_argument(
+        "--self-written",
+        nargs="+",
+        default=[],
+        choices=("chat", "code"),
+        help="categories whose prompts the target writes itself instead of the templates (sampled "
+        "from its chat template up to the user's text; runs the target on --device)",
+    )
+    parser.add_argument(
+        "--add",
+        action="store_true",
+        help="add prompts (made with --seed) to an existing data directory: texts already there are "
+        "skipped, the new ones are interleaved with the pending ones",
+    )
     # generate / eval-data
     parser.add_argument("--batch-size", type=positive_int, default=32)
     parser.add_argument("--max-new-tokens", type=positive_int, default=256)
     parser.add_argument("--max-prompts", type=positive_int, default=None, help="stop after this many new responses")
-    parser.add_argument("--max-seconds", type=_positive_float, default=None, help="stop generating/training after this long")
-    parser.add_argument("--num-eval-prompts", type=positive_int, default=None,
-                        help=f"per category (default {DEFAULT_NUM_EVAL_PROMPTS}; an existing --eval-dir keeps its own)")
-    parser.add_argument("--stored-layer-ids", type=non_negative_int, nargs="+", default=None,
-                        help="target layers whose hidden states are cached (default: 1 4 8 14 20 24 27 28, for "
-                             "SmolLM2's 30 layers); --target-layer-ids must be among them")
-    parser.add_argument("--engine", choices=("runner", "hf"), default="runner",
-                        help="runner: the project's target runner with continuous batching; hf: transformers generate")
+    parser.add_argument(
+        "--max-seconds", type=_positive_float, default=None, help="stop generating/training after this long"
+    )
+    parser.add_argument(
+        "--num-eval-prompts",
+        type=positive_int,
+        default=None,
+        help=f"per category (default {DEFAULT_NUM_EVAL_PROMPTS}; an existing --eval-dir keeps its own)",
+    )
+    parser.add_argument(
+        "--stored-layer-ids",
+        type=non_negative_int,
+        nargs="+",
+        default=None,
+        help="target layers whose hidden states are cached (default: 1 4 8 14 20 24 27 28, for "
+        "SmolLM2's 30 layers); --target-layer-ids must be among them",
+    )
+    parser.add_argument(
+        "--engine",
+        choices=("runner", "hf"),
+        default="runner",
+        help="runner: the project's target runner with continuous batching; hf: transformers generate",
+    )
     # train
     parser.add_argument("--num-draft-layers", type=positive_int, default=2)
     parser.add_argument("--block-size", type=_at_least(2), default=8)
@@ -105,27 +141,51 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--train-batch-size", type=positive_int, default=4, help="sequences per optimiser step")
     parser.add_argument("--lr", type=_positive_float, default=6e-4)
     parser.add_argument("--max-steps", type=positive_int, default=4000)
-    parser.add_argument("--max-hours", type=_positive_float, default=None,
-                        help="time budget of the whole training (resumes included); the LR schedule anneals by then")
+    parser.add_argument(
+        "--max-hours",
+        type=_positive_float,
+        default=None,
+        help="time budget of the whole training (resumes included); the LR schedule anneals by then",
+    )
     parser.add_argument("--checkpoint-every", type=positive_int, default=100)
     parser.add_argument("--full-softmax", action="store_true", help="train with the softmax over the whole vocab")
-    parser.add_argument("--num-negatives", type=positive_int, default=8192,
-                        help="sampled-softmax negatives per step (tokens outside the training data)")
-    parser.add_argument("--init-from", type=Path, default=None,
-                        help="start from this DFlash drafter folder (the same shape, or fewer layers: the extra "
-                             "layers start as identities, so training starts from what it computes)")
+    parser.add_argument(
+        "--num-negatives",
+        type=positive_int,
+        default=8192,
+        help="sampled-softmax negatives per step (tokens outside the training data)",
+    )
+    parser.add_argument(
+        "--init-from",
+        type=Path,
+        default=None,
+        help="start from this DFlash drafter folder (the same shape, or fewer layers: the extra "
+        "layers start as identities, so training starts from what it computes)",
+    )
     # vocab
-    parser.add_argument("--draft-vocab-size", type=positive_int, default=16384,
-                        help="tokens in the draft vocabulary (the most frequent training labels)")
+    parser.add_argument(
+        "--draft-vocab-size",
+        type=positive_int,
+        default=16384,
+        help="tokens in the draft vocabulary (the most frequent training labels)",
+    )
     # eval
-    parser.add_argument("--drafter", type=Path, default=None,
-                        help="drafter folder of the vocab, eval and ship steps (default: <out-dir>/drafter)")
+    parser.add_argument(
+        "--drafter",
+        type=Path,
+        default=None,
+        help="drafter folder of the vocab, eval and ship steps (default: <out-dir>/drafter)",
+    )
     parser.add_argument("--budgets", type=positive_int, nargs="+", default=[8, 16, 32, 64, 128])
     parser.add_argument("--max-eval-sequences", type=positive_int, default=None, help="per category (a quick check)")
     # ship
-    parser.add_argument("--ship-dir", type=Path, default=None,
-                        help="where ship copies the drafter (default: the package's embedded drafter folder, for the "
-                             "embedded target only)")
+    parser.add_argument(
+        "--ship-dir",
+        type=Path,
+        default=None,
+        help="where ship copies the drafter (default: the package's embedded drafter folder, for the "
+        "embedded target only)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -167,18 +227,41 @@ def _generate(args: argparse.Namespace, data_dir: Path) -> None:
     existing = _read_manifest(data_dir).get("stored_layer_ids")
     if existing is not None and any((data_dir / "features").glob("*.safetensors")):
         if args.stored_layer_ids is not None and list(stored) != existing:
-            raise ValueError(f"{data_dir} holds features of the layers {existing}; --stored-layer-ids "
-                             f"{' '.join(map(str, stored))} would store others (use a new --data-dir)")
+            raise ValueError(
+                f"{data_dir} holds features of the layers {existing}; --stored-layer-ids "
+                f"{' '.join(map(str, stored))} would store others (use a new --data-dir)"
+            )
         stored = tuple(existing)
-    settings = {"batch_size": args.batch_size, "greedy": True, "max_new_tokens": args.max_new_tokens,
-                "engine": args.engine, "device": str(args.device), "dtype": _dtype_name(args.dtype)}
-    _update_manifest(data_dir, {"stored_layer_ids": list(stored), "generation": settings,
-                                "target": _read_manifest(data_dir).get("target", _target_key(args.target))})
+    settings = {
+        "batch_size": args.batch_size,
+        "greedy": True,
+        "max_new_tokens": args.max_new_tokens,
+        "engine": args.engine,
+        "device": str(args.device),
+        "dtype": _dtype_name(args.dtype),
+    }
+    _update_manifest(
+        data_dir,
+        {
+            "stored_layer_ids": list(stored),
+            "generation": settings,
+            "target": _read_manifest(data_dir).get("target", _target_key(args.target)),
+        },
+    )
     generate = generate_responses_continuous if args.engine == "runner" else generate_responses
     started = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-    num_new = generate(data_dir, args.target, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                       max_prompts=args.max_prompts, stored_layer_ids=stored, num_threads=args.num_threads,
-                       max_seconds=args.max_seconds, device=args.device, dtype=args.dtype)
+    num_new = generate(
+        data_dir,
+        args.target,
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+        max_prompts=args.max_prompts,
+        stored_layer_ids=stored,
+        num_threads=args.num_threads,
+        max_seconds=args.max_seconds,
+        device=args.device,
+        dtype=args.dtype,
+    )
     # every run's settings: a data directory may mix them (`generation` holds the last run's)
     runs = _read_manifest(data_dir).get("generate_runs", [])
     runs.append({"command": " ".join(sys.argv), **settings, "started": started, "num_responses": num_new})
@@ -199,11 +282,15 @@ def _prompts(args: argparse.Namespace, data_dir: Path) -> None:
 
     exists = (data_dir / "prompts.jsonl").exists()
     if exists and not args.add:
-        raise ValueError(f"{data_dir}/prompts.jsonl exists; generation resumes from it (--add adds prompts to it; a "
-                         f"new --data-dir starts over)")
+        raise ValueError(
+            f"{data_dir}/prompts.jsonl exists; generation resumes from it (--add adds prompts to it; a "
+            f"new --data-dir starts over)"
+        )
     if not args.add and (data_dir / "responses.jsonl").exists():
-        raise ValueError(f"{data_dir} holds responses to earlier prompts (responses.jsonl): new prompts would reuse "
-                         f"their ids; use a new --data-dir")
+        raise ValueError(
+            f"{data_dir} holds responses to earlier prompts (responses.jsonl): new prompts would reuse "
+            f"their ids; use a new --data-dir"
+        )
     if args.add and not exists:
         raise ValueError(f"--add: {data_dir}/prompts.jsonl does not exist (run the prompts step without --add)")
     from ddtree.training.self_prompts import make_self_prompts
@@ -215,29 +302,46 @@ def _prompts(args: argparse.Namespace, data_dir: Path) -> None:
         raise ValueError(f"--self-written {' '.join(outside)}: not among --categories {' '.join(args.categories)}")
     written = {}
     for category in args.self_written:
-        written[category] = make_self_prompts(args.target, args.num_prompts_per_category, args.seed,
-                                              category=category, device=args.device, dtype=args.dtype,
-                                              num_threads=args.num_threads)
-    prompts = make_training_prompts(args.num_prompts_per_category, seed=args.seed, categories=tuple(args.categories),
-                                    math_templates=args.math_templates, written=written)
+        written[category] = make_self_prompts(
+            args.target,
+            args.num_prompts_per_category,
+            args.seed,
+            category=category,
+            device=args.device,
+            dtype=args.dtype,
+            num_threads=args.num_threads,
+        )
+    prompts = make_training_prompts(
+        args.num_prompts_per_category,
+        seed=args.seed,
+        categories=tuple(args.categories),
+        math_templates=args.math_templates,
+        written=written,
+    )
     kept, dropped = drop_overlapping(prompts)
     if args.add:
         _add_prompts(args, data_dir, kept, dropped)
         return
     write_prompts(data_dir, kept)
     counts = _count_by_category_and_source(kept)
-    _update_manifest(data_dir, {
-        "prompts_command": " ".join(sys.argv), "prompt_seed": args.seed,
-        "num_prompts": len(kept), "prompt_counts_by_category_and_source": counts,
-        "dropped_for_eval_overlap": {"ngram": 8, "prompt_ids": dropped},
-        "sources": {
-            "math": "templated word problems, ddtree/training/prompts.py:_math_train",
-            "chat": "templated questions over topic lists, ddtree/training/prompts.py:_chat_train",
-            "code": "signatures/docstrings of installed stdlib + site-packages functions, prompts.py:_code_prompts",
-            **{c: "written by the target itself, ddtree/training/self_prompts.py" for c in args.self_written},
+    _update_manifest(
+        data_dir,
+        {
+            "prompts_command": " ".join(sys.argv),
+            "prompt_seed": args.seed,
+            "num_prompts": len(kept),
+            "prompt_counts_by_category_and_source": counts,
+            "dropped_for_eval_overlap": {"ngram": 8, "prompt_ids": dropped},
+            "sources": {
+                "math": "templated word problems, ddtree/training/prompts.py:_math_train",
+                "chat": "templated questions over topic lists, ddtree/training/prompts.py:_chat_train",
+                "code": "signatures/docstrings of installed stdlib + site-packages functions, prompts.py:_code_prompts",
+                **{c: "written by the target itself, ddtree/training/self_prompts.py" for c in args.self_written},
+            },
+            "target": _target_key(args.target),
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         },
-        "target": _target_key(args.target), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    })
+    )
     print(f"[prompts] {len(kept)} prompts ({len(dropped)} dropped for eval overlap) -> {data_dir}/prompts.jsonl")
 
 
@@ -256,25 +360,36 @@ def _add_prompts(args: argparse.Namespace, data_dir: Path, made: list, dropped: 
     added = [dataclasses.replace(p, prompt_id=batch_id(p.prompt_id)) for p in made if p.text not in texts]
     dropped = [batch_id(prompt_id) for prompt_id in dropped]
     if not added:
-        raise ValueError(f"--add: all {len(made)} prompts made with --seed {args.seed} are already in {data_dir} "
-                         f"(use another --seed)")
+        raise ValueError(
+            f"--add: all {len(made)} prompts made with --seed {args.seed} are already in {data_dir} "
+            f"(use another --seed)"
+        )
     ids = {p.prompt_id for p in existing}
     clashing = [p.prompt_id for p in added if p.prompt_id in ids]
     if clashing:
-        raise ValueError(f"--add: prompt ids {clashing[:3]} already exist; this seed was added before (use another "
-                         f"--seed)")
+        raise ValueError(
+            f"--add: prompt ids {clashing[:3]} already exist; this seed was added before (use another --seed)"
+        )
     done_ids = {r["prompt_id"] for r in read_jsonl(data_dir / "responses.jsonl")}
     write_prompts(data_dir, interleave_pending(existing, done_ids, added))
     batches = _read_manifest(data_dir).get("added_prompts", [])
-    batches.append({"command": " ".join(sys.argv), "seed": args.seed, "num_prompts": len(added),
-                    "skipped_existing_text": len(made) - len(added),
-                    "counts_by_category_and_source": _count_by_category_and_source(added),
-                    "dropped_for_eval_overlap": {"ngram": 8, "prompt_ids": dropped},
-                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())})
+    batches.append(
+        {
+            "command": " ".join(sys.argv),
+            "seed": args.seed,
+            "num_prompts": len(added),
+            "skipped_existing_text": len(made) - len(added),
+            "counts_by_category_and_source": _count_by_category_and_source(added),
+            "dropped_for_eval_overlap": {"ngram": 8, "prompt_ids": dropped},
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+    )
     _update_manifest(data_dir, {"num_prompts": len(existing) + len(added), "added_prompts": batches})
-    print(f"[prompts] added {len(added)} prompts ({len(dropped)} dropped for eval overlap, "
-          f"{len(made) - len(added)} already there), interleaved with {len(existing) - len(done_ids & ids)} pending "
-          f"-> {data_dir}/prompts.jsonl")
+    print(
+        f"[prompts] added {len(added)} prompts ({len(dropped)} dropped for eval overlap, "
+        f"{len(made) - len(added)} already there), interleaved with {len(existing) - len(done_ids & ids)} pending "
+        f"-> {data_dir}/prompts.jsonl"
+    )
 
 
 def eval_subset(records: list, num_prompts: int) -> list:
@@ -287,10 +402,8 @@ def eval_subset(records: list, num_prompts: int) -> list:
 
 
 def _eval_data(args: argparse.Namespace) -> None:
-    from ddtree.training.generate import write_prompts
+    from ddtree.training.generate import read_jsonl, write_prompts
     from ddtree.training.prompts import CATEGORIES, load_eval_prompt_records
-
-    from ddtree.training.generate import read_jsonl
 
     for category in CATEGORIES:
         category_dir = args.eval_dir / category
@@ -298,8 +411,10 @@ def _eval_data(args: argparse.Namespace) -> None:
         if (category_dir / "prompts.jsonl").exists():
             have = len(read_jsonl(category_dir / "prompts.jsonl"))
             if args.num_eval_prompts is not None and have != len(wanted):
-                raise ValueError(f"{category_dir} holds {have} evaluation prompts; --num-eval-prompts "
-                                 f"{args.num_eval_prompts} would choose others (use a new --eval-dir)")
+                raise ValueError(
+                    f"{category_dir} holds {have} evaluation prompts; --num-eval-prompts "
+                    f"{args.num_eval_prompts} would choose others (use a new --eval-dir)"
+                )
         else:
             write_prompts(category_dir, wanted)
         _generate(args, category_dir)
@@ -309,11 +424,22 @@ def _train_config(args: argparse.Namespace):
     from ddtree.training.train import TrainConfig
 
     return TrainConfig(
-        out_dir=str(args.out_dir), num_draft_layers=args.num_draft_layers, block_size=args.block_size,
-        target_layer_ids=list(args.target_layer_ids), mask_token_id=args.mask_token_id,
-        max_anchors=args.max_anchors, batch_size=args.train_batch_size, lr=args.lr, max_steps=args.max_steps,
-        max_hours=args.max_hours, checkpoint_every=args.checkpoint_every, seed=args.seed, is_softmax_restricted=not args.full_softmax,
-        num_negatives=args.num_negatives, init_from=None if args.init_from is None else str(args.init_from))
+        out_dir=str(args.out_dir),
+        num_draft_layers=args.num_draft_layers,
+        block_size=args.block_size,
+        target_layer_ids=list(args.target_layer_ids),
+        mask_token_id=args.mask_token_id,
+        max_anchors=args.max_anchors,
+        batch_size=args.train_batch_size,
+        lr=args.lr,
+        max_steps=args.max_steps,
+        max_hours=args.max_hours,
+        checkpoint_every=args.checkpoint_every,
+        seed=args.seed,
+        is_softmax_restricted=not args.full_softmax,
+        num_negatives=args.num_negatives,
+        init_from=None if args.init_from is None else str(args.init_from),
+    )
 
 
 def _train(args: argparse.Namespace) -> None:
@@ -321,10 +447,24 @@ def _train(args: argparse.Namespace) -> None:
 
     _check_target(args.data_dir, args.target)
     config = _train_config(args)
-    path = train(args.data_dir, args.target, config, num_threads=args.num_threads, max_seconds=args.max_seconds,
-                 device=args.device, dtype=args.dtype)
-    _update_manifest(args.out_dir, {"train_command": " ".join(sys.argv), "train_config": asdict(config),
-                                    "train_device": str(args.device), "train_dtype": _dtype_name(args.dtype)})
+    path = train(
+        args.data_dir,
+        args.target,
+        config,
+        num_threads=args.num_threads,
+        max_seconds=args.max_seconds,
+        device=args.device,
+        dtype=args.dtype,
+    )
+    _update_manifest(
+        args.out_dir,
+        {
+            "train_command": " ".join(sys.argv),
+            "train_config": asdict(config),
+            "train_device": str(args.device),
+            "train_dtype": _dtype_name(args.dtype),
+        },
+    )
     print(f"[train] drafter -> {path}")
 
 
@@ -344,24 +484,38 @@ def _vocab(args: argparse.Namespace) -> None:
     sequences = read_sequences(args.data_dir)
     if not sequences:
         raise ValueError(f"no responses in {args.data_dir}: run the generate step first")
-    counts = Counter(t for s in sequences for t in s.token_ids[s.prompt_length:])
+    counts = Counter(t for s in sequences for t in s.token_ids[s.prompt_length :])
     tokenizer = load_target_tokenizer(args.target)
     eos = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
     token_ids = draft_vocab_from_counts(counts, args.draft_vocab_size, required=eos)
     num_labels = sum(counts.values())
     coverage = sum(counts[t] for t in token_ids) / num_labels
-    path = save_draft_vocab(drafter_dir, token_ids, command=" ".join(sys.argv), data_dir=str(args.data_dir),
-                            num_responses=len(sequences), num_label_tokens=num_labels,
-                            num_distinct_label_tokens=len(counts), label_coverage=round(coverage, 5))
-    print(f"[vocab] {len(token_ids)} tokens ({len(counts)} distinct in {num_labels} labels, "
-          f"coverage {coverage:.4f}) -> {path}")
+    path = save_draft_vocab(
+        drafter_dir,
+        token_ids,
+        command=" ".join(sys.argv),
+        data_dir=str(args.data_dir),
+        num_responses=len(sequences),
+        num_label_tokens=num_labels,
+        num_distinct_label_tokens=len(counts),
+        label_coverage=round(coverage, 5),
+    )
+    print(
+        f"[vocab] {len(token_ids)} tokens ({len(counts)} distinct in {num_labels} labels, "
+        f"coverage {coverage:.4f}) -> {path}"
+    )
 
 
 def _eval(args: argparse.Namespace) -> None:
     import torch
 
-    from ddtree.training.evaluate import (evaluate_tau, format_table, load_evaluation_set, load_for_evaluation,
-                                          write_results)
+    from ddtree.training.evaluate import (
+        evaluate_tau,
+        format_table,
+        load_evaluation_set,
+        load_for_evaluation,
+        write_results,
+    )
     from ddtree.training.prompts import CATEGORIES
 
     torch.set_num_threads(args.num_threads)
@@ -379,17 +533,26 @@ def _eval(args: argparse.Namespace) -> None:
     start = time.time()
     for category in CATEGORIES:
         sequences, reader = load_evaluation_set(args.eval_dir / category, drafter, args.max_eval_sequences)
-        results.append(evaluate_tau(drafter, embed, lm_head, sequences, reader, category, budgets,
-                                    draft_token_ids=draft_token_ids))
+        results.append(
+            evaluate_tau(drafter, embed, lm_head, sequences, reader, category, budgets, draft_token_ids=draft_token_ids)
+        )
         print(f"[eval] {results[-1].summary()}", flush=True)
     table = format_table(results, budgets)
     print(table)
     command = " ".join(sys.argv)
-    write_results(drafter_dir / "tau.json", results,
-                  {"command": command, "eval_dir": str(args.eval_dir), "seconds": round(time.time() - start),
-                   "draft_vocab_size": None if draft_token_ids is None else len(draft_token_ids),
-                   "device": str(args.device), "dtype": _dtype_name(args.dtype),
-                   "weights_sha256": evaluated_weights})
+    write_results(
+        drafter_dir / "tau.json",
+        results,
+        {
+            "command": command,
+            "eval_dir": str(args.eval_dir),
+            "seconds": round(time.time() - start),
+            "draft_vocab_size": None if draft_token_ids is None else len(draft_token_ids),
+            "device": str(args.device),
+            "dtype": _dtype_name(args.dtype),
+            "weights_sha256": evaluated_weights,
+        },
+    )
     (drafter_dir / "tau.md").write_text(f"`{command}`\n\n{table}\n")
 
 
@@ -407,8 +570,10 @@ def _ship(args: argparse.Namespace) -> None:
     ship_dir = args.ship_dir
     if ship_dir is None:
         if args.target != DEFAULT_TARGET:
-            raise ValueError(f"--ship-dir is needed for --target {args.target} (the default folder is the embedded "
-                             f"{DEFAULT_TARGET} drafter's)")
+            raise ValueError(
+                f"--ship-dir is needed for --target {args.target} (the default folder is the embedded "
+                f"{DEFAULT_TARGET} drafter's)"
+            )
         ship_dir = DEFAULT_SHIP_DIR
     drafter_dir = args.drafter or args.out_dir / "drafter"
     _require_drafter(drafter_dir)
@@ -420,26 +585,39 @@ def _ship(args: argparse.Namespace) -> None:
     # The shipped tau must describe what serving drafts over: the weights evaluated, and a vocabulary made (or
     # removed) after the eval step would ship with a tau measured over another one.
     if tau.get("weights_sha256") != weights_sha256(drafter_dir):
-        raise ValueError(f"{tau_path} was measured on other weights than {drafter_dir}/model.safetensors (trained "
-                         f"on since, or an older eval): run the eval step again")
+        raise ValueError(
+            f"{tau_path} was measured on other weights than {drafter_dir}/model.safetensors (trained "
+            f"on since, or an older eval): run the eval step again"
+        )
     num_vocab = len(json.loads(vocab_path.read_text())["token_ids"]) if vocab_path.exists() else None
     num_vocab_evaluated = tau.get("draft_vocab_size")
     if num_vocab != num_vocab_evaluated:
-        raise ValueError(f"{tau_path} was measured over a draft vocabulary of {num_vocab_evaluated} tokens (None: the "
-                         f"full vocabulary) but {drafter_dir} has {num_vocab}: run the eval step again")
+        raise ValueError(
+            f"{tau_path} was measured over a draft vocabulary of {num_vocab_evaluated} tokens (None: the "
+            f"full vocabulary) but {drafter_dir} has {num_vocab}: run the eval step again"
+        )
     if not (drafter_dir / TRAINING_STATE_NAME).is_file():
-        raise ValueError(f"{drafter_dir} has no {TRAINING_STATE_NAME} (which step its weights are from): ship ships "
-                         f"the drafter of a train step's --out-dir; for one trained before this file existed, run "
-                         f"the train step again on its --out-dir (a finished run saves at once), then eval")
-    for path, step in ((args.out_dir / "manifest.json", "train"), (args.out_dir / "log.jsonl", "train"),
-                       (args.data_dir / "manifest.json", "prompts")):
+        raise ValueError(
+            f"{drafter_dir} has no {TRAINING_STATE_NAME} (which step its weights are from): ship ships "
+            f"the drafter of a train step's --out-dir; for one trained before this file existed, run "
+            f"the train step again on its --out-dir (a finished run saves at once), then eval"
+        )
+    for path, step in (
+        (args.out_dir / "manifest.json", "train"),
+        (args.out_dir / "log.jsonl", "train"),
+        (args.data_dir / "manifest.json", "prompts"),
+    ):
         if not path.is_file():
-            raise ValueError(f"{path} does not exist: ship reads the {step} step's records from --out-dir and "
-                             f"--data-dir (the ones the drafter was trained with)")
+            raise ValueError(
+                f"{path} does not exist: ship reads the {step} step's records from --out-dir and "
+                f"--data-dir (the ones the drafter was trained with)"
+            )
     state = json.loads((drafter_dir / TRAINING_STATE_NAME).read_text())
     if state.get("weights_sha256") != tau["weights_sha256"]:
-        raise ValueError(f"{drafter_dir}/{TRAINING_STATE_NAME} describes other weights than the drafter's: train "
-                         f"saved a newer drafter while this one was evaluated; run the eval step again")
+        raise ValueError(
+            f"{drafter_dir}/{TRAINING_STATE_NAME} describes other weights than the drafter's: train "
+            f"saved a newer drafter while this one was evaluated; run the eval step again"
+        )
     log = [r for r in read_jsonl(args.out_dir / "log.jsonl") if r["step"] <= state["step"]]
     tail = log[-100:]
     data_manifest = json.loads((args.data_dir / "manifest.json").read_text())
@@ -451,9 +629,11 @@ def _ship(args: argparse.Namespace) -> None:
     manifest = {
         "target": args.target,
         "train": json.loads((args.out_dir / "manifest.json").read_text()),
-        "training_steps": state["step"], "training_hours": state["hours"],
+        "training_steps": state["step"],
+        "training_hours": state["hours"],
         "final_100_steps_mean": {k: round(sum(r[k] for r in tail) / len(tail), 4) for k in ("loss", "acc", "acc_k1")}
-        if tail else None,
+        if tail
+        else None,
         "data": data_manifest,
         "tau": tau,
         "ship_command": " ".join(sys.argv),
@@ -482,8 +662,9 @@ def _target_key(target: str) -> str:
 def _require_drafter(drafter_dir: Path) -> None:
     for name in ("config.json", "model.safetensors"):
         if not (drafter_dir / name).is_file():
-            raise ValueError(f"{drafter_dir} has no {name}: run the train step first (or name a drafter with "
-                             f"--drafter)")
+            raise ValueError(
+                f"{drafter_dir} has no {name}: run the train step first (or name a drafter with --drafter)"
+            )
 
 
 def _check_target(data_dir: Path, target: str) -> None:
@@ -498,8 +679,10 @@ def _check_target(data_dir: Path, target: str) -> None:
     else:
         same = _target_key(recorded) == _target_key(target)
     if not same:
-        raise ValueError(f"{data_dir} holds data of the target {recorded} (its manifest.json), not of --target "
-                         f"{target}: pass that --target, or use another --data-dir / --eval-dir for this one")
+        raise ValueError(
+            f"{data_dir} holds data of the target {recorded} (its manifest.json), not of --target "
+            f"{target}: pass that --target, or use another --data-dir / --eval-dir for this one"
+        )
 
 
 def _read_manifest(data_dir: Path) -> dict:

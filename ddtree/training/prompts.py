@@ -67,46 +67,87 @@ def _math_train(rng: random.Random) -> tuple[str, str]:
     pct = rng.choice([5, 10, 12, 15, 20, 25, 30, 40, 50, 60, 75])
     unit = rng.choice(_UNITS_TIME)
     templates = [
-        ("buy_sell", f"{a} has {x} {item}. {a} gives {min(y, x)} of them to {b} and then buys {z} more at the {place}. "
-         f"How many {item} does {a} have now?"),
-        ("price_total", f"At the {place}, one of the {item} costs ${price}. {a} buys {y} of them and pays with a "
-         f"${(int(price * y) // 10 + 1) * 10} bill. How much change does {a} get?"),
-        ("rate_time", f"A machine makes {x} {item} every {unit}. How many {item} does it make in {z} {unit}s? "
-         f"Show your work."),
-        ("percent_off", f"A jacket costs ${x * 4}. The {place} offers a {pct}% discount. What is the price after the "
-         f"discount?"),
-        ("share_equal", f"{a} has {y * z} {item} and wants to share them equally among {z} friends. How many {item} "
-         f"does each friend get?"),
-        ("two_people", f"{a} has {x} {item} and {b} has {y} {item}. How many more {item} does the one with more have? "
-         f"How many do they have together?"),
-        ("area_rect", f"A rectangular garden is {x} meters long and {y} meters wide. What is its area and its "
-         f"perimeter?"),
+        (
+            "buy_sell",
+            f"{a} has {x} {item}. {a} gives {min(y, x)} of them to {b} and then buys {z} more at the {place}. "
+            f"How many {item} does {a} have now?",
+        ),
+        (
+            "price_total",
+            f"At the {place}, one of the {item} costs ${price}. {a} buys {y} of them and pays with a "
+            f"${(int(price * y) // 10 + 1) * 10} bill. How much change does {a} get?",
+        ),
+        (
+            "rate_time",
+            f"A machine makes {x} {item} every {unit}. How many {item} does it make in {z} {unit}s? Show your work.",
+        ),
+        (
+            "percent_off",
+            f"A jacket costs ${x * 4}. The {place} offers a {pct}% discount. What is the price after the discount?",
+        ),
+        (
+            "share_equal",
+            f"{a} has {y * z} {item} and wants to share them equally among {z} friends. How many {item} "
+            f"does each friend get?",
+        ),
+        (
+            "two_people",
+            f"{a} has {x} {item} and {b} has {y} {item}. How many more {item} does the one with more have? "
+            f"How many do they have together?",
+        ),
+        (
+            "area_rect",
+            f"A rectangular garden is {x} meters long and {y} meters wide. What is its area and its perimeter?",
+        ),
         ("speed", f"{a} drives at {x + 20} kilometers per hour for {z} hours. How far does {a} travel?"),
         ("age", f"{a} is {y} years old. {b} is {z} years older than {a}. How old will {b} be in {x % 10 + 2} years?"),
         ("solve_linear", f"Solve for x: {z}x + {x} = {z * y + x}."),
         ("arith_chain", f"Calculate ({x} + {y}) * {z} - {x}. Explain each step."),
         ("fraction", f"What is {z}/{z + y} of {x * (z + y)}? Explain the steps."),
-        ("average", f"The test scores of {a}'s class are {x}, {y + 30}, {z + 60}, {rng.randint(40, 100)} and "
-         f"{rng.randint(40, 100)}. What is the average score?"),
-        ("combo_items", f"{a} buys {y} {item} at ${price} each and {z} {item2} at ${price * 2} each. How much does "
-         f"{a} spend in total?"),
+        (
+            "average",
+            f"The test scores of {a}'s class are {x}, {y + 30}, {z + 60}, {rng.randint(40, 100)} and "
+            f"{rng.randint(40, 100)}. What is the average score?",
+        ),
+        (
+            "combo_items",
+            f"{a} buys {y} {item} at ${price} each and {z} {item2} at ${price * 2} each. How much does "
+            f"{a} spend in total?",
+        ),
         ("weekly_save", f"{a} saves ${y} every {unit}. How many {unit}s will it take {a} to save ${y * z + x}?"),
         ("perc_of", f"What is {pct}% of {x * 20}?"),
         ("square_root", f"What is the square root of {z * z}? And what is {z} squared plus {y}?"),
         ("prime_check", f"Is {x * 2 + 1} a prime number? Explain how you checked."),
         ("unit_convert", f"How many minutes are there in {z} hours and {y} minutes?"),
-        ("multi_step", f"{a} reads {y} pages a day. The book has {y * z + x} pages. After {z} days, how many pages are "
-         f"left to read?"),
-        ("word_times", f"There are {z} boxes with {x} {item} in each box. {a} takes away {y} {item}. How many {item} "
-         f"are left?"),
-        ("ratio", f"The ratio of {item} to {item2} in a basket is {z}:{y % 9 + 1}. If there are {z * 6} {item}, how "
-         f"many {item2} are there?"),
-        ("interest", f"{a} puts ${x * 100} in a bank account with {pct % 9 + 1}% simple interest per year. How much "
-         f"interest is earned after {z % 6 + 1} years?"),
-        ("work_rate", f"{a} can paint a fence in {z} hours and {b} can paint it in {z + y % 7 + 1} hours. How long "
-         f"does it take them together?"),
-        ("gsm_style", f"{a} sells {item} at the {place}. On Monday {a} sells {x}, on Tuesday twice as many, and on "
-         f"Wednesday {y} fewer than on Tuesday. How many {item} did {a} sell in the three days?"),
+        (
+            "multi_step",
+            f"{a} reads {y} pages a day. The book has {y * z + x} pages. After {z} days, how many pages are "
+            f"left to read?",
+        ),
+        (
+            "word_times",
+            f"There are {z} boxes with {x} {item} in each box. {a} takes away {y} {item}. How many {item} are left?",
+        ),
+        (
+            "ratio",
+            f"The ratio of {item} to {item2} in a basket is {z}:{y % 9 + 1}. If there are {z * 6} {item}, how "
+            f"many {item2} are there?",
+        ),
+        (
+            "interest",
+            f"{a} puts ${x * 100} in a bank account with {pct % 9 + 1}% simple interest per year. How much "
+            f"interest is earned after {z % 6 + 1} years?",
+        ),
+        (
+            "work_rate",
+            f"{a} can paint a fence in {z} hours and {b} can paint it in {z + y % 7 + 1} hours. How long "
+            f"does it take them together?",
+        ),
+        (
+            "gsm_style",
+            f"{a} sells {item} at the {place}. On Monday {a} sells {x}, on Tuesday twice as many, and on "
+            f"Wednesday {y} fewer than on Tuesday. How many {item} did {a} sell in the three days?",
+        ),
         ("equation2", f"If 2x - {y} = {x}, what is x?"),
         ("consecutive", f"The sum of three consecutive integers is {3 * x + 3}. What are the integers?"),
         ("perimeter_sq", f"A square has a perimeter of {4 * z} centimeters. What is its area?"),
@@ -136,72 +177,156 @@ def _math_train_broad(rng: random.Random) -> tuple[str, str]:
     job = rng.choice(["tutoring", "babysitting", "mowing lawns", "walking dogs", "washing cars"])
     hour, minute = rng.randint(1, 11), rng.choice([0, 5, 10, 15, 20, 25, 30, 40, 45, 50])
     templates = [
-        ("clock_elapsed", f"A movie starts at {hour}:{minute:02d} pm and lasts {x + 60} minutes. At what time does "
-         f"the movie end?"),
-        ("clock_between", f"{a} starts homework at {hour}:{minute:02d} and finishes at {hour + 1 + z % 3}:"
-         f"{(minute + 25) % 60:02d}. How long did the homework take?"),
-        ("volume_box", f"A {container} is shaped like a box {z} cm long, {w} cm wide and {y} cm tall. What is its "
-         f"volume in cubic centimeters?"),
-        ("circle_area", f"A round table has a diameter of {2 * z} feet. What is the area of the tabletop? Use 3.14 "
-         f"for pi."),
-        ("ladder", f"A ladder leans against a wall. Its foot is {5 * w} feet from the wall and it reaches {12 * w} "
-         f"feet up the wall. How long is the ladder?"),
-        ("angles", f"Two angles of a triangle measure {x % 60 + 30} degrees and {y + 20} degrees. What is the third "
-         f"angle?"),
-        ("earn_job", f"{a} earns ${y % 15 + 8} for each hour of {job}. Last week {a} worked {z} hours on Saturday and "
-         f"{w} hours on Sunday. How much did {a} earn over the weekend?"),
-        ("budget_left", f"{a} gets ${x + 50} for a birthday. {a} spends a quarter of it on a game and ${y % 20 + 3} "
-         f"on snacks. How much money is left?"),
-        ("tax_tip", f"A meal costs ${x + 10}. The tip is {pct % 20 + 10}% of the meal price. What is the total with "
-         f"the tip?"),
-        ("discount_two", f"A set of {item} costs ${x + 40}. It is on sale for {pct}% off, and a coupon takes another "
-         f"${w} off the sale price. What is the final price?"),
-        ("unit_price", f"A pack of {z} {item} costs ${price * z:.2f}. A pack of {z + w} {item} costs "
-         f"${price * (z + w) * 0.9:.2f}. Which pack is the better deal per item?"),
-        ("fuel", f"A {vehicle} uses {w} liters of fuel for every {10 * z} kilometers. How much fuel does it need for "
-         f"{10 * z * y} kilometers?"),
-        ("meet_speed", f"Two cyclists start {x * 2 + 20} km apart and ride toward each other at {z + 10} km/h and "
-         f"{w + 12} km/h. After how many hours do they meet?"),
+        (
+            "clock_elapsed",
+            f"A movie starts at {hour}:{minute:02d} pm and lasts {x + 60} minutes. At what time does the movie end?",
+        ),
+        (
+            "clock_between",
+            f"{a} starts homework at {hour}:{minute:02d} and finishes at {hour + 1 + z % 3}:"
+            f"{(minute + 25) % 60:02d}. How long did the homework take?",
+        ),
+        (
+            "volume_box",
+            f"A {container} is shaped like a box {z} cm long, {w} cm wide and {y} cm tall. What is its "
+            f"volume in cubic centimeters?",
+        ),
+        (
+            "circle_area",
+            f"A round table has a diameter of {2 * z} feet. What is the area of the tabletop? Use 3.14 for pi.",
+        ),
+        (
+            "ladder",
+            f"A ladder leans against a wall. Its foot is {5 * w} feet from the wall and it reaches {12 * w} "
+            f"feet up the wall. How long is the ladder?",
+        ),
+        (
+            "angles",
+            f"Two angles of a triangle measure {x % 60 + 30} degrees and {y + 20} degrees. What is the third angle?",
+        ),
+        (
+            "earn_job",
+            f"{a} earns ${y % 15 + 8} for each hour of {job}. Last week {a} worked {z} hours on Saturday and "
+            f"{w} hours on Sunday. How much did {a} earn over the weekend?",
+        ),
+        (
+            "budget_left",
+            f"{a} gets ${x + 50} for a birthday. {a} spends a quarter of it on a game and ${y % 20 + 3} "
+            f"on snacks. How much money is left?",
+        ),
+        (
+            "tax_tip",
+            f"A meal costs ${x + 10}. The tip is {pct % 20 + 10}% of the meal price. What is the total with the tip?",
+        ),
+        (
+            "discount_two",
+            f"A set of {item} costs ${x + 40}. It is on sale for {pct}% off, and a coupon takes another "
+            f"${w} off the sale price. What is the final price?",
+        ),
+        (
+            "unit_price",
+            f"A pack of {z} {item} costs ${price * z:.2f}. A pack of {z + w} {item} costs "
+            f"${price * (z + w) * 0.9:.2f}. Which pack is the better deal per item?",
+        ),
+        (
+            "fuel",
+            f"A {vehicle} uses {w} liters of fuel for every {10 * z} kilometers. How much fuel does it need for "
+            f"{10 * z * y} kilometers?",
+        ),
+        (
+            "meet_speed",
+            f"Two cyclists start {x * 2 + 20} km apart and ride toward each other at {z + 10} km/h and "
+            f"{w + 12} km/h. After how many hours do they meet?",
+        ),
         ("avg_speed", f"{a} walks {w} km in {z * 10} minutes. What is {a}'s speed in kilometers per hour?"),
-        ("fraction_left", f"{a} had {w * 12} {item}. {a} gave 1/3 of them to {b} and 1/4 of them to {c}. How many "
-         f"{item} does {a} have left?"),
+        (
+            "fraction_left",
+            f"{a} had {w * 12} {item}. {a} gave 1/3 of them to {b} and 1/4 of them to {c}. How many "
+            f"{item} does {a} have left?",
+        ),
         ("fraction_add", f"What is {w}/{z + w} plus {z}/{2 * (z + w)}? Give the answer as a simplified fraction."),
         ("decimal_ops", f"Compute {x}.{w} + {y}.{z % 10} and then multiply the result by {w}."),
-        ("percent_change", f"The price of a box of {item} went from ${x + 20} to ${x + 20 + y}. By what percent did the "
-         f"price increase?"),
-        ("percent_whole", f"{pct}% of the students in a school walk to school. If {pct * w} students walk, how many "
-         f"students are in the school?"),
-        ("groups_left", f"{x + 100} students go on a trip. Each {vehicle} holds {z + 10} students. How many "
-         f"{vehicle}es are needed?" if vehicle == "bus" else f"{x + 100} people need rides. Each {vehicle} holds "
-         f"{w + 1} people. How many trips are needed?"),
-        ("pattern", f"A pattern starts at {w} and adds {z} each time: {w}, {w + z}, {w + 2 * z}, ... What is the "
-         f"{y % 20 + 10}th number in the pattern?"),
-        ("double_daily", f"A plant is {w} cm tall and doubles its height every week. How tall is it after {z % 6 + 2} "
-         f"weeks?"),
-        ("lcm_meet", f"One light blinks every {w + 2} seconds and another every {z + 3} seconds. They blink together "
-         f"now. After how many seconds do they blink together again?"),
-        ("gcd_groups", f"{a} has {w * 6} red beads and {w * 8} blue beads and wants identical bracelets with no bead "
-         f"left over. What is the largest number of bracelets {a} can make?"),
-        ("inequality", f"{a} has ${x + 30} and each ticket costs ${z + 4}. What is the largest number of tickets "
-         f"{a} can buy, and how much money is left?"),
+        (
+            "percent_change",
+            f"The price of a box of {item} went from ${x + 20} to ${x + 20 + y}. By what percent did the "
+            f"price increase?",
+        ),
+        (
+            "percent_whole",
+            f"{pct}% of the students in a school walk to school. If {pct * w} students walk, how many "
+            f"students are in the school?",
+        ),
+        (
+            "groups_left",
+            f"{x + 100} students go on a trip. Each {vehicle} holds {z + 10} students. How many {vehicle}es are needed?"
+            if vehicle == "bus"
+            else f"{x + 100} people need rides. Each {vehicle} holds {w + 1} people. How many trips are needed?",
+        ),
+        (
+            "pattern",
+            f"A pattern starts at {w} and adds {z} each time: {w}, {w + z}, {w + 2 * z}, ... What is the "
+            f"{y % 20 + 10}th number in the pattern?",
+        ),
+        (
+            "double_daily",
+            f"A plant is {w} cm tall and doubles its height every week. How tall is it after {z % 6 + 2} weeks?",
+        ),
+        (
+            "lcm_meet",
+            f"One light blinks every {w + 2} seconds and another every {z + 3} seconds. They blink together "
+            f"now. After how many seconds do they blink together again?",
+        ),
+        (
+            "gcd_groups",
+            f"{a} has {w * 6} red beads and {w * 8} blue beads and wants identical bracelets with no bead "
+            f"left over. What is the largest number of bracelets {a} can make?",
+        ),
+        (
+            "inequality",
+            f"{a} has ${x + 30} and each ticket costs ${z + 4}. What is the largest number of tickets "
+            f"{a} can buy, and how much money is left?",
+        ),
         ("two_step_eq", f"Find n if 3(n - {w}) = {3 * (y - w)}."),
-        ("proportion_map", f"On a map, {w} cm stands for {z * 5} km. Two towns are {y} cm apart on the map. How far "
-         f"apart are they really?"),
-        ("stock_inventory", f"A {place} starts the day with {x * 3} {item}. It sells {y} in the morning, gets a "
-         f"delivery of {z * 4}, and sells {x} in the afternoon. How many {item} are left at closing?"),
-        ("chairs_rows", f"A hall has {z + 5} rows with {y % 20 + 8} chairs in each row. {x} chairs are taken. How "
-         f"many chairs are free?"),
+        (
+            "proportion_map",
+            f"On a map, {w} cm stands for {z * 5} km. Two towns are {y} cm apart on the map. How far "
+            f"apart are they really?",
+        ),
+        (
+            "stock_inventory",
+            f"A {place} starts the day with {x * 3} {item}. It sells {y} in the morning, gets a "
+            f"delivery of {z * 4}, and sells {x} in the afternoon. How many {item} are left at closing?",
+        ),
+        (
+            "chairs_rows",
+            f"A hall has {z + 5} rows with {y % 20 + 8} chairs in each row. {x} chairs are taken. How "
+            f"many chairs are free?",
+        ),
         ("calendar", f"Today is Monday. What day of the week will it be in {x + 10} days?"),
-        ("money_coins", f"{a} has {z} quarters, {w} dimes and {y % 10 + 1} nickels. How much money is that in "
-         f"dollars?"),
-        ("temperature", f"The temperature was {-(w)} degrees Celsius in the morning and rose by {z + 5} degrees by "
-         f"noon. What was the temperature at noon?"),
-        ("mean_missing", f"The average of four numbers is {y + 10}. Three of them are {y}, {y + 12} and {y + 5}. "
-         f"What is the fourth number?"),
-        ("probability", f"A bag has {w} red, {z} blue and {y % 10 + 1} green marbles. If you pick one at random, "
-         f"what is the probability that it is blue?"),
-        ("age_ratio", f"{a} is {w + 2} times as old as {b}. In {z} years {a} will be {(w + 2) * (y % 9 + 2) + z}. "
-         f"How old is {b} now?"),
+        (
+            "money_coins",
+            f"{a} has {z} quarters, {w} dimes and {y % 10 + 1} nickels. How much money is that in dollars?",
+        ),
+        (
+            "temperature",
+            f"The temperature was {-(w)} degrees Celsius in the morning and rose by {z + 5} degrees by "
+            f"noon. What was the temperature at noon?",
+        ),
+        (
+            "mean_missing",
+            f"The average of four numbers is {y + 10}. Three of them are {y}, {y + 12} and {y + 5}. "
+            f"What is the fourth number?",
+        ),
+        (
+            "probability",
+            f"A bag has {w} red, {z} blue and {y % 10 + 1} green marbles. If you pick one at random, "
+            f"what is the probability that it is blue?",
+        ),
+        (
+            "age_ratio",
+            f"{a} is {w + 2} times as old as {b}. In {z} years {a} will be {(w + 2) * (y % 9 + 2) + z}. "
+            f"How old is {b} now?",
+        ),
         ("sequence_sum", f"What is the sum of all whole numbers from 1 to {x + 10}? Explain the method."),
     ]
     return rng.choice(templates)
@@ -214,22 +339,38 @@ def _math_eval(rng: random.Random) -> tuple[str, str]:
     a, b = _rng_name_pair(rng)
     x, y, z = rng.randint(3, 80), rng.randint(3, 40), rng.randint(2, 12)
     templates = [
-        ("eval_train_trip", f"A train leaves at 9:00 and travels {x + 40} miles at {z * 10} miles per hour. At what "
-         f"time does it arrive?"),
-        ("eval_recipe", f"A recipe needs {z} cups of flour for {y % 6 + 2} servings. How many cups are needed for "
-         f"{(y % 6 + 2) * 3} servings?"),
-        ("eval_tank", f"A water tank holds {x * 10} liters. It leaks {z} liters per minute. How long until it is "
-         f"empty?"),
+        (
+            "eval_train_trip",
+            f"A train leaves at 9:00 and travels {x + 40} miles at {z * 10} miles per hour. At what "
+            f"time does it arrive?",
+        ),
+        (
+            "eval_recipe",
+            f"A recipe needs {z} cups of flour for {y % 6 + 2} servings. How many cups are needed for "
+            f"{(y % 6 + 2) * 3} servings?",
+        ),
+        (
+            "eval_tank",
+            f"A water tank holds {x * 10} liters. It leaks {z} liters per minute. How long until it is empty?",
+        ),
         ("eval_triangle", f"A right triangle has legs of {3 * z} and {4 * z}. How long is the hypotenuse?"),
-        ("eval_wage", f"{a} earns ${y} per hour and works {z} hours a day for 5 days. {a} spends ${x} on food. How "
-         f"much money does {a} keep?"),
-        ("eval_mix", f"{a} mixes {z} liters of juice with {y} liters of water. What fraction of the mixture is "
-         f"juice?"),
+        (
+            "eval_wage",
+            f"{a} earns ${y} per hour and works {z} hours a day for 5 days. {a} spends ${x} on food. How "
+            f"much money does {a} keep?",
+        ),
+        ("eval_mix", f"{a} mixes {z} liters of juice with {y} liters of water. What fraction of the mixture is juice?"),
         ("eval_circle", f"What is the circumference of a circle with radius {z}? Use 3.14 for pi."),
-        ("eval_shelves", f"A library has {z} shelves. Each shelf holds {x} books, and {y} shelves are full. How many "
-         f"books are on the full shelves?"),
-        ("eval_marathon", f"{a} and {b} run a race. {a} runs {z} laps of {x * 10} meters and {b} runs {z + 2} laps of "
-         f"{y * 10} meters. Who runs farther, and by how much?"),
+        (
+            "eval_shelves",
+            f"A library has {z} shelves. Each shelf holds {x} books, and {y} shelves are full. How many "
+            f"books are on the full shelves?",
+        ),
+        (
+            "eval_marathon",
+            f"{a} and {b} run a race. {a} runs {z} laps of {x * 10} meters and {b} runs {z + 2} laps of "
+            f"{y * 10} meters. Who runs farther, and by how much?",
+        ),
         ("eval_system", f"Solve the system: x + y = {x + y}, x - y = {x - y}."),
     ]
     return rng.choice(templates)
@@ -238,34 +379,174 @@ def _math_eval(rng: random.Random) -> tuple[str, str]:
 # ---------------------------------------------------------------- chat (training and held-out templates)
 
 _TOPICS_TRAIN = [
-    "photosynthesis", "black holes", "the water cycle", "machine learning", "the French Revolution", "vaccines",
-    "climate change", "the stock market", "blockchain", "the human heart", "volcanoes", "electric cars",
-    "the Roman Empire", "meditation", "recycling", "the internet", "solar panels", "DNA", "inflation",
-    "the moon landing", "earthquakes", "coffee", "bees", "the immune system", "renewable energy", "gravity",
-    "the Renaissance", "chess", "jazz music", "rainforests", "antibiotics", "time zones", "democracy",
-    "the printing press", "cloud computing", "sleep", "exercise", "nutrition", "public speaking",
-    "learning a new language", "saving money", "team work", "the solar system", "the ocean tides", "rainbows",
-    "dinosaurs", "the pyramids of Egypt", "the Great Wall of China", "the Olympic Games", "social media",
-    "smartphones", "3D printing", "quantum computing", "the periodic table", "plate tectonics", "hurricanes",
-    "evolution", "the human brain", "memory", "friendship", "gardening", "baking bread", "camping",
-    "photography", "painting", "poetry", "origami", "yoga", "running a marathon", "studying for exams",
-    "job interviews", "writing a resume", "starting a small business", "budgeting", "taxes", "insurance",
-    "electricity", "magnets", "sound waves", "light", "the seasons", "deserts", "glaciers", "coral reefs",
-    "wolves", "elephants", "penguins", "honey", "chocolate", "tea", "pizza", "the history of writing",
-    "airplanes", "trains", "bicycles", "bridges", "skyscrapers", "robots", "video games", "libraries",
-    "museums", "recycling plastic", "composting", "water pollution", "air quality", "the greenhouse effect",
-    "supply and demand", "compound interest", "credit cards", "open source software", "passwords",
-    "computer viruses", "databases", "operating systems", "the CPU", "binary numbers", "algorithms",
-    "sorting", "encryption", "the speed of light", "atoms", "cells", "bacteria", "fungi", "mountains",
-    "rivers", "weather forecasts", "clouds", "snow", "thunderstorms", "wind energy", "nuclear power",
-    "batteries", "the human skeleton", "muscles", "digestion", "vitamins", "habits", "procrastination",
-    "kindness", "leadership", "negotiation", "critical thinking", "creativity", "happiness", "stress",
+    "photosynthesis",
+    "black holes",
+    "the water cycle",
+    "machine learning",
+    "the French Revolution",
+    "vaccines",
+    "climate change",
+    "the stock market",
+    "blockchain",
+    "the human heart",
+    "volcanoes",
+    "electric cars",
+    "the Roman Empire",
+    "meditation",
+    "recycling",
+    "the internet",
+    "solar panels",
+    "DNA",
+    "inflation",
+    "the moon landing",
+    "earthquakes",
+    "coffee",
+    "bees",
+    "the immune system",
+    "renewable energy",
+    "gravity",
+    "the Renaissance",
+    "chess",
+    "jazz music",
+    "rainforests",
+    "antibiotics",
+    "time zones",
+    "democracy",
+    "the printing press",
+    "cloud computing",
+    "sleep",
+    "exercise",
+    "nutrition",
+    "public speaking",
+    "learning a new language",
+    "saving money",
+    "team work",
+    "the solar system",
+    "the ocean tides",
+    "rainbows",
+    "dinosaurs",
+    "the pyramids of Egypt",
+    "the Great Wall of China",
+    "the Olympic Games",
+    "social media",
+    "smartphones",
+    "3D printing",
+    "quantum computing",
+    "the periodic table",
+    "plate tectonics",
+    "hurricanes",
+    "evolution",
+    "the human brain",
+    "memory",
+    "friendship",
+    "gardening",
+    "baking bread",
+    "camping",
+    "photography",
+    "painting",
+    "poetry",
+    "origami",
+    "yoga",
+    "running a marathon",
+    "studying for exams",
+    "job interviews",
+    "writing a resume",
+    "starting a small business",
+    "budgeting",
+    "taxes",
+    "insurance",
+    "electricity",
+    "magnets",
+    "sound waves",
+    "light",
+    "the seasons",
+    "deserts",
+    "glaciers",
+    "coral reefs",
+    "wolves",
+    "elephants",
+    "penguins",
+    "honey",
+    "chocolate",
+    "tea",
+    "pizza",
+    "the history of writing",
+    "airplanes",
+    "trains",
+    "bicycles",
+    "bridges",
+    "skyscrapers",
+    "robots",
+    "video games",
+    "libraries",
+    "museums",
+    "recycling plastic",
+    "composting",
+    "water pollution",
+    "air quality",
+    "the greenhouse effect",
+    "supply and demand",
+    "compound interest",
+    "credit cards",
+    "open source software",
+    "passwords",
+    "computer viruses",
+    "databases",
+    "operating systems",
+    "the CPU",
+    "binary numbers",
+    "algorithms",
+    "sorting",
+    "encryption",
+    "the speed of light",
+    "atoms",
+    "cells",
+    "bacteria",
+    "fungi",
+    "mountains",
+    "rivers",
+    "weather forecasts",
+    "clouds",
+    "snow",
+    "thunderstorms",
+    "wind energy",
+    "nuclear power",
+    "batteries",
+    "the human skeleton",
+    "muscles",
+    "digestion",
+    "vitamins",
+    "habits",
+    "procrastination",
+    "kindness",
+    "leadership",
+    "negotiation",
+    "critical thinking",
+    "creativity",
+    "happiness",
+    "stress",
 ]
 _TOPICS_EVAL = [
-    "lighthouses", "the Silk Road", "tardigrades", "origins of the calendar", "submarines", "the Northern Lights",
-    "fermentation", "the Amazon river", "auroras on other planets", "hot air balloons", "the violin",
-    "sign language", "desert plants", "the first computers", "octopuses", "volunteering", "minimalism",
-    "board games", "the metric system", "caves",
+    "lighthouses",
+    "the Silk Road",
+    "tardigrades",
+    "origins of the calendar",
+    "submarines",
+    "the Northern Lights",
+    "fermentation",
+    "the Amazon river",
+    "auroras on other planets",
+    "hot air balloons",
+    "the violin",
+    "sign language",
+    "desert plants",
+    "the first computers",
+    "octopuses",
+    "volunteering",
+    "minimalism",
+    "board games",
+    "the metric system",
+    "caves",
 ]
 
 _CHAT_TRAIN_TEMPLATES = [
@@ -298,13 +579,21 @@ _CHAT_EVAL_TEMPLATES = [
     ("eval_ted", "Outline a five-minute talk on {t}."),
 ]
 _CHAT_GENERIC_TRAIN = [
-    "How do I make a cup of tea?", "What should I pack for a weekend trip?", "How can I sleep better?",
-    "Give me a plan for a productive morning.", "How do I stay motivated when studying?",
-    "What are good habits for healthy eating?", "Suggest a name for a pet goldfish.",
-    "How can I be a better listener?", "Write a birthday message for my sister.",
-    "What are some fun things to do on a rainy day?", "How do I start running?",
-    "Give me ideas for a science fair project.", "How do I write a good thank-you note?",
-    "What is the difference between weather and climate?", "How do I organize my desk?",
+    "How do I make a cup of tea?",
+    "What should I pack for a weekend trip?",
+    "How can I sleep better?",
+    "Give me a plan for a productive morning.",
+    "How do I stay motivated when studying?",
+    "What are good habits for healthy eating?",
+    "Suggest a name for a pet goldfish.",
+    "How can I be a better listener?",
+    "Write a birthday message for my sister.",
+    "What are some fun things to do on a rainy day?",
+    "How do I start running?",
+    "Give me ideas for a science fair project.",
+    "How do I write a good thank-you note?",
+    "What is the difference between weather and climate?",
+    "How do I organize my desk?",
 ]
 
 
@@ -415,9 +704,13 @@ MATH_TEMPLATE_SETS = {
 }
 
 
-def make_training_prompts(num_per_category: int, seed: int = 0, categories: tuple[str, ...] = CATEGORIES,
-                          math_templates: str = "both",
-                          written: dict[str, list[tuple[str, str]]] | None = None) -> list[Prompt]:
+def make_training_prompts(
+    num_per_category: int,
+    seed: int = 0,
+    categories: tuple[str, ...] = CATEGORIES,
+    math_templates: str = "both",
+    written: dict[str, list[tuple[str, str]]] | None = None,
+) -> list[Prompt]:
     """Training prompts of `categories`, interleaved so any prefix of the list is balanced. `written[category]`,
     (source, text) pairs made elsewhere (the target's self-written prompts, `self_prompts.py`), replace that
     category's generated prompts."""
@@ -432,8 +725,9 @@ def make_training_prompts(num_per_category: int, seed: int = 0, categories: tupl
     math_makers = MATH_TEMPLATE_SETS[math_templates]
     # the same draws as before the template sets existed when only "basic" is asked (reproducible manifests)
     by_category = {
-        "math": _unique([math_makers[i % len(math_makers)](rng)
-                         for i in range(num_per_category * 2)])[:num_per_category],
+        "math": _unique([math_makers[i % len(math_makers)](rng) for i in range(num_per_category * 2)])[
+            :num_per_category
+        ],
         "chat": _unique([_chat_train(rng) for _ in range(num_per_category * 3)])[:num_per_category],
         "code": _unique(_code_prompts(num_per_category, rng)) if "code" in categories else [],
     }
@@ -471,8 +765,12 @@ def _humaneval_prompts() -> list[Prompt]:
 
     problems = read_problems()
     return [
-        Prompt(f"eval-code-{task_id.split('/')[-1]}", "code",
-               f"Complete the following Python function:\n```python\n{problem['prompt']}```", "humaneval")
+        Prompt(
+            f"eval-code-{task_id.split('/')[-1]}",
+            "code",
+            f"Complete the following Python function:\n```python\n{problem['prompt']}```",
+            "humaneval",
+        )
         for task_id, problem in problems.items()
     ]
 

@@ -27,8 +27,9 @@ _EVAL_TOPICS = tuple(t.lower() for t in _TOPICS_EVAL)
 def user_turn_prefix(tokenizer) -> str:
     """The chat template rendered up to where a user's message begins (system prompt and all, if the template adds
     one by default)."""
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": _MARKER}], tokenize=False,
-                                             add_generation_prompt=False)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": _MARKER}], tokenize=False, add_generation_prompt=False
+    )
     if _MARKER not in rendered:
         raise ValueError("the chat template does not render the user's text verbatim; self-written prompts need it")
     return rendered[: rendered.index(_MARKER)]
@@ -46,9 +47,19 @@ def keep_self_prompt(text: str, finish_reason: str, opening: str = "") -> bool:
     return not any(topic in lowered for topic in _EVAL_TOPICS)
 
 
-def make_self_prompts(target: str | None, num_prompts: int, seed: int, *, category: str = "chat",
-                      device: str = "cpu", dtype=None, num_threads: int = 1, batch_size: int = 64,
-                      max_tokens: int = 128, max_attempts_factor: int = 4) -> list[tuple[str, str]]:
+def make_self_prompts(
+    target: str | None,
+    num_prompts: int,
+    seed: int,
+    *,
+    category: str = "chat",
+    device: str = "cpu",
+    dtype=None,
+    num_threads: int = 1,
+    batch_size: int = 64,
+    max_tokens: int = 128,
+    max_attempts_factor: int = 4,
+) -> list[tuple[str, str]]:
     """`num_prompts` distinct (source, text) pairs of `category` (its user messages start with OPENINGS[category])
     sampled from `target` (None: the embedded default), seeded per attempt (seed * 10**6 + attempt), so a rerun
     with the same arguments writes the same prompts."""
@@ -63,8 +74,13 @@ def make_self_prompts(target: str | None, num_prompts: int, seed: int, *, catego
         raise ValueError(f"the target writes prompts of categories {sorted(OPENINGS)}, not {category!r}")
     opening = OPENINGS[category]
     torch.set_num_threads(num_threads)
-    llm = LLM(model=_model_arg(target), speculation="off", device=str(device),
-              dtype=None if dtype is None else str(dtype).removeprefix("torch."), max_num_seqs=batch_size)
+    llm = LLM(
+        model=_model_arg(target),
+        speculation="off",
+        device=str(device),
+        dtype=None if dtype is None else str(dtype).removeprefix("torch."),
+        max_num_seqs=batch_size,
+    )
     # token ids: a template that writes its BOS into the text would get a second one from encoding with specials
     prefix_ids = list(llm.tokenizer.encode(user_turn_prefix(llm.tokenizer) + opening, add_special_tokens=False))
     batch_size = min(batch_size, 2 * num_prompts)  # each sample has its own seed: the batch does not change it
@@ -82,8 +98,10 @@ def make_self_prompts(target: str | None, num_prompts: int, seed: int, *, catego
                 kept.append((SOURCE, text))
         print(f"[prompts] self-written {category}: {len(kept)} kept of {attempt} sampled", flush=True)
     if not kept:
-        raise ValueError(f"the target wrote no usable user prompt in {attempt} samples (is it an instruction-tuned "
-                         f"chat model?); leave the category out of --self-written")
+        raise ValueError(
+            f"the target wrote no usable user prompt in {attempt} samples (is it an instruction-tuned "
+            f"chat model?); leave the category out of --self-written"
+        )
     return kept[:num_prompts]
 
 

@@ -82,6 +82,7 @@ def load_target_tokenizer(target: str):
 
 def chat_prompt_ids(tokenizer, user_message: str) -> list[int]:
     """Token ids of one user turn with the chat template and the assistant generation prompt."""
-    text = tokenizer.apply_chat_template([{"role": "user", "content": user_message}], tokenize=False,
-                                         add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": user_message}], tokenize=False, add_generation_prompt=True
+    )
     return tokenizer(text, add_special_tokens=False).input_ids

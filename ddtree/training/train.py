@@ -154,12 +154,14 @@ def block_loss(
     """Weighted cross-entropy over the labelled block positions, and accuracy statistics as 0-d tensors on the
     batch's device (`loss`, `acc`, `acc_k1`: read them back together, once; nothing here waits for the device)."""
     context = drafter.project_context(features)  # [B, C, H]
-    hidden = drafter(head.embed(batch.block_token_ids), context, batch.block_positions, batch.context_positions,
-                     batch.attention_mask)  # [B, S, H]
+    hidden = drafter(
+        head.embed(batch.block_token_ids), context, batch.block_positions, batch.context_positions, batch.attention_mask
+    )  # [B, S, H]
     rows = batch.labelled_rows  # [M]
     # only where there is a label: the LM head dominates the cost
-    logits, labels = head.training_logits(hidden.flatten(0, 1).index_select(0, rows),
-                                          batch.labels.reshape(-1).index_select(0, rows))  # [M, V'], [M]
+    logits, labels = head.training_logits(
+        hidden.flatten(0, 1).index_select(0, rows), batch.labels.reshape(-1).index_select(0, rows)
+    )  # [M, V'], [M]
     weights = batch.loss_weights.reshape(-1).index_select(0, rows)  # [M]
     ce = F.cross_entropy(logits, labels, reduction="none")  # [M]
     loss = (ce * weights).sum() / weights.sum()
@@ -174,12 +176,17 @@ def block_loss(
     return loss, stats
 
 
-def make_batch(sequences: list[Sequence], reader: FeatureReader, config: DFlashConfig, max_anchors: int,
-               rng: random.Random, gamma: float | None) -> tuple[torch.Tensor, BlockBatch]:
+def make_batch(
+    sequences: list[Sequence],
+    reader: FeatureReader,
+    config: DFlashConfig,
+    max_anchors: int,
+    rng: random.Random,
+    gamma: float | None,
+) -> tuple[torch.Tensor, BlockBatch]:
     anchors = [sample_anchors(s.prompt_length, len(s.token_ids), max_anchors, rng) for s in sequences]
     features = pad_features([reader(s) for s in sequences])  # [B, C, F]
-    batch = build_block_batch([s.token_ids for s in sequences], anchors, config.block_size, config.mask_token_id,
-                              gamma)
+    batch = build_block_batch([s.token_ids for s in sequences], anchors, config.block_size, config.mask_token_id, gamma)
     return features, batch
 
 
@@ -208,7 +215,7 @@ def lr_factor(progress: float, warmup_fraction: float) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * min(1.0, (progress - warmup_fraction) / (1.0 - warmup_fraction))))
 
 
-def training_progress(step: int, hours: float, train_config: "TrainConfig") -> float:
+def training_progress(step: int, hours: float, train_config: TrainConfig) -> float:
     """Fraction of training done: by steps, or by time when a time budget is set and runs out first (on a shared
     CPU the step rate is unknown in advance; the schedule still anneals by the deadline)."""
     progress = step / train_config.max_steps
@@ -308,8 +315,9 @@ def train(
             # final norm) rather than unit scale.
             drafter.norm.weight.copy_(target_final_norm)
     drafter.to(device)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=train_config.lr, betas=(0.9, 0.95),
-                                  weight_decay=train_config.weight_decay)
+    optimizer = torch.optim.AdamW(
+        drafter.parameters(), lr=train_config.lr, betas=(0.9, 0.95), weight_decay=train_config.weight_decay
+    )
     step, seconds_trained, epoch = 0, 0.0, 0
     checkpoint_path = out_dir / "checkpoint.pt"
     if checkpoint_path.exists():
@@ -317,8 +325,10 @@ def train(
         theirs = {k: v for k, v in state["train_config"].items() if k not in RESUMABLE_KEYS}
         ours = {k: v for k, v in asdict(train_config).items() if k not in RESUMABLE_KEYS}
         if theirs != ours:
-            raise ValueError(f"{checkpoint_path} was trained with other settings ({_differences(theirs, ours)}): "
-                             f"resume with the same ones, or train into a new --out-dir")
+            raise ValueError(
+                f"{checkpoint_path} was trained with other settings ({_differences(theirs, ours)}): "
+                f"resume with the same ones, or train into a new --out-dir"
+            )
         drafter.load_state_dict(state["model"])  # copied onto the device
         optimizer.load_state_dict(state["optimizer"])  # moves the moments to the parameters' device
         # a resumed run starts a fresh epoch: the data set may have grown, so the old order cannot be continued
@@ -332,8 +342,12 @@ def train(
         (out_dir / "log.jsonl").unlink(missing_ok=True)  # a run stopped before its first checkpoint starts over
 
     # off the CPU, features travel as the stored bf16 (half the bytes) and become float32 on the device
-    reader = FeatureReader(data_dir, stored_layer_ids(data_dir), config.target_layer_ids,
-                           dtype=torch.float32 if device.type == "cpu" else torch.bfloat16)
+    reader = FeatureReader(
+        data_dir,
+        stored_layer_ids(data_dir),
+        config.target_layer_ids,
+        dtype=torch.float32 if device.type == "cpu" else torch.bfloat16,
+    )
     drafter.train()
     start = time.time()
     progress = tqdm(total=train_config.max_steps, initial=step, desc="train", dynamic_ncols=True)
@@ -355,37 +369,69 @@ def train(
         for key in ("loss", "acc", "acc_k1"):
             running[key] = stats[key] if key not in running else 0.98 * running[key] + 0.02 * stats[key]
         progress.update(1)
-        progress.set_postfix(loss=f"{running['loss']:.3f}", acc=f"{running['acc']:.3f}",
-                             acc1=f"{running['acc_k1']:.3f}", ep=record["epoch"], n=record["num_sequences"])
-        log_file.write(json.dumps({"step": record["step"], "epoch": record["epoch"],
-                                   "num_sequences": record["num_sequences"], "lr": record["lr"],
-                                   "grad_norm": grad_norm_value, "hours": record["hours"], **stats}) + "\n")
+        progress.set_postfix(
+            loss=f"{running['loss']:.3f}",
+            acc=f"{running['acc']:.3f}",
+            acc1=f"{running['acc_k1']:.3f}",
+            ep=record["epoch"],
+            n=record["num_sequences"],
+        )
+        log_file.write(
+            json.dumps(
+                {
+                    "step": record["step"],
+                    "epoch": record["epoch"],
+                    "num_sequences": record["num_sequences"],
+                    "lr": record["lr"],
+                    "grad_norm": grad_norm_value,
+                    "hours": record["hours"],
+                    **stats,
+                }
+            )
+            + "\n"
+        )
         log_file.flush()
 
     def save_checkpoint() -> None:
         write_pending_log()  # a checkpoint's log holds every step it has trained
         tmp = checkpoint_path.with_suffix(".tmp")
-        torch.save({"model": to_cpu(drafter.state_dict()), "optimizer": to_cpu(optimizer.state_dict()), "step": step,
-                    "epoch": epoch, "seconds_trained": seconds_trained + time.time() - start,
-                    "train_config": asdict(train_config), "drafter_config": config.to_dict()}, tmp)
+        torch.save(
+            {
+                "model": to_cpu(drafter.state_dict()),
+                "optimizer": to_cpu(optimizer.state_dict()),
+                "step": step,
+                "epoch": epoch,
+                "seconds_trained": seconds_trained + time.time() - start,
+                "train_config": asdict(train_config),
+                "drafter_config": config.to_dict(),
+            },
+            tmp,
+        )
         tmp.replace(checkpoint_path)
         save_dflash(drafter, config, out_dir / "drafter")
         hours_now = (seconds_trained + time.time() - start) / 3600
-        (out_dir / "drafter" / TRAINING_STATE_NAME).write_text(json.dumps(
-            {"step": step, "hours": round(hours_now, 4), "weights_sha256": weights_sha256(out_dir / "drafter")}) + "\n")
+        (out_dir / "drafter" / TRAINING_STATE_NAME).write_text(
+            json.dumps(
+                {"step": step, "hours": round(hours_now, 4), "weights_sha256": weights_sha256(out_dir / "drafter")}
+            )
+            + "\n"
+        )
 
     first_step = step
     try:
         while training_progress(step, (seconds_trained + time.time() - start) / 3600, train_config) < 1.0:
             # The data set is read again every epoch: generation may still be appending to it.
-            sequences = [s for s in read_sequences(data_dir) if not is_validation(s.prompt_id,
-                                                                                  train_config.validation_fraction)]
+            sequences = [
+                s for s in read_sequences(data_dir) if not is_validation(s.prompt_id, train_config.validation_fraction)
+            ]
             if len(sequences) < train_config.batch_size:
-                raise ValueError(f"{len(sequences)} training sequences in {data_dir}, fewer than one batch "
-                                 f"(--train-batch-size {train_config.batch_size}): generate more first")
+                raise ValueError(
+                    f"{len(sequences)} training sequences in {data_dir}, fewer than one batch "
+                    f"(--train-batch-size {train_config.batch_size}): generate more first"
+                )
             if train_config.is_softmax_restricted:
                 # every label is a response token; at inference the drafter drafts over them (the draft vocabulary)
-                labels = sorted({t for s in sequences for t in s.token_ids[s.prompt_length:]})
+                labels = sorted({t for s in sequences for t in s.token_ids[s.prompt_length :]})
                 head.restrict_softmax(torch.tensor(labels), train_config.num_negatives)
             rng = random.Random(train_config.seed * 1_000_003 + epoch)
             rng.shuffle(sequences)
@@ -396,8 +442,14 @@ def train(
                     break
                 for group in optimizer.param_groups:
                     group["lr"] = train_config.lr * lr_factor(progress_done, train_config.warmup_fraction)
-                features, batch = make_batch(sequences[first : first + train_config.batch_size], reader, config,
-                                             train_config.max_anchors, rng, gamma)
+                features, batch = make_batch(
+                    sequences[first : first + train_config.batch_size],
+                    reader,
+                    config,
+                    train_config.max_anchors,
+                    rng,
+                    gamma,
+                )
                 features, batch = features.to(device, non_blocking=True).float(), batch.to(device)
                 with compute_precision(device, dtype):
                     loss, stats = block_loss(drafter, head, features, batch)
@@ -407,11 +459,17 @@ def train(
                 optimizer.step()
                 step += 1
                 write_pending_log()  # the previous step's, finished while this step's batch was built
-                pending = ({"step": step, "epoch": epoch, "num_sequences": len(sequences),
-                            "lr": optimizer.param_groups[0]["lr"],
-                            "hours": (seconds_trained + time.time() - start) / 3600,
-                            "num_labels": int(batch.labelled_rows.numel())},
-                           [stats["loss"], stats["acc"], stats["acc_k1"], grad_norm.float()])
+                pending = (
+                    {
+                        "step": step,
+                        "epoch": epoch,
+                        "num_sequences": len(sequences),
+                        "lr": optimizer.param_groups[0]["lr"],
+                        "hours": (seconds_trained + time.time() - start) / 3600,
+                        "num_labels": int(batch.labelled_rows.numel()),
+                    },
+                    [stats["loss"], stats["acc"], stats["acc_k1"], grad_norm.float()],
+                )
                 if step % train_config.checkpoint_every == 0:
                     save_checkpoint()
             else:
@@ -424,7 +482,7 @@ def train(
             save_checkpoint()
             print(f"\n[train] interrupted: checkpoint and drafter saved at step {step}", flush=True)
         else:  # nothing trained: no checkpoint that a corrected rerun would have to match
-            print(f"\n[train] interrupted before a step was trained: nothing saved", flush=True)
+            print("\n[train] interrupted before a step was trained: nothing saved", flush=True)
         raise
     finally:
         progress.close()
