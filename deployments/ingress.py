@@ -134,7 +134,8 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
     return JSONResponse(error.body(), status_code=exc.status_code)
 
 
-# Helpers come before the class: serve.ingress pickles the routes (with the globals they see) when it decorates.
+# Module functions come before the class: serve.ingress pickles the routes (with the globals they see)
+# when it decorates.
 
 
 def _python_request(prompt, params, messages) -> EngineRequest:

@@ -61,7 +61,8 @@ def _number(body: dict, name: str, default: float, low: float, high: float) -> f
     return float(value)
 
 
-# Helpers come before the class: serve.ingress pickles the routes (with the globals they see) when it decorates.
+# Module functions come before the class: serve.ingress pickles the routes (with the globals they see)
+# when it decorates.
 
 
 class _Generation:
