@@ -49,7 +49,7 @@ class Detokenizer:
         """The bytes of text one token stands for: a byte-level BPE token (GPT-2, Llama 3, SmolLM2) or a
         SentencePiece byte-fallback token (`<0xE2>`) may hold part of a character, whose own decode shows U+FFFD;
         the tokens' bytes, joined, are the text's UTF-8 (OpenAI's `bytes` in log-probabilities), once the
-        engine drops the leading space a decode strips at the text's start (`Engine._token_logprobs`)."""
+        engine drops the leading space a decode strips at the text's start (ddtree/request.py, `OutputWriter`)."""
         if token_id in self._added_ids:  # spelled out (or, for special tokens, decoded to nothing)
             return self.decode([token_id]).encode()
         piece = self.tokenizer.convert_ids_to_tokens(token_id)

@@ -1,16 +1,20 @@
 """The decoding engine: continuous batching of DDTree rounds over a target worker and a drafter worker.
 
-One round (`Engine.step`; docs/engine.md):
+One round (`Engine.step`; docs/engine.md), each stage a method that fills in the round's `RoundBatch`:
 
     admit + prefill     waiting requests that fit in KV memory join; their first token comes from the prefill
-    plan                which running requests draft this round (speculative) and which decode without a draft
-    draft               ONE drafter forward for all speculative requests: top-K log-probs for positions 1..L
-    build trees         the top-B prefixes of each request, all requests at once; in auto mode each request's
-                        n-gram proposal (ddtree.ngram) merged in, or as the whole tree of a request in fallback;
-                        then the global node allocation
-    verify              ONE target forward over every request's packed tree (a root-only tree when autoregressive),
+    schedule            which running requests draft this round, each with its budget, and which decode plain
+    draft               ONE drafter forward for all drafting requests: top-K log-probs for positions 1..L, then
+                        the trees: the top-B prefixes of each request, all requests at once; in auto mode each
+                        request's n-gram proposal (ddtree.ngram) merged in, or as the whole tree of a plain
+                        request; then the global node allocation
+    verify              ONE target forward over every request's packed tree (a root-only tree when plain),
                         target tokens, acceptance walk, KV compaction: all inside the target worker
-    observe + emit      budgets learn from the accepted lengths; stops are applied; finished requests leave
+    update budgets      cost curves and each request's acceptance, before the commit (finished requests leave)
+    commit + emit       stops applied, text decoded, outputs made; finished requests leave
+    update guard        the round's tokens per second, for the closed loop (ddtree.guard)
+
+Two request groups in flight (ddtree.pipeline) build their phases from the same stages.
 
 The engine holds plain data (ids, lists, ints) and talks to its two workers through a handful of methods, so that the
 Ray deployment can place the same workers on separate actors (deployments/) without changing this file.
@@ -18,29 +22,30 @@ Ray deployment can place the same workers on separate actors (deployments/) with
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
-from ddtree.budget import BudgetConfig, BudgetPolicy, CostModel, ProposedTree, RoundPlan
+from ddtree.budget import BudgetConfig, BudgetPolicy, CostModel, RoundPlan
 from ddtree.config import EngineConfig
-from ddtree.detokenizer import Detokenizer, OutputState
+from ddtree.contracts import Drafter, Pending, Target
+from ddtree.detokenizer import OutputState
 from ddtree.guard import POLICY, ThroughputGuard
 from ddtree.ngram import NgramIndex
 from ddtree.outputs import RequestOutput, RequestStats, TokenLogprobs
+from ddtree.pipeline import Pipeline
+from ddtree.proposal import drafted_trees, kept_tree, proposed_trees
+from ddtree.request import OutputWriter, Request
+from ddtree.round import RoundBatch, RoundEntry
 from ddtree.sampling_params import SamplingParams
 from ddtree.scheduler import EngineFullError, Scheduler
-from ddtree.tree import DraftTree, build_round_trees, chain_trees_from_topk
-from ddtree.workers import DrafterWorker, RawLogprobs, TargetWorker, VerifyResult, WorkerLostError
+from ddtree.workers import RawLogprobs, WorkerLostError
 
 logger = logging.getLogger(__name__)
-
-PIPELINE_ENTER_SPEEDUP = 1.08  # pipeline="auto" enters when two groups are predicted this much faster than one
 
 __all__ = ["Engine", "EngineConfig", "EngineFullError", "PromptTooLongError", "RoundTimings"]
 
@@ -77,59 +82,12 @@ class RoundTimings:
         return dict(self.__dict__)
 
 
-@dataclass
-class _Request:
-    request_id: str
-    prompt_token_ids: list[int]
-    output: OutputState
-    stats: RequestStats
-    root_token_id: int | None = None  # last committed token, not yet in the KV cache
-    num_text_tokens_emitted: int = 0
-    ngrams: NgramIndex | None = None  # prompt + committed tokens (auto mode with ngram_tokens > 0)
-    logprobs: list[TokenLogprobs] = field(default_factory=list)  # per committed token (SamplingParams.logprobs)
-    text_started: bool = False  # a committed token decoded to something (special tokens do not): logprobs' bytes
-
-
-@dataclass
-class _DraftedTrees:
-    trees: list[DraftTree] = field(default_factory=list)  # per speculative request
-    predicted: list[float] = field(default_factory=list)  # S(b) of the kept nodes, uncalibrated
-    # n-gram chains proposed this round, per request id (whether or not the allocation kept their nodes); requests
-    # in fallback whose chain was kept verify it as their tree (ngram_trees)
-    proposals: dict[str, list[int]] = field(default_factory=dict)
-    ngram_trees: dict[str, DraftTree] = field(default_factory=dict)
-
-
-@dataclass
-class _DraftedGroup:
-    """Pipelined mode: speculative requests whose trees were drafted last phase and wait for their verify."""
-
-    plan: RoundPlan  # speculative_ids and max_budgets (no autoregressive ids)
-    drafted: _DraftedTrees
-
-
-def _without(group: _DraftedGroup, request_ids: set[str]) -> _DraftedGroup | None:
-    """The group minus some requests (aborted while in flight); None when nothing is left."""
-    if request_ids.isdisjoint(group.plan.speculative_ids):
-        return group
-    keep = [i for i, rid in enumerate(group.plan.speculative_ids) if rid not in request_ids]
-    if not keep:
-        return None
-    plan = RoundPlan([group.plan.speculative_ids[i] for i in keep], [], [group.plan.max_budgets[i] for i in keep])
-    drafted = _DraftedTrees(
-        [group.drafted.trees[i] for i in keep],
-        [group.drafted.predicted[i] for i in keep],
-        {r: c for r, c in group.drafted.proposals.items() if r not in request_ids},
-    )
-    return _DraftedGroup(plan, drafted)
-
-
 class Engine:
     def __init__(
         self,
         config: EngineConfig,
-        target: TargetWorker,
-        drafter: DrafterWorker | None,
+        target: Target,
+        drafter: Drafter | None,
         tokenizer,
         cost: CostModel | None = None,
     ) -> None:
@@ -139,10 +97,7 @@ class Engine:
         self.target = target
         self.drafter = drafter if config.speculation != "off" else None
         self.tokenizer = tokenizer
-        self.detokenizer = Detokenizer(tokenizer)
-        # A token's text for log-probabilities (up to 21 per generated token): decoded once per token id.
-        self._token_text = functools.lru_cache(maxsize=1 << 16)(lambda token_id: self.detokenizer.decode([token_id]))
-        self._token_bytes = functools.lru_cache(maxsize=1 << 16)(self.detokenizer.token_bytes)
+        self.writer = OutputWriter(tokenizer)
         self.eos_token_ids = frozenset(target.eos_token_ids)
         self.block_len = drafter.block_len if self.drafter is not None else 0
         fixed_budget = config.fixed_budget
@@ -153,25 +108,18 @@ class Engine:
         self.ngram_tokens = config.ngram_tokens if is_auto else 0
         self.max_tree_nodes = self.max_budget + self.ngram_tokens  # a verify pass's scratch entries beyond the root
         self.max_model_len = self._context_window(config.max_model_len, target)
-        if cost is None:
-            cost = self.measure_cost_model()
-        self.budget = BudgetPolicy(
-            BudgetConfig(
-                fixed_budget=fixed_budget,
-                max_budget=max(1, self.max_budget),
-                allow_fallback=config.allow_fallback,
-                max_probe_overhead=config.max_probe_overhead,
-            ),
-            cost,
+        limits = dict(fixed_budget=fixed_budget, max_budget=max(1, self.max_budget))
+        budget_config = BudgetConfig(
+            **limits, allow_fallback=config.allow_fallback, max_probe_overhead=config.max_probe_overhead
         )
+        self.budget = BudgetPolicy(budget_config, cost if cost is not None else self.measure_cost_model())
         self.scheduler = Scheduler(config.max_num_seqs, config.max_waiting)
         # the closed loop over the budget policy (auto mode only: a fixed budget or dflash is the user's choice)
         self.guard = ThroughputGuard(config.max_explore_share) if is_auto and config.max_explore_share > 0 else None
-        self.requests: dict[str, _Request] = {}
+        self.requests: dict[str, Request] = {}
         self.timings = RoundTimings()
         self._ids = itertools.count()
-        self._drafted_group: _DraftedGroup | None = None  # pipelined mode: drafted, waiting for its verify
-        self._is_pipelining = False  # the last step's choice (pipeline="auto" hysteresis)
+        self.pipeline = Pipeline(self)  # two request groups in flight (config.pipeline)
         # A lost drafter (its worker raised WorkerLostError): every round is plain decoding (n-gram chains included)
         # until `attach_drafter` gives a new one. Requests that ran when it was lost never draft again: their
         # context went with it (those admitted later have all their features in the target worker).
@@ -190,7 +138,7 @@ class Engine:
     def _can_draft(self) -> bool:
         return self.drafter is not None and self.drafter_lost is None
 
-    def attach_drafter(self, drafter: DrafterWorker) -> None:
+    def attach_drafter(self, drafter: Drafter) -> None:
         """Speculation resumes with `drafter` (a restarted worker) after a loss; the cost model is kept."""
         if self.config.speculation == "off":
             raise ValueError("speculation='off' has no drafter to attach")
@@ -203,7 +151,7 @@ class Engine:
             self.num_drafter_losses += 1
         self.drafter_lost = str(error) or type(error).__name__
         self._without_draft_context.update(self.scheduler.running)
-        self._drafted_group = None  # (drafted already, but its requests' context is gone too: they decode plain)
+        self.pipeline.in_flight = None  # (drafted already, but its requests' context is gone too: they decode plain)
 
     def lose_target(self, error: BaseException) -> None:
         """The target's worker is gone: no round runs until `attach_target` (see `target_lost`)."""
@@ -211,9 +159,9 @@ class Engine:
             logger.error("the target is lost (%s); %d requests wait for a new one", error, len(self.requests))
             self.num_target_losses += 1
         self.target_lost = str(error) or type(error).__name__
-        self._drafted_group = None  # (its trees were drafted for a verify on the lost target: drafted again)
+        self.pipeline.in_flight = None  # (its trees were drafted for a verify on the lost target: drafted again)
 
-    def attach_target(self, target: TargetWorker, drafter: DrafterWorker | None = None) -> None:
+    def attach_target(self, target: Target, drafter: Drafter | None = None) -> None:
         """A new target worker (a restarted one, same model) after `lose_target`, and with it a new drafter where
         the old one's contexts went too. The next step prefills every running request again (`_restore`)."""
         if self.target_lost is None:
@@ -262,7 +210,7 @@ class Engine:
             if req.root_token_id is None:
                 self._first_token(req, token, logprobs, outputs)
 
-    def _context_window(self, requested: int | None, target: TargetWorker) -> int:
+    def _context_window(self, requested: int | None, target: Target) -> int:
         """The model's window, capped by `requested` and by what one request can reserve in the KV cache (its
         prompt, every new token and one verify pass's scratch: `_kv_capacity`), so that every request
         accepted here can be admitted once the cache is free instead of waiting forever."""
@@ -300,7 +248,7 @@ class Engine:
         max_new = min(params.max_tokens, self.max_model_len - len(prompt_token_ids))
         output = OutputState(params, self.eos_token_ids, max_new_tokens=max_new)
         self.scheduler.add(request_id)
-        self.requests[request_id] = _Request(
+        self.requests[request_id] = Request(
             request_id, prompt_token_ids, output, RequestStats(arrival_time=time.perf_counter())
         )
         return request_id
@@ -362,11 +310,19 @@ class Engine:
         try:
             if self._to_restore:
                 self._restore(outputs)
-            is_pipelining = self._is_pipelining = self._should_pipeline()
-            if is_pipelining or self._drafted_group is not None:  # (a group still in flight is verified first)
-                self._pipelined_step(outputs, is_pipelining)
-            else:
-                self._sequential_step(outputs)
+            overlap = self.pipeline.choose()
+            if overlap or self.pipeline.in_flight is not None:  # (a group still in flight is verified first)
+                self.pipeline.step(outputs, overlap)
+                return outputs
+            self._admit_and_prefill(outputs)  # admit + prefill
+            running = self._ready_requests(busy=set())
+            if running:
+                batch = self._schedule(running)  # which requests draft, each with its budget
+                self._draft(batch)  # draft, build trees (n-gram chains merged, global node allocation)
+                self._verify(batch)  # ONE target pass: target tokens, acceptance walk, KV compaction
+                self._update_budgets(batch)  # cost curves, per-request acceptance (before commit: some finish)
+                self._commit(batch, outputs)  # tokens committed and emitted; finished requests leave
+                self._update_guard(batch)  # the round's tokens per second, for the throughput guard
         except WorkerLostError as exc:  # the target's (the drafter's are handled where its calls are read)
             self.lose_target(exc)
         return outputs  # (what was committed before a loss included: a stream must not miss it)
@@ -384,115 +340,13 @@ class Engine:
             req.output.finish_reason = "queue_timeout"
             outputs.append(self._finish(req, new_text="", new_token_ids=[]))
 
-    def _sequential_step(self, outputs: list[RequestOutput]) -> None:
-        self._admit_and_prefill(outputs)
-        running = self._ready_requests(busy=set())
-        if not running:
-            return
-        t0 = time.perf_counter()
-        arm = self.guard.choose(len(running)) if self.guard is not None else POLICY
-        if arm == POLICY:
-            plan = self._plan(running)
-            try:
-                drafted = self._collect_draft(plan, self._submit_draft(plan), plan.autoregressive_ids)
-            except WorkerLostError as exc:  # (raised before anything of the round was committed)
-                self.lose_drafter(exc)
-                plan = RoundPlan([], list(running), [])
-                drafted = self._collect_draft(plan, None, plan.autoregressive_ids)
-        else:  # plain decoding, as speculation "off" does
-            plan, drafted = RoundPlan([], list(running), []), _DraftedTrees()
-            self.timings.num_plain_rounds += 1
-        result = self._collect_verify(plan, self._submit_verify(plan, drafted))
-        self._observe(plan, drafted, result)
-        self._emit(plan, result, outputs)
-        if self.guard is not None and self.drafter_lost is None and self.target_lost is None:
-            num_tokens = sum(1 + len(a) for a in result.accepted_token_ids)  # (tokens past a stop included)
-            self.guard.observe(len(running), arm, num_tokens, time.perf_counter() - t0)
-
-    def _should_pipeline(self) -> bool:
-        """pipeline=True: always; "auto": while the cost model predicts two groups faster than one, with a margin
-        to enter (it ignores the actor hops and the second verify pass's fixed costs: in benchmarks/bench_pipeline.py
-        runs its predictions were 0-7% above the measured ratio), staying while above 1x, and only when the workers
-        can work at the same time (`can_overlap`: actors on cores or devices of their own)."""
-        if not self._can_draft or self.config.pipeline is False:
-            return False
-        if self.config.pipeline is True:
-            return True
-        if not (self.target.can_overlap and self.drafter.can_overlap):
-            return False
-        threshold = 1.0 if self._is_pipelining else PIPELINE_ENTER_SPEEDUP
-        return self.budget.pipeline_speedup(self.scheduler.running) > threshold
-
-    def _pipelined_step(self, outputs: list[RequestOutput], is_pipelining: bool = True) -> None:
-        """One phase with two request groups in flight: the target verifies the trees drafted in the previous phase
-        while the drafter drafts the requests that phase verified (their new roots are known).
-
-        Requests planned autoregressive need no draft, so they join the current verify pass at once. The drafting
-        group is capped at half of all speculating requests (the rest decode one token this phase instead), so the
-        two groups stay balanced as requests join and leave. With one speculating request the phases alternate
-        draft / verify, which is the sequential round. In one process (`Completed` calls) the phases run one after
-        the other; with the workers on two actors (deployments/) the draft and the verify run concurrently."""
-        self._admit_and_prefill(outputs)
-        self.timings.num_pipelined_phases += int(is_pipelining)
-        in_verify, self._drafted_group = self._drafted_group, None  # (`_finish` took aborted requests out of it)
-        busy = set(in_verify.plan.speculative_ids) if in_verify is not None else set()
-        ready = self._ready_requests(busy)
-        plan = self._plan(ready) if ready else RoundPlan([], [], [])
-        # Leaving pipelined mode (auto), nothing drafts while the last group in flight is verified.
-        max_drafting = (len(plan.speculative_ids) + len(busy) + 1) // 2 if is_pipelining else 0
-        if len(plan.speculative_ids) > max_drafting:
-            plan = RoundPlan(
-                plan.speculative_ids[:max_drafting],
-                plan.autoregressive_ids + plan.speculative_ids[max_drafting:],
-                plan.max_budgets[:max_drafting],
-            )
-        verify_plan = RoundPlan(
-            in_verify.plan.speculative_ids if in_verify is not None else [],
-            plan.autoregressive_ids,
-            in_verify.plan.max_budgets if in_verify is not None else [],
-        )
-        verify_drafted = in_verify.drafted if in_verify is not None else _DraftedTrees()
-        # Submission order matters on actors: the drafting requests' features are taken from the target before
-        # the verify is queued behind them (inside _submit_draft), so the draft does not wait for the verify.
-        try:
-            pending_draft = self._submit_draft(plan)
-        except WorkerLostError as exc:
-            self.lose_drafter(exc)  # (the drafting group sits this phase out; it decodes plain from the next)
-            pending_draft, plan = None, RoundPlan([], plan.autoregressive_ids, [])
-        if self.ngram_tokens and plan.autoregressive_ids:
-            # Requests decoding without a draft verify their n-gram chains, allocated in the context of the verify
-            # pass they join: the trees drafted last phase are in it already.
-            trees = verify_drafted.trees  # each commits its root's token and its expected nodes (uncalibrated)
-            num_packed = len(trees) + sum(t.num_nodes for t in trees)
-            expected = len(trees) + sum(verify_drafted.predicted)
-            chained = self._collect_draft(
-                RoundPlan([], plan.autoregressive_ids, []), None, plan.autoregressive_ids, packed=(num_packed, expected)
-            )
-            verify_drafted.proposals.update(chained.proposals)
-            verify_drafted.ngram_trees.update(chained.ngram_trees)
-        pending_verify = None
-        if verify_plan.speculative_ids or verify_plan.autoregressive_ids:
-            pending_verify = self._submit_verify(verify_plan, verify_drafted)
-        if plan.speculative_ids:  # the next group's trees are built while the target verifies
-            # (priced with this phase's one-token requests standing in for those of the pass they will join,
-            # which are planned only then)
-            try:
-                drafted = self._collect_draft(plan, pending_draft)
-                self._drafted_group = _DraftedGroup(RoundPlan(plan.speculative_ids, [], plan.max_budgets), drafted)
-            except WorkerLostError as exc:
-                self.lose_drafter(exc)
-        if pending_verify is not None:
-            result = self._collect_verify(verify_plan, pending_verify)
-            self._observe(verify_plan, verify_drafted, result)
-            self._emit(verify_plan, result, outputs)
-
     def _ready_requests(self, busy: set[str]) -> list[str]:
         """Running requests whose next root token is known and that are not waiting for a verify."""
         return [
             rid for rid in self.scheduler.running if rid not in busy and self.requests[rid].root_token_id is not None
         ]
 
-    def _kv_capacity(self, req: _Request) -> int:
+    def _kv_capacity(self, req: Request) -> int:
         """The KV entries a request reserves: its prompt, every new token, and one verify pass's scratch."""
         return len(req.prompt_token_ids) + req.output.max_new_tokens + 1 + self.max_tree_nodes
 
@@ -511,7 +365,7 @@ class Engine:
             self._first_token(self.requests[rid], token, logprobs, outputs)
 
     def _first_token(
-        self, req: _Request, token: int, logprobs: RawLogprobs | None, outputs: list[RequestOutput]
+        self, req: Request, token: int, logprobs: RawLogprobs | None, outputs: list[RequestOutput]
     ) -> None:
         """A prefilled request's first token: from here on the budget policy plans it."""
         self.budget.add(req.request_id)
@@ -527,7 +381,7 @@ class Engine:
             return RoundPlan([], list(running), [])
         # A request with one token left gets it from the verify's root alone: a draft could add nothing. One whose
         # drafter context was lost with a drafter has nothing to draft from.
-        last = {r for r in running if self._tokens_left(r) <= 1 or r in self._without_draft_context}
+        last = {r for r in running if self.requests[r].tokens_left <= 1 or r in self._without_draft_context}
         if not last:
             return self.budget.plan(running)
         plan = self.budget.plan([r for r in running if r not in last])
@@ -535,244 +389,166 @@ class Engine:
             plan.speculative_ids, plan.autoregressive_ids + [r for r in running if r in last], plan.max_budgets
         )
 
-    def _tokens_left(self, rid: str) -> int:
-        output = self.requests[rid].output
-        return output.max_new_tokens - len(output.token_ids)
+    def _schedule(self, running: list[str]) -> RoundBatch:
+        """The round's batch: the budget policy's plan, or plain decoding where the throughput guard explores it."""
+        started_at = time.perf_counter()
+        arm = self.guard.choose(len(running)) if self.guard is not None else POLICY
+        roots = {rid: self.requests[rid].root_token_id for rid in running}
+        if arm == POLICY:
+            return RoundBatch.from_plan(self._plan(running), roots, arm=arm, started_at=started_at)
+        self.timings.num_plain_rounds += 1
+        batch = RoundBatch.from_plan(RoundPlan([], list(running), []), roots, arm=arm, started_at=started_at)
+        batch.close()  # plain decoding, as speculation "off" does: no draft, no n-gram chain
+        return batch
 
-    def _submit_draft(self, plan: RoundPlan):
-        """Start the drafter forward for the plan's speculative requests (None when there are none)."""
-        if not plan.speculative_ids:
+    def _draft(self, batch: RoundBatch) -> None:
+        """Draft and build the batch's trees. A drafter lost on the way (nothing of the round is committed yet)
+        leaves the round to plain decoding, n-gram chains included."""
+        try:
+            topk = self._collect_draft(batch, self._submit_draft(batch))
+        except WorkerLostError as exc:
+            self.lose_drafter(exc)
+            batch.entries = [RoundEntry(e.request_id, e.root_token_id) for e in batch.entries]
+            topk = None
+        self._build_trees(batch, topk)
+
+    def _submit_draft(self, batch: RoundBatch) -> Pending | None:
+        """Start the drafter forward for the batch's drafting entries (None when there are none)."""
+        drafting = batch.drafting
+        if not drafting:
             return None
-        roots = [self.requests[r].root_token_id for r in plan.speculative_ids]
+        request_ids = [e.request_id for e in drafting]
         # Target features of tokens committed since each request last drafted (several rounds after a fallback):
         # they go from the target worker to the drafter worker; the drafter extends its context cache with them.
-        features = self.target.take_features(plan.speculative_ids)
-        return self.drafter.draft_async(plan.speculative_ids, roots, features, self.max_budget)
+        features = self.target.take_features(request_ids)
+        return self.drafter.draft_async(request_ids, [e.root_token_id for e in drafting], features, self.max_budget)
 
-    def _collect_draft(
-        self, plan: RoundPlan, pending, ngram_candidates: list[str] = (), packed: tuple[int, float] = (0, 0.0)
-    ) -> _DraftedTrees:
-        """The drafter's top-K as trees (each with its request's n-gram chain merged in, in auto mode), and the
-        n-gram chains of `ngram_candidates` (requests decoding without a draft this round) as trees of their own,
-        all cut to the round's global node allocation (`BudgetPolicy.allocate_round`; `packed`: what trees
-        allocated before put into the same verify pass)."""
-        drafted = _DraftedTrees()
-        trees: list[DraftTree] = []
-        proposed: list[ProposedTree] = []
-        t1 = time.perf_counter()
-        if pending is not None:
-            topk_logprobs, topk_token_ids = pending.result()
-            self.timings.draft += pending.seconds
-            self.timings.num_draft_calls += 1
-            self.budget.cost.observe_draft(len(plan.speculative_ids), self._observed_seconds(pending))
-            t1 = time.perf_counter()
-            # A round commits at most (accepted nodes + 1) tokens: nodes deeper than a request's tokens left - 1
-            # would be verified for nothing (its last rounds), and their share of the allocation go to no one.
-            max_depths = [self._tokens_left(r) - 1 for r in plan.speculative_ids]
-            if self.config.speculation == "dflash":
-                lengths = [min(b, d) for b, d in zip(plan.max_budgets, max_depths)]
-                trees = chain_trees_from_topk(topk_logprobs, topk_token_ids, lengths)
-            else:
-                trees = _build_depth_capped_trees(topk_logprobs, topk_token_ids, plan.max_budgets, max_depths)
-            proposed, trees = self._proposed_trees(trees)  # the trees now on the host, as the policy reads them
+    def _collect_draft(self, batch: RoundBatch, pending: Pending | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The drafter's top-K log-probs and token ids ([R, L, K] each, rows in the order of `batch.drafting`)."""
+        if pending is None:
+            return None
+        topk = pending.result()
+        self.timings.draft += pending.seconds
+        self.timings.num_draft_calls += 1
+        batch.draft_seconds, batch.num_drafting = self._observed_seconds(pending), len(batch.drafting)
+        return topk
+
+    def _build_trees(self, batch: RoundBatch, topk: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        """The open entries' trees: drafted ones from the top-K (each with its n-gram chain merged in, in auto
+        mode), and plain ones' n-gram chains as trees of their own, all cut to the round's global node allocation
+        (`BudgetPolicy.allocate_round`), in which the closed entries take their place. Every entry is closed after."""
+        plan = batch.open_plan()
+        if not plan.speculative_ids and not (self.ngram_tokens and plan.autoregressive_ids):
+            batch.close()
+            return
+        t0 = time.perf_counter()
+        proposed, trees = [], []
+        if topk is not None:
+            max_depths = [self.requests[rid].tokens_left - 1 for rid in plan.speculative_ids]
+            trees = drafted_trees(*topk, plan.max_budgets, max_depths, chain=self.config.speculation == "dflash")
+            proposed, trees = proposed_trees(trees, with_tokens=bool(self.ngram_tokens))  # host trees
+        entries = {e.request_id: e for e in batch.entries}
         chains: dict[str, list[int]] = {}
         if self.ngram_tokens:
-            for rid in list(plan.speculative_ids) + list(ngram_candidates):
-                chains[rid] = self.requests[rid].ngrams.propose(min(self.ngram_tokens, self._tokens_left(rid) - 1))
-            drafted.proposals = {rid: chain for rid, chain in chains.items() if chain}
-        allocation = self.budget.allocate_round(plan, proposed, chains, packed)
-        if not allocation.request_ids:
-            return drafted
+            for rid in plan.speculative_ids + plan.autoregressive_ids:
+                chains[rid] = self.requests[rid].ngrams.propose(
+                    min(self.ngram_tokens, self.requests[rid].tokens_left - 1)
+                )
+                entries[rid].chain = chains[rid] or None
+        allocation = self.budget.allocate_round(plan, proposed, chains, batch.closed_load())
         for i, (rid, tree, n) in enumerate(zip(allocation.request_ids, allocation.trees, allocation.counts)):
             # On the host: the target worker packs the round's trees there and uploads the batch once
-            if tree.is_rebuilt:  # a chain merged into a drafted tree, or a chain alone: new tensors
-                kept = _truncate(self._tree_tensors(tree), n)
-            else:
-                kept = _truncate(trees[i], n)
-            if i < allocation.num_drafted:
-                drafted.trees.append(kept)
-                drafted.predicted.append(sum(tree.values[:n]))
-            elif kept.num_nodes:
-                drafted.ngram_trees[rid] = kept
-        self.timings.tree += time.perf_counter() - t1
-        return drafted
+            kept = kept_tree(tree, trees[i] if i < allocation.num_drafted else None, n)
+            if i < allocation.num_drafted or kept.num_nodes:  # (a plain entry with no node kept: the root alone)
+                entries[rid].tree, entries[rid].predicted = kept, sum(tree.values[:n])
+        batch.close()
+        self.timings.tree += time.perf_counter() - t0
 
-    def _proposed_trees(self, trees: list[DraftTree]) -> tuple[list[ProposedTree], list[DraftTree]]:
-        """The trees as plain lists for the budget policy (node probabilities and, to merge n-gram chains, tokens and
-        parents; token ids are exact in float64), and as host tensors (on a GPU, views of one copy: one device read
-        per round for both)."""
-        logprobs = torch.cat([t.path_logprobs for t in trees])
-        if logprobs.device.type == "cpu":  # host trees already: only the lists the policy reads
-            fields = ("token_ids", "parents") if self.ngram_tokens else ()
-            columns = [logprobs.exp().double()] + [torch.cat([getattr(t, f) for t in trees]).double() for f in fields]
-            return self._as_proposed(trees, torch.stack(columns).tolist()), trees
-        host = torch.stack(
-            [logprobs.exp().double(), logprobs.double()]
-            + [torch.cat([getattr(t, f) for t in trees]).double() for f in ("token_ids", "parents", "depths")]
-        ).cpu()  # [5, nodes]
-        ids = host[2:].long()
-        path_logprobs = host[1].to(logprobs.dtype)
-        host_trees, start = [], 0
-        for t in trees:
-            end = start + t.num_nodes
-            host_trees.append(
-                DraftTree(ids[0, start:end], ids[1, start:end], ids[2, start:end], path_logprobs[start:end])
-            )
-            start = end
-        return self._as_proposed(trees, (host[[0, 2, 3]] if self.ngram_tokens else host[:1]).tolist()), host_trees
+    def _verify(self, batch: RoundBatch) -> None:
+        self._collect_verify(batch, self._submit_verify(batch))
 
-    def _as_proposed(self, trees: list[DraftTree], columns: list[list[float]]) -> list[ProposedTree]:
-        """Per tree, its slice of the columns (probabilities; with n-gram chains, tokens and parents too)."""
-        proposed, start = [], 0
-        for t in trees:
-            end = start + t.num_nodes
-            if self.ngram_tokens:
-                proposed.append(
-                    ProposedTree(
-                        columns[0][start:end],
-                        [int(x) for x in columns[1][start:end]],
-                        [int(x) for x in columns[2][start:end]],
-                    )
-                )
-            else:
-                proposed.append(ProposedTree(columns[0][start:end]))
-            start = end
-        return proposed
+    def _submit_verify(self, batch: RoundBatch) -> Pending:
+        roots = [e.root_token_id for e in batch.entries]
+        return self.target.verify_async(batch.request_ids, [e.tree for e in batch.entries], roots)
 
-    @staticmethod
-    def _tree_tensors(tree: ProposedTree) -> DraftTree:
-        """A tree the policy rebuilt (a chain merged in) as host tensors."""
-        return DraftTree(
-            torch.tensor(tree.token_ids, dtype=torch.int64),
-            torch.tensor(tree.parents, dtype=torch.int64),
-            torch.tensor(tree.depths, dtype=torch.int64),
-            torch.tensor(tree.values, dtype=torch.float32).log(),
-        )
-
-    def _submit_verify(self, plan: RoundPlan, drafted: _DraftedTrees):
-        request_ids = plan.speculative_ids + plan.autoregressive_ids
-        trees = drafted.trees + [drafted.ngram_trees.get(r) for r in plan.autoregressive_ids]
-        roots = [self.requests[r].root_token_id for r in request_ids]
-        return self.target.verify_async(request_ids, trees, roots)
-
-    def _collect_verify(self, plan: RoundPlan, pending) -> VerifyResult:
+    def _collect_verify(self, batch: RoundBatch, pending: Pending) -> None:
         result = pending.result()
+        batch.record(result, self._observed_seconds(pending))
         self.timings.verify += result.forward_seconds
         self.timings.accept += result.accept_seconds
         self.timings.num_rounds += 1
-        self.timings.num_speculative_request_rounds += len(plan.speculative_ids)
-        self.timings.num_autoregressive_request_rounds += len(plan.autoregressive_ids)
-        self.budget.cost.observe_verify(result.num_tokens, self._observed_seconds(pending))
-        return result
+        num_drafting = len(batch.drafting)
+        self.timings.num_speculative_request_rounds += num_drafting
+        self.timings.num_autoregressive_request_rounds += len(batch.entries) - num_drafting
 
-    def _observed_seconds(self, pending) -> float:
+    def _observed_seconds(self, pending: Pending) -> float:
         """What a draft or verify call cost the round, for the cost model: its wall time (an actor call's hops, and
         for a draft the features' transfer, are part of what drafting costs a round; the start-up curves measure
         inside the workers only), except when two groups are in flight, where the calls overlap and a result may be
         read late: then the time inside the worker."""
-        return pending.seconds if self._is_pipelining else pending.wall_seconds
+        return pending.seconds if self.pipeline.is_active else pending.wall_seconds
 
-    def _observe(self, plan: RoundPlan, drafted: _DraftedTrees, result: VerifyResult) -> None:
-        for i, rid in enumerate(plan.speculative_ids):
-            accepted = result.accepted_token_ids[i]
-            # what the request's chain alone would have accepted: drafting's gain is the rest
-            without_draft = self.budget.observe_proposal(
-                drafted.proposals.get(rid), accepted + [result.bonus_token_ids[i]]
-            )
-            self.budget.observe(rid, drafted.predicted[i], len(accepted), drafted.trees[i].num_nodes, without_draft)
-            stats = self.requests[rid].stats
-            stats.budgets.append(drafted.trees[i].num_nodes)
-            stats.num_speculative_rounds += 1
-        num_speculative = len(plan.speculative_ids)
-        for j, rid in enumerate(plan.autoregressive_ids):
-            self.requests[rid].stats.num_autoregressive_rounds += 1
-            accepted = result.accepted_token_ids[num_speculative + j]
-            self.budget.observe_proposal(
-                drafted.proposals.get(rid), accepted + [result.bonus_token_ids[num_speculative + j]]
-            )
+    def _update_budgets(self, batch: RoundBatch) -> None:
+        """What the round teaches the budget policy: the cost curves, each drafting request's acceptance (drafting's
+        gain is what it accepted beyond its n-gram chain alone), and the chains' values."""
+        cost = self.budget.cost
+        if batch.draft_seconds is not None:
+            cost.observe_draft(batch.num_drafting, batch.draft_seconds)
+        cost.observe_verify(batch.num_verified_tokens, batch.verify_seconds)
+        for e in batch.entries:
+            without_draft = self.budget.observe_proposal(e.chain, e.accepted + [e.bonus])
+            stats = self.requests[e.request_id].stats
+            if e.drafts:
+                self.budget.observe(e.request_id, e.predicted, len(e.accepted), e.tree.num_nodes, without_draft)
+                stats.budgets.append(e.tree.num_nodes)
+                stats.num_speculative_rounds += 1
+            else:
+                stats.num_autoregressive_rounds += 1
 
-    def _emit(self, plan: RoundPlan, result: VerifyResult, outputs: list[RequestOutput]) -> None:
-        """Commit each request's accepted tokens and bonus token. Its statistics count what the round committed:
+    def _commit(self, batch: RoundBatch, outputs: list[RequestOutput]) -> None:
+        """Commit each entry's accepted tokens and bonus token. Its statistics count what the round committed:
         tokens accepted past a stop are discarded, and not counted either (the budget policy learned from the
-        whole verify result in `_observe`)."""
+        whole verify result)."""
         t0 = time.perf_counter()
-        num_speculative = len(plan.speculative_ids)
-        for i, rid in enumerate(plan.speculative_ids + plan.autoregressive_ids):
-            req = self.requests[rid]
-            tokens = result.accepted_token_ids[i] + [result.bonus_token_ids[i]]
+        for e in batch.entries:
+            req = self.requests[e.request_id]
             num_before = len(req.output.token_ids)
-            out = self._append_tokens(req, tokens, result.logprobs[i])
+            out = self._append_tokens(req, e.accepted + [e.bonus], e.logprobs)
             num_committed = max(0, len(req.output.token_ids) - num_before)
-            if i < num_speculative:
+            if e.drafts:
                 req.stats.acceptance_lengths.append(num_committed)
             else:  # an n-gram chain's tokens, if it verified one
-                num_ngram = min(len(result.accepted_token_ids[i]), num_committed)
+                num_ngram = min(len(e.accepted), num_committed)
                 req.stats.num_ngram_tokens += num_ngram
                 self.timings.num_ngram_tokens += num_ngram
             if out is not None:
                 outputs.append(out)
         self.timings.emit += time.perf_counter() - t0
 
+    def _update_guard(self, batch: RoundBatch) -> None:
+        """The throughput guard's measurement: tokens the round's verify answered (past a stop included) over the
+        round's whole time, for the arm it ran. Not while a worker is lost: those rounds measure the loss."""
+        if self.guard is None or self.drafter_lost is not None or self.target_lost is not None:
+            return
+        num_tokens = sum(1 + len(e.accepted) for e in batch.entries)
+        self.guard.observe(len(batch.entries), batch.arm, num_tokens, time.perf_counter() - batch.started_at)
+
     def _append_tokens(
-        self, req: _Request, tokens: list[int], logprobs: RawLogprobs | None = None
+        self, req: Request, tokens: list[int], logprobs: RawLogprobs | None = None
     ) -> RequestOutput | None:
-        kept = self.detokenizer.append(req.output, tokens)
-        if req.ngrams is not None:
-            req.ngrams.extend(kept)
-        req.root_token_id = kept[-1] if kept else req.root_token_id
-        new_logprobs = None
-        if req.output.params.logprobs is not None:
-            new_logprobs = self._token_logprobs(kept, logprobs, at_text_start=not req.text_started)
-            req.logprobs.extend(new_logprobs)
-            req.text_started = req.text_started or any(lp.token_bytes for lp in new_logprobs)
-        new_text = self.detokenizer.take_new_text(req.output)
+        """Commit tokens to a request; its output when it has something new, or finished."""
+        new = self.writer.commit(req, tokens, logprobs)
         if req.output.finish_reason is not None:
-            return self._finish(req, new_text, kept, new_logprobs)
-        if not kept:
+            return self._finish(req, new.new_text, new.token_ids, new.logprobs)
+        if not new.token_ids:
             return None
-        return self._output(req, new_text, kept, new_logprobs, finished=False)
-
-    def _token_logprobs(self, kept: list[int], raw: RawLogprobs | None, at_text_start: bool) -> list[TokenLogprobs]:
-        """The worker's numbers for the kept tokens, with each token's text and bytes (`at_text_start`: the output
-        has no text before them)."""
-        if raw is None or len(raw.chosen) < len(kept):
-            raise RuntimeError("the target worker returned no log-probabilities for a request that asked for them")
-        text = self._token_text
-
-        def to_bytes(token_id: int, at_start: bool) -> bytes:
-            raw_bytes = self._token_bytes(token_id)
-            if at_start:
-                # The spaces a decode drops at the start of a text (SentencePiece: the first word's one) are not in
-                # the output's text either: the bytes join into the text as decoded.
-                own = text(token_id)
-                drop = (len(raw_bytes) - len(raw_bytes.lstrip(b" "))) - (len(own) - len(own.lstrip(" ")))
-                if drop > 0:
-                    return raw_bytes[drop:]
-            return raw_bytes
-
-        out = []
-        for k, token_id in enumerate(kept):
-            token_bytes = to_bytes(token_id, at_text_start)
-            out.append(
-                TokenLogprobs(
-                    token_id,
-                    text(token_id),
-                    raw.chosen[k],
-                    [(t, text(t), v) for t, v in zip(raw.top_ids[k], raw.top_values[k])],
-                    token_bytes,
-                    [to_bytes(t, at_text_start) for t in raw.top_ids[k]],
-                )
-            )
-            at_text_start = at_text_start and not token_bytes
-        return out
+        return req.to_output(new.new_text, new.token_ids, new.logprobs, finished=False)
 
     def _finish(
-        self, req: _Request, new_text: str, new_token_ids: list[int], new_logprobs: list[TokenLogprobs] | None = None
+        self, req: Request, new_text: str, new_token_ids: list[int], new_logprobs: list[TokenLogprobs] | None = None
     ) -> RequestOutput:
         rid = req.request_id
-        if self._drafted_group is not None:
-            # Aborted while its tree waits for a verify: drop the tree now, before the id can be reused.
-            self._drafted_group = _without(self._drafted_group, {rid})
+        self.pipeline.drop(rid)
         was_admitted = rid in self.scheduler.running  # (a waiting request holds nothing in the workers)
         self.scheduler.remove(rid)
         self.budget.remove(rid)
@@ -791,25 +567,7 @@ class Engine:
                 self.lose_drafter(exc)
         req.stats.finish_time = time.perf_counter()
         del self.requests[rid]
-        return self._output(req, new_text, new_token_ids, new_logprobs, finished=True)
-
-    @staticmethod
-    def _output(
-        req: _Request, new_text: str, new_token_ids: list[int], new_logprobs: list[TokenLogprobs] | None, finished: bool
-    ) -> RequestOutput:
-        return RequestOutput(
-            request_id=req.request_id,
-            prompt_token_ids=req.prompt_token_ids,
-            text=req.output.text if finished else req.output.text[: req.output.num_text_emitted],
-            token_ids=list(req.output.token_ids),
-            new_text=new_text,
-            new_token_ids=list(new_token_ids),
-            finished=finished,
-            finish_reason=req.output.finish_reason,
-            stats=req.stats,
-            logprobs=None if req.output.params.logprobs is None else list(req.logprobs),
-            new_logprobs=None if req.output.params.logprobs is None else list(new_logprobs or []),
-        )
+        return req.to_output(new_text, new_token_ids, new_logprobs, finished=True)
 
     # ----------------------------------------------------------------------------------------------------------
     # Cost model
@@ -822,32 +580,3 @@ class Engine:
         verify_points = self.target.measure_verify_cost(counts)
         draft_points = self.drafter.measure_draft_cost([1, 4, 16], cap) if self.drafter is not None else [(1, 1e-3)]
         return CostModel(verify_points, draft_points)
-
-
-def _build_depth_capped_trees(
-    values: torch.Tensor, token_ids: torch.Tensor, budgets: list[int], max_depths: list[int]
-) -> list[DraftTree]:
-    """`build_round_trees`, each request's tree holding only nodes of depth <= its max depth: the positions past it
-    get log-probability -inf, so their nodes pop after every finite one (best-first) and are cut off the end."""
-    capped = [r for r, d in enumerate(max_depths) if d < values.shape[1]]
-    if not capped:
-        return build_round_trees(values, token_ids, budgets)
-    values = values.clone()
-    for r in capped:
-        values[r, max(max_depths[r], 0) :] = float("-inf")
-    trees = build_round_trees(values, token_ids, budgets)
-    for r in capped:
-        trees[r] = _truncate(trees[r], int(torch.isfinite(trees[r].path_logprobs).sum()))
-    return trees
-
-
-def _truncate(tree: DraftTree, num_nodes: int) -> DraftTree:
-    """The first `num_nodes` nodes in pop order: still a tree (parents precede children)."""
-    if num_nodes >= tree.num_nodes:
-        return tree
-    return DraftTree(
-        tree.token_ids[:num_nodes],
-        tree.parents[:num_nodes],
-        tree.depths[:num_nodes],
-        tree.path_logprobs[:num_nodes],
-    )

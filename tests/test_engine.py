@@ -54,6 +54,16 @@ def greedy(max_tokens=24, **kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
 
 
+def test_in_process_workers_satisfy_the_engine_contract(workers):
+    from ddtree.contracts import Drafter, Pending, Target
+    from ddtree.workers import Completed
+
+    target, drafter, _ = workers
+    assert isinstance(target, Target) and isinstance(drafter, Drafter)
+    assert not isinstance(drafter, Target) and not isinstance(target, Drafter)
+    assert isinstance(Completed(int), Pending)
+
+
 def test_off_matches_hugging_face_greedy(checkpoints, workers):
     from transformers import AutoModelForCausalLM
 
@@ -365,9 +375,9 @@ def test_logprob_bytes_drop_only_the_spaces_the_text_drops(workers, first):
     ids = tokenizer.convert_tokens_to_ids(first + ["a", "\u2581w"])
     raw = RawLogprobs([-1.0] * len(ids), [[t] for t in ids], [[-1.0] for _ in ids])
     for split in range(len(ids) + 1):  # the tokens over two rounds, cut anywhere
-        done = engine._token_logprobs(ids[:split], raw, True)
+        done = engine.writer.token_logprobs(ids[:split], raw, True)
         rest = RawLogprobs(raw.chosen[split:], raw.top_ids[split:], raw.top_values[split:])
-        done += engine._token_logprobs(ids[split:], rest, not any(lp.token_bytes for lp in done))
+        done += engine.writer.token_logprobs(ids[split:], rest, not any(lp.token_bytes for lp in done))
         text = tokenizer.decode(ids, skip_special_tokens=True)
         assert b"".join(lp.token_bytes for lp in done).decode() == text
         assert [lp.top_bytes[0] for lp in done] == [lp.token_bytes for lp in done]
@@ -502,11 +512,11 @@ def test_pipelined_chains_are_priced_after_the_group_in_flight(workers):
     for prompt in ["the cat the cat the cat the", "ab ab ab ab ab", "12 + 7 = 12 + 7 =", "a b a b a b"]:
         engine.add_request(prompt, greedy(60))
     while engine.has_unfinished_requests():
-        group = engine._drafted_group  # verified in the coming phase
-        trees = group.drafted.trees if group is not None else []
+        group = engine.pipeline.in_flight  # verified in the coming phase
+        entries = group.entries if group is not None else []
         in_flight[0] = (
-            len(trees) + sum(t.num_nodes for t in trees),
-            len(trees) + sum(group.drafted.predicted if group is not None else []),
+            len(entries) + sum(e.tree.num_nodes for e in entries),
+            len(entries) + sum(e.predicted for e in entries),
         )
         engine.step()
     assert any(expected[0] > 0 for _, expected in calls)  # some chains joined a pass holding a drafted group
@@ -655,11 +665,11 @@ def test_pipelined_t0_equals_off_with_requests_joining(workers, config):
         for out in engine.step():
             if out.finished:
                 finals[ids[out.request_id]] = out.token_ids
-        group = engine._drafted_group
-        max_in_flight = max(max_in_flight, len(group.plan.speculative_ids) if group else 0)
+        group = engine.pipeline.in_flight
+        max_in_flight = max(max_in_flight, len(group.entries) if group else 0)
         steps += 1
     assert finals == reference
-    assert max_in_flight >= 1 and engine._drafted_group is None
+    assert max_in_flight >= 1 and engine.pipeline.in_flight is None
     assert engine.timings.num_speculative_request_rounds > 0
 
 
@@ -669,11 +679,11 @@ def test_pipelined_groups_stay_balanced(workers):
     for p in PROMPTS[:4]:
         engine.add_request(p, greedy(40))
     engine.step()  # admits all four: two draft, two decode one token autoregressively
-    assert len(engine._drafted_group.plan.speculative_ids) == 2
+    assert len(engine.pipeline.in_flight.request_ids) == 2
     for _ in range(6):
-        before = set(engine._drafted_group.plan.speculative_ids)
+        before = set(engine.pipeline.in_flight.request_ids)
         engine.step()
-        after = set(engine._drafted_group.plan.speculative_ids)
+        after = set(engine.pipeline.in_flight.request_ids)
         assert len(after) == 2 and not before & after  # the groups alternate
     assert engine.timings.num_pipelined_phases == 7
     for rid in list(engine.requests):  # aborting mid-pipeline frees everything (and leaves the shared workers clean)
@@ -688,7 +698,7 @@ def test_pipelined_abort_of_a_request_in_flight(workers):
     gone = engine.add_request("the cat sat on", greedy(50))
     engine.step()
     engine.step()
-    in_flight = engine._drafted_group.plan.speculative_ids
+    in_flight = engine.pipeline.in_flight.request_ids
     victim = in_flight[0]
     engine.abort_request(victim)
     finals = {}
@@ -728,7 +738,7 @@ def test_pipeline_auto_follows_the_cost_model_and_needs_concurrent_workers(worke
     assert [o.token_ids for o in LLM.from_engine(local).generate(PROMPTS[:4], greedy(30))] == [
         r.token_ids for r in reference
     ]
-    assert local._drafted_group is None and local.timings.num_pipelined_phases == 0
+    assert local.pipeline.in_flight is None and local.timings.num_pipelined_phases == 0
 
     class RemoteTarget(type(target)):  # the same worker, declared concurrent as the actor proxies are
         can_overlap = True
@@ -743,14 +753,14 @@ def test_pipeline_auto_follows_the_cost_model_and_needs_concurrent_workers(worke
         finals, was_pipelined = {}, False
         for _ in range(4):
             finals.update({o.request_id: o for o in engine.step() if o.finished})
-            was_pipelined |= engine._drafted_group is not None
+            was_pipelined |= engine.pipeline.in_flight is not None
         assert was_pipelined
         engine.budget.cost = copy.deepcopy(bandwidth_bound)  # now one group is faster: it drains and stays out
         engine.step()
-        assert engine._drafted_group is None
+        assert engine.pipeline.in_flight is None
         while engine.has_unfinished_requests():
             finals.update({o.request_id: o for o in engine.step() if o.finished})
-            assert engine._drafted_group is None
+            assert engine.pipeline.in_flight is None
         assert [finals[i].token_ids for i in ids] == [r.token_ids for r in reference]
     finally:
         target.__class__, drafter.__class__ = RemoteTarget.__base__, RemoteDrafter.__base__
@@ -763,7 +773,7 @@ def test_pipelined_abort_then_reuse_of_the_request_id(workers):
     engine.add_request("hello world", greedy(20), request_id="x")
     engine.add_request("the cat sat on", greedy(20), request_id="y")
     engine.step()  # both admitted: x drafts, y decodes one token
-    assert engine._drafted_group.plan.speculative_ids == ["x"]
+    assert engine.pipeline.in_flight.request_ids == ["x"]
     engine.abort_request("x")
     engine.add_request("12 + 7 =", greedy(20), request_id="z")  # takes the free seat first
     engine.add_request("a", greedy(20), request_id="x")  # waits

@@ -828,12 +828,14 @@ def test_features_reach_the_drafter_through_fallback_and_back(served, app_args):
     """On the worker actors, a drafting request's features go from the target to the drafter after its verify; a
     request decoding without a draft (fallback) leaves its features in the target actor and gets them all when it
     drafts again: the drafter's context always holds every token the target has run for it, once."""
+    from ddtree.contracts import Drafter, Target
     from deployments.actors import start_worker_actors
     from deployments.config import ActorPlace, WorkerSpec, parse_args
 
     place = ActorPlace(0, 0.0, 0.0)  # the app holds the CPUs
     actors = start_worker_actors(WorkerSpec.from_args(parse_args(app_args)), place, place)
     target, drafter = actors.target_proxy, actors.drafter_proxy
+    assert isinstance(target, Target) and isinstance(drafter, Drafter)  # the engine's contract (ddtree/contracts.py)
     try:
         prompts = {"a": [5, 6, 7, 8], "b": [9, 10, 11]}
         params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
