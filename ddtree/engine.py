@@ -26,7 +26,7 @@ import itertools
 import logging
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -39,7 +39,8 @@ from ddtree.ngram import NgramIndex
 from ddtree.outputs import RequestOutput, RequestStats, TokenLogprobs
 from ddtree.pipeline import Pipeline
 from ddtree.proposal import drafted_trees, kept_tree, proposed_trees
-from ddtree.request import OutputWriter, Request
+from ddtree.recovery import WorkerRecovery
+from ddtree.request import OutputWriter, PromptTooLongError, Request, encode_prompt, validated
 from ddtree.round import RoundBatch, RoundEntry
 from ddtree.sampling_params import SamplingParams
 from ddtree.scheduler import EngineFullError, Scheduler
@@ -47,17 +48,7 @@ from ddtree.workers import RawLogprobs, WorkerLostError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Engine", "EngineConfig", "EngineFullError", "PromptTooLongError", "RoundTimings"]
-
-
-class PromptTooLongError(ValueError):
-    """The prompt leaves no room to generate within the model's context window (HTTP 400/413)."""
-
-
-def encode_prompt(tokenizer, text: str) -> list[int]:
-    """A text prompt's token ids: with the tokenizer's own special tokens (BOS for Llama/Mistral), as Hugging Face
-    and vLLM encode a prompt."""
-    return tokenizer.encode(text, add_special_tokens=True)
+__all__ = ["Engine", "EngineConfig", "EngineFullError", "PromptTooLongError", "RoundTimings", "encode_prompt"]
 
 
 @dataclass
@@ -82,7 +73,7 @@ class RoundTimings:
         return dict(self.__dict__)
 
 
-class Engine:
+class Engine(WorkerRecovery):
     def __init__(
         self,
         config: EngineConfig,
@@ -120,95 +111,7 @@ class Engine:
         self.timings = RoundTimings()
         self._ids = itertools.count()
         self.pipeline = Pipeline(self)  # two request groups in flight (config.pipeline)
-        # A lost drafter (its worker raised WorkerLostError): every round is plain decoding (n-gram chains included)
-        # until `attach_drafter` gives a new one. Requests that ran when it was lost never draft again: their
-        # context went with it (those admitted later have all their features in the target worker).
-        self.drafter_lost: str | None = None
-        self.num_drafter_losses = 0
-        self._without_draft_context: set[str] = set()
-        # A lost target (a target call raised WorkerLostError): no round runs until `attach_target` gives a new
-        # one. Nothing a round did is lost with it: tokens are committed only from a verify result in hand. Each
-        # running request is then prefilled again on the new target from its prompt and committed tokens (its
-        # next root is the last committed token, as before), and goes on where it was.
-        self.target_lost: str | None = None
-        self.num_target_losses = 0
-        self._to_restore: list[str] = []  # running requests with no KV on the current target yet
-
-    @property
-    def _can_draft(self) -> bool:
-        return self.drafter is not None and self.drafter_lost is None
-
-    def attach_drafter(self, drafter: Drafter) -> None:
-        """Speculation resumes with `drafter` (a restarted worker) after a loss; the cost model is kept."""
-        if self.config.speculation == "off":
-            raise ValueError("speculation='off' has no drafter to attach")
-        self.drafter, self.drafter_lost = drafter, None
-
-    def lose_drafter(self, error: BaseException) -> None:
-        """The drafter's worker is gone: decode on without it (see `drafter_lost`)."""
-        if self.drafter_lost is None:
-            logger.error("the drafter is lost (%s); decoding on without drafts until a drafter is attached", error)
-            self.num_drafter_losses += 1
-        self.drafter_lost = str(error) or type(error).__name__
-        self._without_draft_context.update(self.scheduler.running)
-        self.pipeline.in_flight = None  # (drafted already, but its requests' context is gone too: they decode plain)
-
-    def lose_target(self, error: BaseException) -> None:
-        """The target's worker is gone: no round runs until `attach_target` (see `target_lost`)."""
-        if self.target_lost is None:
-            logger.error("the target is lost (%s); %d requests wait for a new one", error, len(self.requests))
-            self.num_target_losses += 1
-        self.target_lost = str(error) or type(error).__name__
-        self.pipeline.in_flight = None  # (its trees were drafted for a verify on the lost target: drafted again)
-
-    def attach_target(self, target: Target, drafter: Drafter | None = None) -> None:
-        """A new target worker (a restarted one, same model) after `lose_target`, and with it a new drafter where
-        the old one's contexts went too. The next step prefills every running request again (`_restore`)."""
-        if self.target_lost is None:
-            raise ValueError("attach_target: the target is not lost")
-        old = self.target
-        if (target.vocab_size, list(target.eos_token_ids)) != (old.vocab_size, list(old.eos_token_ids)):
-            raise ValueError("attach_target: the new target's vocabulary or EOS tokens differ from the lost one's")
-        if target.max_request_tokens < old.max_request_tokens:
-            raise ValueError(
-                f"attach_target: the new target holds {target.max_request_tokens} tokens per request, "
-                f"fewer than the lost one ({old.max_request_tokens})"
-            )
-        self.target, self.target_lost = target, None
-        self._to_restore = list(self.scheduler.running)  # (none of them has KV on the new target)
-        if drafter is not None:
-            self.attach_drafter(drafter)
-        elif self._can_draft:  # the drafter stays: its contexts of these requests are rebuilt from the prefill
-            for rid in self._to_restore:
-                try:
-                    self.drafter.free(rid)
-                except WorkerLostError as exc:
-                    self.lose_drafter(exc)
-                    break
-        # every restored request's drafter context is rebuilt from its new prefill's features
-        self._without_draft_context.difference_update(self._to_restore)
-
-    def _restore(self, outputs: list[RequestOutput]) -> None:
-        """Prefill the running requests again on a new target: prompt + committed tokens but the last, which is
-        the next round's root (so the KV cache is what the lost target held). A request with no committed token
-        (its first prefill was lost) gets its first token from this prefill, as at admission."""
-        restore = self._to_restore
-        for rid in restore:
-            req = self.requests[rid]
-            if not self.target.allocate(rid, self._kv_capacity(req), req.output.params):
-                raise RuntimeError(
-                    f"the new target has no room for request {rid!r} ({self._kv_capacity(req)} "
-                    f"tokens), which the lost one held"
-                )
-        t0 = time.perf_counter()
-        sequences = [self.requests[r].prompt_token_ids + self.requests[r].output.token_ids[:-1] for r in restore]
-        prefilled = self.target.prefill(restore, sequences)
-        self.timings.prefill += time.perf_counter() - t0
-        self._to_restore = []
-        for rid, token, logprobs in zip(restore, prefilled.token_ids, prefilled.logprobs):
-            req = self.requests[rid]
-            if req.root_token_id is None:
-                self._first_token(req, token, logprobs, outputs)
+        self._init_recovery()
 
     def _context_window(self, requested: int | None, target: Target) -> int:
         """The model's window, capped by `requested` and by what one request can reserve in the KV cache (its
@@ -255,29 +158,7 @@ class Engine:
 
     def validate(self, prompt: str | list[int], params: SamplingParams | None) -> tuple[list[int], SamplingParams]:
         """The prompt's token ids and the params, or a clear error."""
-        params = params or SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
-        # A copy, validated again: fields may have been set after construction (or unpickled, which skips
-        # __post_init__), and a bad value found in the middle of a round would fail every request in it.
-        params = replace(params)
-        if isinstance(prompt, str):
-            prompt_token_ids = encode_prompt(self.tokenizer, prompt)
-        elif isinstance(prompt, (list, tuple)):
-            prompt_token_ids = list(prompt)
-            vocab = self.target.vocab_size
-            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in prompt_token_ids):
-                raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
-        else:
-            raise ValueError(f"the prompt must be a string or a list of token ids, got {type(prompt).__name__}")
-        if not prompt_token_ids:
-            raise ValueError("the prompt is empty")
-        room = self.max_model_len - len(prompt_token_ids)
-        if room < 1:
-            raise PromptTooLongError(
-                f"the prompt has {len(prompt_token_ids)} tokens; the context window is {self.max_model_len}"
-            )
-        return prompt_token_ids, params
+        return validated(prompt, params, self.tokenizer, self.target.vocab_size, self.max_model_len)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         req = self.requests.get(request_id)

@@ -1,14 +1,26 @@
-"""A request inside the engine, and how committed tokens become its outputs (text, log-probabilities)."""
+"""A request inside the engine: its checks on the way in, and how committed tokens become its outputs (text,
+log-probabilities)."""
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ddtree.detokenizer import Detokenizer, OutputState
 from ddtree.ngram import NgramIndex
 from ddtree.outputs import RequestOutput, RequestStats, TokenLogprobs
+from ddtree.sampling_params import SamplingParams
 from ddtree.workers import RawLogprobs
+
+
+class PromptTooLongError(ValueError):
+    """The prompt leaves no room to generate within the model's context window (HTTP 400/413)."""
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """A text prompt's token ids: with the tokenizer's own special tokens (BOS for Llama/Mistral), as Hugging Face
+    and vLLM encode a prompt."""
+    return tokenizer.encode(text, add_special_tokens=True)
 
 
 @dataclass
@@ -101,3 +113,30 @@ class OutputWriter:
             if drop > 0:
                 return raw_bytes[drop:]
         return raw_bytes
+
+
+def validated(
+    prompt: str | list[int], params: SamplingParams | None, tokenizer, vocab_size: int, max_model_len: int
+) -> tuple[list[int], SamplingParams]:
+    """The prompt's token ids and a checked copy of the params, or a clear error (ValueError, PromptTooLongError)."""
+    params = params or SamplingParams()
+    if not isinstance(params, SamplingParams):
+        raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+    # A copy, validated again: fields may have been set after construction (or unpickled, which skips
+    # __post_init__), and a bad value found in the middle of a round would fail every request in it.
+    params = replace(params)
+    if isinstance(prompt, str):
+        prompt_token_ids = encode_prompt(tokenizer, prompt)
+    elif isinstance(prompt, (list, tuple)):
+        prompt_token_ids = list(prompt)
+        if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in prompt_token_ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {vocab_size})")
+    else:
+        raise ValueError(f"the prompt must be a string or a list of token ids, got {type(prompt).__name__}")
+    if not prompt_token_ids:
+        raise ValueError("the prompt is empty")
+    if max_model_len - len(prompt_token_ids) < 1:
+        raise PromptTooLongError(
+            f"the prompt has {len(prompt_token_ids)} tokens; the context window is {max_model_len}"
+        )
+    return prompt_token_ids, params
