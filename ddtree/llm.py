@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import os
+import time
 from collections.abc import Iterator, Sequence
 
 from ddtree.config import EngineConfig
@@ -9,6 +12,19 @@ from ddtree.engine import Engine
 from ddtree.outputs import RequestOutput
 from ddtree.sampling_params import SamplingParams
 from ddtree.scheduler import EngineFullError
+
+logger = logging.getLogger("ddtree")
+
+
+def show_progress() -> None:
+    """Loading messages go to stderr where the application has configured no logging (as vLLM's do), unless
+    DDTREE_CONFIGURE_LOGGING=0. An application that configures logging gets them through its own handlers."""
+    if os.environ.get("DDTREE_CONFIGURE_LOGGING", "1") == "0" or logger.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("ddtree: %(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
 
 
 class LLM:
@@ -67,6 +83,11 @@ class LLM:
             max_explore_share=max_explore_share,
             max_queue_seconds=max_queue_seconds,
         )
+        show_progress()
+        t0 = time.perf_counter()
+        what = model if model is not None else "the embedded SmolLM2-135M-Instruct"
+        with_drafter = " and its drafter" if speculation != "off" else ""
+        logger.info("loading %s%s on %s", what, with_drafter, device)
         target, drafter_worker, tokenizer = build_workers(
             model,
             drafter,
@@ -77,6 +98,7 @@ class LLM:
             attention=attention,
         )
         self.engine = Engine(config, target, drafter_worker, tokenizer)
+        logger.info("ready in %.1f s (speculation %s)", time.perf_counter() - t0, speculation)
         self.tokenizer = tokenizer
         self._outbox: dict[str, list[RequestOutput]] = {}
 

@@ -4,7 +4,11 @@ stops, budgets, fallback, sampling statistics, input validation."""
 from __future__ import annotations
 
 import copy
+import logging
 import math
+import os
+import subprocess
+import sys
 from collections import Counter
 
 import pytest
@@ -52,6 +56,22 @@ def make_llm(workers, **config) -> LLM:
 
 def greedy(max_tokens=24, **kw) -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def test_llm_says_what_it_loads_and_when_it_is_ready(checkpoints, caplog):
+    caplog.set_level(logging.INFO, logger="ddtree")
+    target, drafter = checkpoints
+    LLM(str(target), str(drafter), dtype="float64", speculation="off")
+    messages = [r.getMessage() for r in caplog.records if r.name == "ddtree"]
+    assert messages[0] == f"loading {target} on cpu" and messages[-1].startswith("ready in ")
+
+
+@pytest.mark.parametrize("setting", ["1", "0"])
+def test_loading_messages_reach_stderr_where_nothing_configured_logging(setting):
+    code = "from ddtree.llm import logger, show_progress; show_progress(); logger.info('loading x')"
+    env = {**os.environ, "DDTREE_CONFIGURE_LOGGING": setting}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stderr == ("ddtree: loading x\n" if setting == "1" else "")
 
 
 def test_in_process_workers_satisfy_the_engine_contract(workers):
