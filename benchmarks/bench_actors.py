@@ -6,7 +6,7 @@
 The same prompts are decoded with the same engine settings (a fixed budget, so that every mode does the same
 work per round, and T=0, so that the outputs must be identical) by:
   in-process   Engine + workers in this process (as ddtree.LLM)
-  actors       Engine here, target and drafter each on a Ray actor, called through deployments/actors.py proxies
+  actors       Engine here, target and drafter each on a Ray actor, called through deployments/proxies.py
                over their channels (features sent target -> drafter over a channel of their own)
 After a warm-up pass of each, the modes alternate for `--passes` measured passes (so that load from other jobs on
 the machine hits both alike); the table reports every measured round. The table shows the mean round time, the actor
@@ -96,7 +96,7 @@ def bare_hops(num_calls: int, feature_shape: tuple[int, int]) -> tuple[float, fl
     import ray
     import torch
 
-    from deployments.actors import tensor_from_wire, tensor_to_wire
+    from deployments.worker_ops import tensor_from_wire, tensor_to_wire
 
     @ray.remote(num_cpus=0)
     class Echo:

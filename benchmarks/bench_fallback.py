@@ -15,7 +15,7 @@ import statistics
 import time
 from pathlib import Path
 
-from ddtree.budget import CostModel
+from ddtree.cost import CostModel
 from ddtree.engine import Engine, EngineConfig
 from ddtree.loaders import build_workers
 from ddtree.sampling_params import SamplingParams

@@ -16,7 +16,8 @@ import argparse
 import random
 import time
 
-from ddtree.budget import BudgetConfig, BudgetPolicy, CostModel, ProposedTree, RoundPlan
+from ddtree.budget import BudgetConfig, BudgetPolicy, ProposedTree, RoundPlan
+from ddtree.cost import CostModel
 from ddtree.ngram import merge_chain
 
 

@@ -30,8 +30,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ddtree.budget import BudgetConfig, BudgetPolicy, CostModel  # noqa: E402
+from ddtree.budget import BudgetConfig, BudgetPolicy  # noqa: E402
 from ddtree.budget_replay import Replay, Result, Trace  # noqa: E402
+from ddtree.cost import CostModel  # noqa: E402
 
 
 def compute_traces(

@@ -21,8 +21,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from ddtree.budget import CostModel  # noqa: E402
 from ddtree.budget_replay import accepted_along  # noqa: E402
+from ddtree.cost import CostModel  # noqa: E402
 from ddtree.ngram import NgramIndex, merge_chain  # noqa: E402
 
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from ddtree.budget import BudgetPolicy, CostModel, ProposedTree
+from ddtree.budget import BudgetPolicy, ProposedTree
+from ddtree.cost import CostModel
 from ddtree.ngram import NgramIndex
 
 

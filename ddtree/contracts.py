@@ -1,7 +1,7 @@
 """The engine's contract with its two workers.
 
 The engine calls a target and a drafter through these methods only. The in-process workers (ddtree.workers:
-`TargetWorker`, `DrafterWorker`) satisfy them, and so do the actor proxies (deployments/actors.py: `TargetProxy`,
+`TargetWorker`, `DrafterWorker`) satisfy them, and so do the actor proxies (deployments/proxies.py: `TargetProxy`,
 `DrafterProxy`), which is how the Serve app places the same engine over two actors. The round's two large calls are
 submitted (`*_async`) and read later (`Pending.result()`), so that on actors a draft and a verify can overlap.
 """

@@ -30,9 +30,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ddtree.budget import BudgetConfig, BudgetPolicy, CostModel, RoundPlan
+from ddtree.budget import BudgetConfig, BudgetPolicy, RoundPlan
 from ddtree.config import EngineConfig
 from ddtree.contracts import Drafter, Pending, Target
+from ddtree.cost import CostModel
 from ddtree.detokenizer import OutputState
 from ddtree.guard import POLICY, ThroughputGuard
 from ddtree.ngram import NgramIndex
@@ -97,7 +98,8 @@ class Engine(WorkerRecovery):
         self.max_budget = (fixed_budget or config.max_budget) if self.drafter is not None else 0
         is_auto = self.drafter is not None and config.speculation == "ddtree" and fixed_budget is None
         self.ngram_tokens = config.ngram_tokens if is_auto else 0
-        self.max_tree_nodes = self.max_budget + self.ngram_tokens  # a verify pass's scratch entries beyond the root
+        # Nodes one request may verify beyond its root (drafted and n-gram): its verify scratch in the KV cache
+        self.max_verified_nodes = self.max_budget + self.ngram_tokens
         self.max_model_len = self._context_window(config.max_model_len, target)
         limits = dict(fixed_budget=fixed_budget, max_budget=max(1, self.max_budget))
         budget_config = BudgetConfig(
@@ -118,11 +120,11 @@ class Engine(WorkerRecovery):
         prompt, every new token and one verify pass's scratch: `_kv_capacity`), so that every request
         accepted here can be admitted once the cache is free instead of waiting forever."""
         window = min(requested or target.max_model_len, target.max_model_len)
-        fits = target.max_request_tokens - 1 - self.max_tree_nodes
+        fits = target.max_request_tokens - 1 - self.max_verified_nodes
         if fits < 2:
             raise ValueError(
                 f"the KV cache holds {target.max_request_tokens} tokens per request, too few for a verify pass of "
-                f"{1 + self.max_tree_nodes} tokens: give it more bytes (kv_cache_bytes) or lower max_budget"
+                f"{1 + self.max_verified_nodes} tokens: give it more bytes (kv_cache_bytes) or lower max_budget"
             )
         if fits < window:
             logger.warning(
@@ -229,7 +231,7 @@ class Engine(WorkerRecovery):
 
     def _kv_capacity(self, req: Request) -> int:
         """The KV entries a request reserves: its prompt, every new token, and one verify pass's scratch."""
-        return len(req.prompt_token_ids) + req.output.max_new_tokens + 1 + self.max_tree_nodes
+        return len(req.prompt_token_ids) + req.output.max_new_tokens + 1 + self.max_verified_nodes
 
     def _admit_and_prefill(self, outputs: list[RequestOutput]) -> None:
         def try_allocate(rid: str) -> bool:

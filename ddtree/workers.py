@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ddtree.accept import accept, accept_on_demand, target_tokens_greedy, target_tokens_sampled
-from ddtree.packing import pack
+from ddtree.packing import PackedBatch, pack
 from ddtree.sampling_params import SamplingParams
 from ddtree.tree import DraftTree
 
@@ -36,7 +36,7 @@ def wait_for_device(device: torch.device | str) -> None:
 
 class Completed:
     """A worker call already done, in this process. The engine submits the round's two big calls (draft, verify)
-    with `*_async` and reads them with `.result()`, so that the actor proxies (deployments/actors.py) can run them
+    with `*_async` and reads them with `.result()`, so that the actor proxies (deployments/proxies.py) can run them
     concurrently on two actors; in one process they simply run one after the other, here."""
 
     def __init__(self, fn, *args) -> None:
@@ -194,29 +194,49 @@ class TargetWorker:
 
     def verify(self, request_ids: list[str], trees: list[DraftTree | None], root_token_ids: list[int]) -> VerifyResult:
         """One forward over every request's packed tree (None: root only, an autoregressive step), then the
-        acceptance walk and the KV compaction."""
+        acceptance walk and the KV compaction: pack -> forward -> accept -> commit."""
         t0 = time.perf_counter()
         seq_ids = [self._seq_ids[r] for r in request_ids]
-        device = self.model.device
-        # Packed on the host (the engine's trees are there; its sizes are then known without a device read) and
-        # uploaded in one go
-        trees = [t.to("cpu") if t is not None else DraftTree.empty() for t in trees]
-        num_cached = [self.model.kv.num_committed(s) for s in seq_ids]
-        packed = pack(trees, root_token_ids, num_cached, device="cpu").to(device)
+        packed = self._pack(seq_ids, trees, root_token_ids)
         on_demand = packed.num_tokens >= self.lm_head_on_demand_min_tokens
         out, features = self.model.verify(seq_ids, packed, hidden_only=on_demand)  # [N, H] or [N, V]; [N, F]
-        wait_for_device(device)  # the forward's time, not its launches' (the walk's sync would add it to accept)
+        wait_for_device(self.model.device)  # the forward's time, not its launches' (the walk's sync would add it)
         t1 = time.perf_counter()
+        result, logits, tokens, logit_rows = self._accept(request_ids, packed, out, on_demand)
+        self._commit(request_ids, seq_ids, packed, result.accepted_packed, features)
+        logprobs = raw_logprobs(logits, tokens, logit_rows, [self._params[rid].logprobs for rid in request_ids])
+        t2 = time.perf_counter()
+        return VerifyResult(
+            result.accepted_token_ids, result.bonus_token_ids, packed.num_tokens, t1 - t0, t2 - t1, logprobs
+        )
+
+    def _pack(self, seq_ids: list[int], trees: list[DraftTree | None], root_token_ids: list[int]) -> PackedBatch:
+        """The round's trees as one verify batch: packed on the host (the engine's trees are there, and its sizes are
+        then known without a device read) and uploaded in one go."""
+        trees = [t.to("cpu") if t is not None else DraftTree.empty() for t in trees]
+        num_cached = [self.model.kv.num_committed(s) for s in seq_ids]
+        return pack(trees, root_token_ids, num_cached, device="cpu").to(self.model.device)
+
+    def _accept(self, request_ids: list[str], packed: PackedBatch, out: torch.Tensor, on_demand: bool):
+        """The target's tokens and the walk: (result, logits of the rows the tokens came from, those tokens, each
+        request's accepted rows as indices into them). `out` is the final hidden state where the LM head runs on
+        demand, else every row's logits."""
         if on_demand:
-            result, logits, tokens, logit_rows = self._accept_on_demand(request_ids, packed, out)
-        else:
-            logits = out
-            tokens = self._target_tokens(request_ids, logits, packed.seq_index, packed.position_ids)
-            result = accept(packed, tokens)  # the round's one host sync
-            logit_rows = result.accepted_packed
-        # Each request keeps the root and its accepted nodes (they produced the committed tokens): KV entries and
-        # features, for all requests at once
-        kept = result.accepted_packed
+            return self._accept_on_demand(request_ids, packed, out)
+        tokens = self._target_tokens(request_ids, out, packed.seq_index, packed.position_ids)
+        result = accept(packed, tokens)  # the round's one host sync
+        return result, out, tokens, result.accepted_packed
+
+    def _commit(
+        self,
+        request_ids: list[str],
+        seq_ids: list[int],
+        packed: PackedBatch,
+        kept: list[list[int]],
+        features: torch.Tensor,
+    ) -> None:
+        """Each request keeps the root and its accepted nodes (`kept`: packed rows; they produced the committed
+        tokens): KV entries and features, for all requests at once."""
         self.model.commit_many(seq_ids, [[p - packed.query_starts[r] for p in k] for r, k in enumerate(kept)])
         if self.keep_features:
             # one upload of every request's rows, then a gather each: each request's own tensor (a view of one
@@ -225,11 +245,6 @@ class TargetWorker:
             rows = torch.tensor([p for k in kept for p in k], dtype=torch.int64).to(features.device)
             for rid, own_rows in zip(request_ids, rows.split([len(k) for k in kept])):
                 self._pending_features[rid].append(features.index_select(0, own_rows))
-        logprobs = raw_logprobs(logits, tokens, logit_rows, [self._params[rid].logprobs for rid in request_ids])
-        t2 = time.perf_counter()
-        return VerifyResult(
-            result.accepted_token_ids, result.bonus_token_ids, packed.num_tokens, t1 - t0, t2 - t1, logprobs
-        )
 
     def _accept_on_demand(self, request_ids: list[str], packed, hidden: torch.Tensor):
         """The walk with the LM head run only on the rows it reaches (`accept_on_demand`): (result, logits [M, V] of

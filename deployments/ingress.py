@@ -24,7 +24,7 @@ from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ddtree.sampling_params import SamplingParams
-from deployments import protocol
+from deployments import protocol, responses
 from deployments.config import AppArgs, IngressSettings, parse_args
 from deployments.engine_request import EngineRequest
 from deployments.errors import (
@@ -140,7 +140,7 @@ async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResp
 
 def _python_request(prompt, params, messages) -> EngineRequest:
     try:
-        return EngineRequest(prompt=prompt, messages=messages, params=params, request_id=protocol.new_id("py"))
+        return EngineRequest(prompt=prompt, messages=messages, params=params, request_id=responses.new_id("py"))
     except ValueError as exc:
         raise bad_request(str(exc)) from None
 
@@ -167,8 +167,8 @@ async def _engine_call(awaitable):
     return result
 
 
-def _cancel_all(responses) -> None:
-    for response in responses:
+def _cancel_all(calls) -> None:
+    for response in calls:
         response.cancel()
 
 
@@ -266,13 +266,13 @@ class OpenAIIngress:
         self._authorize(request)
         if not self._has_answered:  # (a separate ingress is up before its engines have loaded)
             await self._engine_ready()
-        return _answer(request, protocol.models_body(self.model_name, self.created))
+        return _answer(request, responses.models_body(self.model_name, self.created))
 
     @api.get("/v1/models/{model_id:path}")
     async def model(self, model_id: str, request: Request) -> Response:
         self._authorize(request)
         self._check_model(model_id)
-        return _answer(request, protocol.models_body(self.model_name, self.created)["data"][0])
+        return _answer(request, responses.models_body(self.model_name, self.created)["data"][0])
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):
@@ -280,7 +280,7 @@ class OpenAIIngress:
         body = protocol.parse_request(protocol.CompletionRequest, await _body(request))
         self._check_model(body.model)
         params = body.sampling_params(COMPLETIONS_DEFAULT_MAX_TOKENS)
-        response_id = protocol.new_id("cmpl")
+        response_id = responses.new_id("cmpl")
         # A batch of prompts: one engine request each (choice i answers prompt i)
         engine_requests = [
             EngineRequest(
@@ -298,7 +298,7 @@ class OpenAIIngress:
         self._authorize(request)
         body = protocol.parse_request(protocol.ChatCompletionRequest, await _body(request))
         self._check_model(body.model)
-        response_id = protocol.new_id("chatcmpl")
+        response_id = responses.new_id("chatcmpl")
         engine_request = EngineRequest(
             messages=body.template_messages(),
             params=body.sampling_params(self.default_max_tokens or UNLIMITED_MAX_TOKENS),
@@ -327,24 +327,24 @@ class OpenAIIngress:
         """The answer to one API request: its engine requests (one per prompt) run concurrently; if one is refused,
         the others are cancelled and the refusal is the answer."""
         if not body.stream:
-            responses = [self.engine.generate.remote(r) for r in engine_requests]
+            calls = [self.engine.generate.remote(r) for r in engine_requests]
             try:
-                finals = await asyncio.gather(*(_engine_call(r) for r in responses))
+                finals = await asyncio.gather(*(_engine_call(r) for r in calls))
             except BaseException:
-                _cancel_all(responses)
+                _cancel_all(calls)
                 raise
-            usage = protocol.usage_of(finals, self.args.speculation)
+            usage = responses.usage_of(finals, self.args.speculation)
             if chat:
                 (final,) = finals
                 return _answer(
                     request,
-                    protocol.chat_body(
+                    responses.chat_body(
                         response_id, self.model_name, final.text, final.finish_reason, usage, final.logprobs
                     ),
                 )
             return _answer(
                 request,
-                protocol.completion_body(
+                responses.completion_body(
                     response_id, self.model_name, [(f.text, f.finish_reason, f.logprobs) for f in finals], usage
                 ),
             )
@@ -369,12 +369,12 @@ class OpenAIIngress:
         created = int(time.time())
         include_usage = body.include_usage
         model = self.model_name
-        logprobs = [protocol.StreamLogprobs(chat) if f.new_logprobs is not None else None for f in firsts]
+        logprobs = [responses.StreamLogprobs(chat) if f.new_logprobs is not None else None for f in firsts]
 
         def chunk(index: int, text: str, finish_reason: str | None) -> dict:
             lp = logprobs[index].take() if logprobs[index] is not None else None
             if chat:
-                return protocol.chat_chunk(
+                return responses.chat_chunk(
                     response_id,
                     model,
                     created,
@@ -383,7 +383,9 @@ class OpenAIIngress:
                     include_usage,
                     lp,
                 )
-            return protocol.completion_chunk(response_id, model, created, text, finish_reason, include_usage, lp, index)
+            return responses.completion_chunk(
+                response_id, model, created, text, finish_reason, include_usage, lp, index
+            )
 
         arrived: asyncio.Queue = asyncio.Queue()
 
@@ -406,7 +408,7 @@ class OpenAIIngress:
         finals = [None] * len(streams)
         try:
             if chat:
-                role = protocol.chat_chunk(
+                role = responses.chat_chunk(
                     response_id, model, created, {"role": "assistant", "content": ""}, None, include_usage
                 )
                 yield _event(role)
@@ -423,9 +425,9 @@ class OpenAIIngress:
                     finals[index] = output
                     num_open -= 1
             if include_usage:
-                usage = protocol.usage_of(finals, self.args.speculation)
+                usage = responses.usage_of(finals, self.args.speculation)
                 yield _event(
-                    protocol.usage_chunk(
+                    responses.usage_chunk(
                         response_id, model, created, "chat.completion.chunk" if chat else "text_completion", usage
                     )
                 )

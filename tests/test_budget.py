@@ -3,7 +3,8 @@ import random
 
 import pytest
 
-from ddtree.budget import BudgetConfig, BudgetPolicy, CostModel
+from ddtree.budget import BudgetConfig, BudgetPolicy
+from ddtree.cost import CostModel
 
 
 def linear_cost(per_token=1.0, fixed=30.0, draft=10.0):

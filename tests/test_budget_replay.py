@@ -1,7 +1,8 @@
 import pytest
 
-from ddtree.budget import BudgetConfig, BudgetPolicy, CostModel
+from ddtree.budget import BudgetConfig, BudgetPolicy
 from ddtree.budget_replay import Replay, Result, Trace, accepted_along
+from ddtree.cost import CostModel
 
 VERIFY = [(1, 0.020), (2, 0.021), (4, 0.022), (8, 0.028), (16, 0.050), (64, 0.190)]
 

@@ -14,7 +14,7 @@ from collections import Counter
 import pytest
 import torch
 
-from ddtree.budget import CostModel
+from ddtree.cost import CostModel
 from ddtree.engine import Engine, EngineConfig, PromptTooLongError
 from ddtree.llm import LLM
 from ddtree.loaders import build_workers
@@ -363,7 +363,7 @@ def _sentencepiece_tokenizer(vocab_size: int):
 def test_logprob_bytes_and_offsets_follow_the_text_with_a_sentencepiece_tokenizer(workers):
     """The output's text drops its first word's space (the decode strips it at the start): the bytes of its tokens
     join into the text all the same, and completion offsets are where each token's text starts in it."""
-    from deployments.protocol import completion_logprobs
+    from deployments.responses import completion_logprobs
 
     target, drafter, _ = workers
     tokenizer = _sentencepiece_tokenizer(target.vocab_size)
@@ -495,7 +495,7 @@ def test_ngram_chains_of_requests_in_fallback_are_exact_and_accepted(workers, pi
     # fixed budgets and the DFlash baseline stay pure: no n-gram nodes
     for config in (dict(budget=4), dict(speculation="dflash")):
         engine = make_llm(workers, **config).engine
-        assert engine.ngram_tokens == 0 and engine.max_tree_nodes == engine.max_budget
+        assert engine.ngram_tokens == 0 and engine.max_verified_nodes == engine.max_budget
 
 
 def test_pipelined_chains_are_priced_after_the_group_in_flight(workers):
@@ -517,7 +517,7 @@ def test_pipelined_chains_are_priced_after_the_group_in_flight(workers):
     def one_drafts(request_ids):
         plan = real_plan(request_ids)
         ids = plan.speculative_ids + plan.autoregressive_ids
-        return RoundPlan(ids[:1], ids[1:], [engine.budget.budget_cap] * len(ids[:1]))
+        return RoundPlan(ids[:1], ids[1:], [engine.budget.draft_node_cap] * len(ids[:1]))
 
     engine.budget.plan = one_drafts
     calls, in_flight = [], [None]

@@ -122,7 +122,8 @@ def run_policy(
     draft nodes are each accepted with `accept_chance` (a node only after its parent). The cost model learns from the
     timed forwards, as the engine's does; what it cannot see is the part of `true_seconds` outside them. Returns the
     tokens/s and plain decoding's tokens/s on the same machine."""
-    from ddtree.budget import BudgetConfig, BudgetPolicy, CostModel
+    from ddtree.budget import BudgetConfig, BudgetPolicy
+    from ddtree.cost import CostModel
 
     rng = random.Random(seed)
     believed = CostModel([(1, 0.010), (16, 0.011), (256, 0.02)], [(1, 0.001), (16, 0.0015)])
@@ -197,7 +198,7 @@ def workers(tmp_path_factory):
 
 
 def _engine(workers, **config):
-    from ddtree.budget import CostModel
+    from ddtree.cost import CostModel
     from ddtree.engine import Engine, EngineConfig
 
     target, drafter, tokenizer = workers

@@ -799,7 +799,7 @@ def test_pipelined_engine_on_worker_actors_equals_offline_off(served, app_args, 
     """pipeline=True through the actor proxies (draft_async / verify_async as calls in flight on the two workers'
     channels, features sent target -> drafter): T=0 outputs equal the offline engine with speculation off."""
     from ddtree import LLM, SamplingParams
-    from ddtree.budget import CostModel
+    from ddtree.cost import CostModel
     from ddtree.engine import Engine, EngineConfig
     from deployments.actors import start_worker_actors
     from deployments.config import ActorPlace, WorkerSpec, parse_args

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from ddtree import LLM, SamplingParams
-from ddtree.budget import CostModel
+from ddtree.cost import CostModel
 from ddtree.engine import Engine, EngineConfig, PromptTooLongError
 from ddtree.loaders import build_workers
 from ddtree.scheduler import EngineFullError
@@ -169,8 +169,8 @@ def test_a_failed_round_is_an_engine_failure_for_every_request_not_a_client_erro
 
 
 def test_metrics_forget_aborted_requests(workers):
-    from deployments.actors import HopTimes
     from deployments.metrics import EngineMetrics
+    from deployments.proxies import HopTimes
 
     engine = make_engine(workers)
     metrics = EngineMetrics(engine, HopTimes())
@@ -346,8 +346,8 @@ def test_abandoning_a_hung_round_fails_its_requests_at_once(workers):
 def test_an_idle_loop_calls_on_idle_and_the_metrics_go_to_zero(workers):
     import time
 
-    from deployments.actors import HopTimes
     from deployments.metrics import EngineMetrics
+    from deployments.proxies import HopTimes
 
     engine = make_engine(workers)
     metrics = EngineMetrics(engine, HopTimes(), window_s=0.2)

@@ -211,7 +211,7 @@ def test_python_handle_prompts_that_are_not_text_or_token_ids_are_client_errors(
 
 def test_logprobs_requests_and_bodies():
     from ddtree.outputs import TokenLogprobs
-    from deployments.protocol import UsageInfo, chat_body, completion_body
+    from deployments.responses import UsageInfo, chat_body, completion_body
 
     def params(model, body):
         return parse_request(model, {"model": "m", **body}).sampling_params(16).logprobs
@@ -261,7 +261,7 @@ def test_logprobs_requests_and_bodies():
 def test_streamed_logprobs_equal_the_whole_responses():
     """Chunks carry the log-probabilities of the tokens since the last chunk, with the offsets of the whole text."""
     from ddtree.outputs import TokenLogprobs
-    from deployments.protocol import StreamLogprobs, completion_logprobs
+    from deployments.responses import StreamLogprobs, completion_logprobs
 
     lps = [TokenLogprobs(i, text, -1.0 * i) for i, text in enumerate(["Hello", " wor", "k", "!"])]
     stream = StreamLogprobs(chat=False)
@@ -282,7 +282,7 @@ def test_logprobs_of_tokens_splitting_a_character_carry_its_bytes_and_offsets():
     bytes the part, so chat `bytes` join into the text's UTF-8; completion offsets count characters of the text,
     the emoji's two tokens both starting at its offset (streamed in any chunks: the same)."""
     from ddtree.outputs import TokenLogprobs
-    from deployments.protocol import StreamLogprobs, chat_logprobs, completion_logprobs
+    from deployments.responses import StreamLogprobs, chat_logprobs, completion_logprobs
 
     parts = ["é".encode(), "🎉".encode()[:2], "🎉".encode()[2:], b"!"]
     lps = [
@@ -305,7 +305,7 @@ def test_text_offsets_after_an_abandoned_byte_sequence():
     """A token leaving an incomplete UTF-8 sequence that the next token does not continue (garbage bytes): the
     sequence becomes U+FFFD in the text, at the first token's offset, and the next token starts after it."""
     from ddtree.outputs import TokenLogprobs
-    from deployments.protocol import completion_logprobs
+    from deployments.responses import completion_logprobs
 
     parts = [b"a", b"\xe2\x82", b"b", b"\xf0", "🎉".encode(), b"c"]
     text = b"".join(parts).decode(errors="replace")
@@ -533,7 +533,7 @@ def test_what_crosses_between_actors_round_trips_exactly():
     import torch
 
     from ddtree.tree import DraftTree, build_tree
-    from deployments.actors import tensor_from_wire, tensor_to_wire, trees_from_wire, trees_to_wire
+    from deployments.worker_ops import tensor_from_wire, tensor_to_wire, trees_from_wire, trees_to_wire
 
     gen = torch.Generator().manual_seed(0)
     trees = [

@@ -1,0 +1,229 @@
+"""The proxies the Engine calls in place of its workers (`TargetProxy`, `DrafterProxy`: ddtree/contracts.py's
+`Target` and `Drafter`): every method is one operation on a worker actor's channel.
+
+Each operation reports the seconds spent inside the worker; the proxies keep the difference from the call's wall
+time: the cost of the hops themselves (`HopTimes`, reported as a metric and by benchmarks/bench_serving.py).
+
+A drafter actor that dies closes its channels: the drafter proxy's call raises ChannelClosedError (a
+WorkerLostError, which the engine survives), after telling the target to keep every feature from then on
+(`DisconnectDrafter`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import ray
+import torch
+
+from deployments.channel import ChannelClient, ChannelClosedError
+from deployments.worker_ops import (
+    Allocate,
+    DisconnectDrafter,
+    Draft,
+    DrafterOp,
+    Free,
+    FreeDraft,
+    MeasureDraftCost,
+    MeasureVerifyCost,
+    Prefill,
+    Reply,
+    SendFeatures,
+    TargetOp,
+    Verify,
+    tensor_from_wire,
+    trees_to_wire,
+)
+
+
+@dataclass
+class HopTimes:
+    """Seconds the proxies spent in worker calls beyond what the workers spent working (summed), split into the
+    way there (submission until the worker began) and back (the worker's end until the result was read)."""
+
+    seconds: float = 0.0
+    num_calls: int = 0
+    there_seconds: float = 0.0
+    # per operation (Verify, Draft, ...): [calls, seconds there, seconds back] (fixed size: one entry per op type)
+    by_op: dict[str, list] = field(default_factory=dict)
+
+    def add(self, wall_seconds: float, inside_seconds: float, there_seconds: float = 0.0, op: str = "") -> None:
+        hop, there = max(0.0, wall_seconds - inside_seconds), max(0.0, there_seconds)
+        self.seconds += hop
+        self.there_seconds += there
+        self.num_calls += 1
+        entry = self.by_op.setdefault(op, [0, 0.0, 0.0])
+        entry[0] += 1
+        entry[1] += there
+        entry[2] += max(0.0, hop - there)
+
+
+class PendingCall:
+    """A worker call in flight (the engine's draft and verify are submitted so that they can overlap); `.result()`
+    waits for it. The hop time booked is the wall time from submission to result minus the time inside the
+    worker, so it is an upper bound when the caller reads the result late."""
+
+    def __init__(self, channel: ChannelClient, hops: HopTimes, op, convert=None, on_reply=None) -> None:
+        self.hops = hops
+        self.convert = convert  # applied to the worker's result (e.g. numpy arrays back into tensors)
+        self.on_reply = on_reply  # called with the Reply (the target proxy reads its feature batch number)
+        self.op_name = type(op).__name__
+        self.start = time.perf_counter()
+        self.channel = channel
+        self.ticket = channel.send(op)
+        self.seconds = 0.0  # inside the worker, known after result()
+        self.wall_seconds = 0.0  # submission to result: the hops included, known after result()
+        self._value = None
+        self._is_done = False
+
+    def result(self):
+        if not self._is_done:
+            reply = self.channel.receive(self.ticket)
+            self.wall_seconds = time.perf_counter() - self.start
+            self.seconds = reply.seconds
+            self.hops.add(self.wall_seconds, reply.seconds, reply.started_at - self.start, self.op_name)
+            if self.on_reply is not None:
+                self.on_reply(reply)
+            self._value = reply.result if self.convert is None else self.convert(reply.result)
+            self._is_done = True
+        return self._value
+
+
+class TargetProxy:
+    """Looks like a TargetWorker to the Engine; every method is one call on the target's channel."""
+
+    def __init__(self, actor, info: dict, hops: HopTimes, can_overlap: bool) -> None:
+        self.actor = actor
+        self.channel = ChannelClient(info["channel"], "target worker")
+        self.hops = hops
+        self.can_overlap = can_overlap  # its calls run on other cores or devices than the drafter's
+        self.max_model_len = info["max_model_len"]
+        self.max_request_tokens = info["max_request_tokens"]
+        self.eos_token_ids = info["eos_token_ids"]
+        self.vocab_size = info["vocab_size"]
+        self.tokenizer = info["tokenizer"]
+        self.keeps_features = info["keeps_features"]
+        self.pid = info["pid"]  # the actor's process
+        self.num_feature_batches = 0  # the last FeatureBatch the target has sent the drafter
+        # Requests that drafted and have not been verified since: their verify sends their new features on to the
+        # drafter. Those in `_waiting_in_actor` (fallback rounds) left theirs in the target actor.
+        self._drafting: set[str] = set()
+        self._waiting_in_actor: set[str] = set()
+        self.drafter_connected = self.keeps_features  # (False between a loss of the drafter and its restart)
+
+    def _on_reply(self, reply: Reply) -> None:
+        self.num_feature_batches = max(self.num_feature_batches, reply.feature_batch)
+
+    def _submit(self, op: TargetOp) -> PendingCall:
+        return PendingCall(self.channel, self.hops, op, on_reply=self._on_reply)
+
+    def allocate(self, request_id, capacity, params):
+        return self._submit(Allocate(request_id, capacity, params)).result()
+
+    def prefill(self, request_ids, prompts):
+        # (every prefilled request's features go to the drafter: a new request drafts next, unless it starts in
+        # fallback; with no drafter connected they wait in the target actor, complete, for one)
+        if self.keeps_features and not self.drafter_connected:
+            self._waiting_in_actor.update(request_ids)
+        return self._submit(Prefill(list(request_ids), [list(p) for p in prompts])).result()
+
+    def verify(self, request_ids, trees, roots):
+        return self.verify_async(request_ids, trees, roots).result()
+
+    def verify_async(self, request_ids, trees, roots) -> PendingCall:
+        drafting = [r for r in request_ids if r in self._drafting]
+        self._drafting.difference_update(request_ids)
+        if self.keeps_features:
+            self._waiting_in_actor.update(r for r in request_ids if r not in drafting)
+        return self._submit(Verify(list(request_ids), trees_to_wire(trees), list(roots), drafting))
+
+    def take_features(self, request_ids) -> None:
+        """The target sends the drafter what it needs itself (module docstring): here only requests back from
+        fallback cost a call, which pushes the features they left in the target actor. They count as drafting
+        until their next verify."""
+        back = [r for r in request_ids if r in self._waiting_in_actor]
+        if back:
+            self._submit(SendFeatures(back)).result()
+            self._waiting_in_actor.difference_update(back)
+        self._drafting.update(request_ids)
+        return None
+
+    def free(self, request_id):
+        self._drafting.discard(request_id)
+        self._waiting_in_actor.discard(request_id)
+        return self._submit(Free(request_id)).result()
+
+    def measure_verify_cost(self, token_counts):
+        return self._submit(MeasureVerifyCost(list(token_counts))).result()
+
+    def drafter_lost(self) -> None:
+        """The drafter actor died: the target keeps every feature from now on (the requests that were drafting lost
+        their context with it, and the engine never drafts them again)."""
+        if self.drafter_connected:
+            self.drafter_connected = False
+            self._drafting.clear()
+            with contextlib.suppress(ChannelClosedError):  # (a dead target: its own next call says so)
+                self._submit(DisconnectDrafter()).result()
+
+    def drafter_attached(self) -> None:
+        """A new drafter actor is connected to the target (`TargetActor.connect_drafter`)."""
+        self.drafter_connected = True
+
+    def kv_cache_stats(self) -> dict:
+        return ray.get(self.actor.kv_cache_stats.remote())
+
+
+class DrafterProxy:
+    """Looks like a DrafterWorker to the Engine."""
+
+    def __init__(self, actor, info: dict, target: TargetProxy, hops: HopTimes, can_overlap: bool) -> None:
+        self.actor = actor
+        self.channel = ChannelClient(info["channel"], "drafter worker")
+        self.target = target  # (the number of the last feature batch it sent the drafter)
+        self.hops = hops
+        self.block_len = info["block_len"]
+        self.pid = info["pid"]  # the actor's process
+        self.can_overlap = can_overlap
+
+    def draft(self, request_ids, roots, features, max_k):
+        return self.draft_async(request_ids, roots, features, max_k).result()
+
+    def draft_async(self, request_ids, roots, features, max_k) -> PendingCall:
+        # (features: None, from TargetProxy.take_features: the target sends them to the drafter itself)
+        op = Draft(list(request_ids), list(roots), max_k, self.target.num_feature_batches)
+        return self._submit(op, convert=_draft_from_wire)
+
+    def free(self, request_id):
+        return self._submit(FreeDraft(request_id, self.target.num_feature_batches)).result()
+
+    def measure_draft_cost(self, batch_sizes, max_k):
+        return self._submit(MeasureDraftCost(list(batch_sizes), max_k)).result()
+
+    def _submit(self, op: DrafterOp, convert=None) -> PendingCall:
+        """A call whose ChannelClosedError (the drafter actor died: the engine then decodes on without it) first
+        tells the target to keep the features it would have sent."""
+        try:
+            return _DrafterCall(self.channel, self.hops, op, convert=convert, on_lost=self.target.drafter_lost)
+        except ChannelClosedError:
+            self.target.drafter_lost()
+            raise
+
+
+class _DrafterCall(PendingCall):
+    def __init__(self, *args, on_lost, **kwargs) -> None:
+        self.on_lost = on_lost
+        super().__init__(*args, **kwargs)
+
+    def result(self):
+        try:
+            return super().result()
+        except ChannelClosedError:
+            self.on_lost()
+            raise
+
+
+def _draft_from_wire(wire) -> tuple[torch.Tensor, torch.Tensor]:
+    logprobs, token_ids = wire
+    return tensor_from_wire(logprobs), tensor_from_wire(token_ids)

@@ -1,0 +1,147 @@
+"""What crosses between an engine replica and its worker actors: the typed operations and their wire formats.
+
+Operations are typed (`Allocate`, `Prefill`, `Verify`, `Free`, `SendFeatures`, `DisconnectDrafter`, `MeasureVerifyCost`;
+`Draft`, `FreeDraft`, `MeasureDraftCost`), each answered with a `Reply` that carries the seconds spent inside the
+worker. Target features travel from the target to the drafter as numbered `FeatureBatch`es (deployments/actors.py).
+
+What crosses between processes is numpy arrays and lists, never torch tensors (`trees_to_wire`, `tensor_to_wire`):
+numpy arrays pickle as single buffers, torch tensors through torch's own reducer (~0.3 ms apiece here).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+def tensor_to_wire(t: torch.Tensor) -> tuple[np.ndarray, str]:
+    """A tensor as (numpy array on the host, dtype name); bfloat16, which numpy lacks, travels as its bits."""
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy(), "bfloat16"
+    return t.numpy(), str(t.dtype).removeprefix("torch.")
+
+
+def tensor_from_wire(wire: tuple[np.ndarray, str]) -> torch.Tensor:
+    array, dtype = wire
+    t = torch.from_numpy(np.array(array))  # a writable copy: Ray hands out read-only views of its object store
+    return t.view(torch.bfloat16) if dtype == "bfloat16" else t
+
+
+def trees_to_wire(trees: list) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """A verify call's trees (DraftTree, or None for a root-only segment) as node counts (-1: None) and two arrays:
+    [3, N] int64 token ids, parents, depths and [N] float32 path log-probs of all nodes, request after request."""
+    from ddtree.tree import DraftTree
+
+    counts = [-1 if t is None else t.num_nodes for t in trees]
+    present = [t for t in trees if t is not None and t.num_nodes] or [DraftTree.empty()]
+    ints = torch.stack([torch.cat([getattr(t, f).cpu() for t in present]) for f in ("token_ids", "parents", "depths")])
+    values = torch.cat([t.path_logprobs.cpu().float() for t in present])
+    return counts, ints.numpy(), values.numpy()
+
+
+def trees_from_wire(wire: tuple[list[int], np.ndarray, np.ndarray]) -> list:
+    from ddtree.tree import DraftTree
+
+    counts, ints, values = wire
+    ints, values = torch.from_numpy(np.array(ints)), torch.from_numpy(np.array(values))
+    trees, start = [], 0
+    for n in counts:
+        if n < 0:
+            trees.append(None)
+            continue
+        rows = slice(start, start + n)
+        trees.append(DraftTree(ints[0, rows], ints[1, rows], ints[2, rows], values[rows]))
+        start += n
+    return trees
+
+
+# ---- the operations ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Allocate:
+    request_id: str
+    capacity: int
+    params: object  # SamplingParams
+
+
+@dataclass(frozen=True)
+class Prefill:
+    request_ids: list[str]
+    prompts: list[list[int]]
+
+
+@dataclass(frozen=True)
+class Verify:
+    request_ids: list[str]
+    trees: tuple  # trees_to_wire
+    roots: list[int]
+    feature_request_ids: list[str]  # those that drafted: their new features go on to the drafter
+
+
+@dataclass(frozen=True)
+class Free:
+    request_id: str
+
+
+@dataclass(frozen=True)
+class SendFeatures:
+    """Push the features waiting in the target for these requests (back from fallback) to the drafter."""
+
+    request_ids: list[str]
+
+
+@dataclass(frozen=True)
+class DisconnectDrafter:
+    """The drafter is gone: keep every request's features here from now on (until a new drafter connects), since
+    none that is sent could be taken in. Ordered on the channel before the calls after it (a prefill's features)."""
+
+
+@dataclass(frozen=True)
+class MeasureVerifyCost:
+    token_counts: list[int]
+
+
+@dataclass(frozen=True)
+class Draft:
+    request_ids: list[str]
+    roots: list[int]
+    max_k: int
+    after_batch: int  # the drafter first takes in every FeatureBatch up to this number
+
+
+@dataclass(frozen=True)
+class FreeDraft:
+    request_id: str
+    after_batch: int
+
+
+@dataclass(frozen=True)
+class MeasureDraftCost:
+    batch_sizes: list[int]
+    max_k: int
+
+
+TargetOp = Allocate | Prefill | Verify | Free | SendFeatures | DisconnectDrafter | MeasureVerifyCost
+DrafterOp = Draft | FreeDraft | MeasureDraftCost
+
+
+@dataclass
+class FeatureBatch:
+    """Target features on their way to the drafter: rows of `request_ids[i]` are the next `counts[i]` rows."""
+
+    number: int  # 1, 2, ... in the order the target sends them
+    request_ids: list[str]
+    counts: list[int]
+    wire: tuple  # tensor_to_wire of [sum(counts), F]
+
+
+@dataclass
+class Reply:
+    result: object
+    seconds: float  # inside the worker
+    feature_batch: int = 0  # (target) the last FeatureBatch sent so far
+    started_at: float = 0.0  # time.perf_counter() in the worker when the operation began (one clock per node)
