@@ -41,7 +41,7 @@ from ddtree.outputs import RequestOutput, RequestStats, TokenLogprobs
 from ddtree.pipeline import Pipeline
 from ddtree.proposal import drafted_trees, kept_tree, proposed_trees
 from ddtree.recovery import WorkerRecovery
-from ddtree.request import OutputWriter, PromptTooLongError, Request, encode_prompt, validated
+from ddtree.request import OutputWriter, PromptTooLongError, Request, validated
 from ddtree.round import RoundBatch, RoundEntry
 from ddtree.sampling_params import SamplingParams
 from ddtree.scheduler import EngineFullError, Scheduler
@@ -49,7 +49,7 @@ from ddtree.workers import RawLogprobs, WorkerLostError
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Engine", "EngineConfig", "EngineFullError", "PromptTooLongError", "RoundTimings", "encode_prompt"]
+__all__ = ["Engine", "EngineConfig", "EngineFullError", "PromptTooLongError", "RoundTimings"]
 
 
 @dataclass
@@ -101,9 +101,11 @@ class Engine(WorkerRecovery):
         # Nodes one request may verify beyond its root (drafted and n-gram): its verify scratch in the KV cache
         self.max_verified_nodes = self.max_budget + self.ngram_tokens
         self.max_model_len = self._context_window(config.max_model_len, target)
-        limits = dict(fixed_budget=fixed_budget, max_budget=max(1, self.max_budget))
         budget_config = BudgetConfig(
-            **limits, allow_fallback=config.allow_fallback, max_probe_overhead=config.max_probe_overhead
+            fixed_budget=fixed_budget,
+            max_budget=max(1, self.max_budget),
+            allow_fallback=config.allow_fallback,
+            max_probe_overhead=config.max_probe_overhead,
         )
         self.budget = BudgetPolicy(budget_config, cost if cost is not None else self.measure_cost_model())
         self.scheduler = Scheduler(config.max_num_seqs, config.max_waiting)

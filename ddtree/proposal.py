@@ -56,7 +56,7 @@ def proposed_trees(trees: list[DraftTree], with_tokens: bool) -> tuple[list[Prop
     if logprobs.device.type == "cpu":  # host trees already: only the lists the policy reads
         fields = ("token_ids", "parents") if with_tokens else ()
         columns = [logprobs.exp().double()] + [torch.cat([getattr(t, f) for t in trees]).double() for f in fields]
-        return _as_proposed(trees, torch.stack(columns).tolist()), trees
+        return _as_proposed(trees, torch.stack(columns).tolist(), with_tokens), trees
     host = torch.stack(
         [logprobs.exp().double(), logprobs.double()]
         + [torch.cat([getattr(t, f) for t in trees]).double() for f in ("token_ids", "parents", "depths")]
@@ -68,15 +68,15 @@ def proposed_trees(trees: list[DraftTree], with_tokens: bool) -> tuple[list[Prop
         end = start + t.num_nodes
         host_trees.append(DraftTree(ids[0, start:end], ids[1, start:end], ids[2, start:end], path_logprobs[start:end]))
         start = end
-    return _as_proposed(trees, (host[[0, 2, 3]] if with_tokens else host[:1]).tolist()), host_trees
+    return _as_proposed(trees, (host[[0, 2, 3]] if with_tokens else host[:1]).tolist(), with_tokens), host_trees
 
 
-def _as_proposed(trees: list[DraftTree], columns: list[list[float]]) -> list[ProposedTree]:
+def _as_proposed(trees: list[DraftTree], columns: list[list[float]], with_tokens: bool) -> list[ProposedTree]:
     """Per tree, its slice of the columns: [probabilities] or [probabilities, token ids, parents]."""
     proposed, start = [], 0
     for t in trees:
         end = start + t.num_nodes
-        if len(columns) == 3:
+        if with_tokens:
             token_ids = [int(x) for x in columns[1][start:end]]
             parents = [int(x) for x in columns[2][start:end]]
             proposed.append(ProposedTree(columns[0][start:end], token_ids, parents))

@@ -7,7 +7,7 @@ budget policy planned them: that is the order of the drafter's rows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ddtree.budget import RoundPlan
 from ddtree.tree import DraftTree
@@ -63,10 +63,6 @@ class RoundBatch:
     def drafting(self) -> list[RoundEntry]:
         return [e for e in self.entries if e.drafts]
 
-    @property
-    def plain(self) -> list[RoundEntry]:
-        return [e for e in self.entries if not e.drafts]
-
     def open_plan(self) -> RoundPlan:
         """The open entries as the budget policy plans them: drafting ones, then chain candidates."""
         drafting = [e for e in self.entries if e.is_open and e.drafts]
@@ -89,7 +85,7 @@ class RoundBatch:
         entries = [e for e in self.entries if e.request_id not in request_ids]
         if not entries:
             return None
-        return RoundBatch(entries, self.arm, self.started_at, self.draft_seconds, self.num_drafting)
+        return replace(self, entries=entries)
 
     def record(self, result: VerifyResult, seconds: float) -> None:
         """The verify pass's answer, one per entry in order."""

@@ -99,7 +99,7 @@ class DDTreeEngine:
         return token_ids
 
     def _encode(self, request: EngineRequest) -> list[int]:
-        from ddtree.engine import encode_prompt
+        from ddtree.request import encode_prompt
 
         if request.messages is not None:
             return chat_prompt_token_ids(self._prompt_tokenizer, request.messages)
