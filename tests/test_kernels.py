@@ -541,7 +541,8 @@ def test_bfloat16_on_a_cpu_is_bf16_panels_under_float32_activations(tmp_path, op
     model = spec.engine.target.model
     drafter = spec.engine.drafter.drafter
     assert model.dtype == torch.float32 and model.kernel_weight_dtype == torch.bfloat16
-    assert model.panel_layers[0].w_qkv.dtype == torch.bfloat16 and model.panel_lm_head.dtype == torch.bfloat16
+    assert model.ops.panel_layers[0].panels["w_qkv"].dtype == torch.bfloat16
+    assert model.ops.panel_lm_head.dtype == torch.bfloat16
     assert drafter.dtype == torch.float32 and drafter.uses_cpu_kernels
     off = LLM(str(target_dir), dtype="bfloat16", speculation="off")
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)

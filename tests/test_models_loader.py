@@ -212,7 +212,7 @@ def test_a_tied_checkpoint_storing_both_copies_shares_one_matrix_in_any_dtype(tm
     tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
     save_file(tensors, str(hf_dir / "model.safetensors"))
     for dtype in (torch.float32, torch.bfloat16):
-        with caplog.at_level(logging.WARNING, logger="ddtree.models.target"):
+        with caplog.at_level(logging.WARNING, logger="ddtree.models.target_weights"):
             model = TargetModel.load(hf_dir, dtype=dtype)
         assert model.lm_head.untyped_storage().data_ptr() == model.embed_tokens.untyped_storage().data_ptr()
         assert "differs" not in caplog.text

@@ -97,9 +97,9 @@ def test_verify_matches_hf_on_every_path(checkpoints, family, gemm):
     if gemm == "native":
         if not runner.uses_cpu_kernels:
             pytest.skip("the native CPU ops could not be built here (no C++ compiler)")
-        assert runner.panel_layers is not None and runner.packed_layers is None
+        assert runner.ops.name == "native"
     else:
-        assert (runner.packed_layers is not None) == torch.backends.mkldnn.is_available()
+        assert runner.ops.name == ("onednn" if torch.backends.mkldnn.is_available() else "torch")
     seq_ids, prompts, trees, roots, packed = make_verify_case(runner, torch.Generator().manual_seed(1))
     logits, feats = runner.verify(seq_ids, packed)
     assert logits.shape == (packed.num_tokens, 97) and feats.shape == (packed.num_tokens, 2 * 64)
@@ -336,7 +336,7 @@ def test_packed_and_plain_weights_agree(checkpoints):
                     pack_gemm_weights=is_packed,
                     cpu_kernels=False,
                 )
-                assert (runner.packed_layers is not None) == (is_packed and torch.backends.mkldnn.is_available())
+                assert (runner.ops.name == "onednn") == (is_packed and torch.backends.mkldnn.is_available())
                 seq_ids, prompts, trees, roots, packed = make_verify_case(runner, torch.Generator().manual_seed(3))
                 verify_logits, _ = runner.verify(seq_ids, packed)
                 runner.kv.allocate(50, 32)
