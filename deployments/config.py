@@ -182,6 +182,12 @@ class AppArgs(BaseModel):
         None, description="If set, every /v1 request needs `Authorization: Bearer <api_key>`."
     )
 
+    @field_validator("speculation", mode="before")
+    @classmethod
+    def _yaml_off(cls, speculation):
+        # YAML 1.1 (PyYAML, hence `serve run`) reads a bare `speculation: off` as the boolean false
+        return "off" if speculation is False else speculation
+
     @field_validator("device")
     @classmethod
     def _check_device(cls, device: str | None) -> str | None:

@@ -73,6 +73,17 @@ def test_a_custom_model_serves_with_its_drafter_or_without_speculation():
     assert not parse_args({"model": "/m", "speculation": "off"}).needs_drafter
 
 
+def test_a_bare_yaml_off_turns_speculation_off():
+    """`speculation: off` in a Serve config reaches build_app as False (YAML 1.1); `on` stays an error."""
+    import yaml
+
+    args = yaml.safe_load("speculation: off\n")
+    assert args == {"speculation": False}
+    assert parse_args(args).speculation == "off" and not parse_args(args).needs_drafter
+    with pytest.raises(ValidationError, match="speculation"):
+        parse_args(yaml.safe_load("speculation: on\n"))
+
+
 def test_args_must_be_a_dict():
     with pytest.raises(ValueError, match="dict"):
         parse_args(["model"])
