@@ -12,14 +12,15 @@ The operations and their wire formats are deployments/worker_ops.py; the proxies
 deployments/proxies.py. A round costs two calls (draft, verify), each a few process wake-ups; plain Ray actor calls
 remain for what is not on the round's path: loading, the health check's ping, the KV usage metric.
 
-Target features go from the target to the drafter directly, never through the engine replica: after a prefill
-(every prefilled request's) and a verify (the requests that drafted: they draft again next) the target pushes them
-as a numbered `FeatureBatch`, and its reply names the number. A request decoding without a draft (fallback) leaves
-its features in the target actor (the KV cache's budget counts them per token); when it drafts again, one
-`SendFeatures` call pushes them. Each `Draft` and `FreeDraft` names the last batch pushed before it; the drafter
-extends its context caches with every batch up to that one first (a thread of its own receives the batches, so
-the target never waits for the drafter). Two calls in flight overlap (`pipeline`): a draft on the drafter while
-the target verifies the other group.
+Target features go from the target to the drafter directly, never through the engine replica: after a verify (the
+requests that drafted: they draft again next) the target pushes them as a numbered `FeatureBatch`, and its reply
+names the number. A request's prompt features, and those of the rounds it decodes without a draft (fallback), wait
+in the target actor (the KV cache's budget counts them per token); when it drafts, one `SendFeatures` call pushes
+them. A request that never drafts (most, under load) costs the drafter nothing, not even a call when it finishes.
+Each `Draft` and `FreeDraft` names the last batch pushed before it; the drafter extends its context caches with
+every batch up to that one first (a thread of its own receives the batches, so the target never waits for the
+drafter). Two calls in flight overlap (`pipeline`): a draft on the drafter while the target verifies the other
+group.
 
 A new drafter actor (`WorkerActors.start_drafter`) is connected to the same target, whose feature batches keep
 their numbering: the new drafter's inbox starts at the current number.
@@ -161,8 +162,8 @@ class TargetActor:
         result, feature_ids = None, []
         if isinstance(op, Allocate):
             result = w.allocate(op.request_id, op.capacity, op.params)
-        elif isinstance(op, Prefill):
-            result, feature_ids = w.prefill(op.request_ids, op.prompts), op.request_ids
+        elif isinstance(op, Prefill):  # (its features wait here until the request drafts: `SendFeatures`)
+            result = w.prefill(op.request_ids, op.prompts)
         elif isinstance(op, Verify):
             result = w.verify(op.request_ids, trees_from_wire(op.trees), op.roots)
             feature_ids = op.feature_request_ids

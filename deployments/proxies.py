@@ -111,6 +111,8 @@ class TargetProxy:
         # drafter. Those in `_waiting_in_actor` (fallback rounds) left theirs in the target actor.
         self._drafting: set[str] = set()
         self._waiting_in_actor: set[str] = set()
+        # Requests whose features went to the connected drafter: it holds a context cache for them
+        self._known_to_drafter: set[str] = set()
         self.drafter_connected = self.keeps_features  # (False between a loss of the drafter and its restart)
 
     def _on_reply(self, reply: Reply) -> None:
@@ -123,9 +125,9 @@ class TargetProxy:
         return self._submit(Allocate(request_id, capacity, params)).result()
 
     def prefill(self, request_ids, prompts):
-        # (every prefilled request's features go to the drafter: a new request drafts next, unless it starts in
-        # fallback; with no drafter connected they wait in the target actor, complete, for one)
-        if self.keeps_features and not self.drafter_connected:
+        # (the prompt's features wait in the target actor until the request first drafts: one that decodes plain
+        # to its end, as most do under load, costs the drafter nothing)
+        if self.keeps_features:
             self._waiting_in_actor.update(request_ids)
         return self._submit(Prefill(list(request_ids), [list(p) for p in prompts])).result()
 
@@ -148,7 +150,15 @@ class TargetProxy:
             self._submit(SendFeatures(back)).result()
             self._waiting_in_actor.difference_update(back)
         self._drafting.update(request_ids)
+        self._known_to_drafter.update(request_ids)
         return None
+
+    def drafter_holds(self, request_id) -> bool:
+        """Whether the connected drafter was ever sent features of `request_id` (it holds a context for it)."""
+        return request_id in self._known_to_drafter
+
+    def drafter_freed(self, request_id) -> None:
+        self._known_to_drafter.discard(request_id)
 
     def free(self, request_id):
         self._drafting.discard(request_id)
@@ -164,6 +174,7 @@ class TargetProxy:
         if self.drafter_connected:
             self.drafter_connected = False
             self._drafting.clear()
+            self._known_to_drafter.clear()
             with contextlib.suppress(ChannelClosedError):  # (a dead target: its own next call says so)
                 self._submit(DisconnectDrafter()).result()
 
@@ -196,6 +207,10 @@ class DrafterProxy:
         return self._submit(op, convert=_draft_from_wire)
 
     def free(self, request_id):
+        """Drop the request's context; no call for a request the drafter never heard of (it never drafted)."""
+        if not self.target.drafter_holds(request_id):
+            return None
+        self.target.drafter_freed(request_id)
         return self._submit(FreeDraft(request_id, self.target.num_feature_batches)).result()
 
     def measure_draft_cost(self, batch_sizes, max_k):

@@ -825,9 +825,11 @@ def test_pipelined_engine_on_worker_actors_equals_offline_off(served, app_args, 
 
 
 def test_features_reach_the_drafter_through_fallback_and_back(served, app_args):
-    """On the worker actors, a drafting request's features go from the target to the drafter after its verify; a
-    request decoding without a draft (fallback) leaves its features in the target actor and gets them all when it
-    drafts again: the drafter's context always holds every token the target has run for it, once."""
+    """On the worker actors, a prompt's features wait in the target actor until the request drafts; a drafting
+    request's features go from the target to the drafter after its verify; a request decoding without a draft
+    (fallback) leaves its features in the target actor and gets them all when it drafts again: the drafter's
+    context always holds every token the target has run for it, once. A request that never drafted is freed
+    without a drafter call."""
     from ddtree.contracts import Drafter, Target
     from deployments.actors import start_worker_actors
     from deployments.config import ActorPlace, WorkerSpec, parse_args
@@ -837,7 +839,7 @@ def test_features_reach_the_drafter_through_fallback_and_back(served, app_args):
     target, drafter = actors.target_proxy, actors.drafter_proxy
     assert isinstance(target, Target) and isinstance(drafter, Drafter)  # the engine's contract (ddtree/contracts.py)
     try:
-        prompts = {"a": [5, 6, 7, 8], "b": [9, 10, 11]}
+        prompts = {"a": [5, 6, 7, 8], "b": [9, 10, 11], "c": [12, 13]}
         params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
         for rid in prompts:
             assert target.allocate(rid, 64, params)
@@ -849,6 +851,13 @@ def test_features_reach_the_drafter_through_fallback_and_back(served, app_args):
 
         def waiting_in_target(rid: str) -> int:
             return ray.get(actors.target.num_new_features.remote(rid))
+
+        assert [waiting_in_target(r) for r in prompts] == [len(p) for p in prompts.values()]
+        calls = actors.hops.num_calls
+        target.free("c")
+        drafter.free("c")  # c never drafted: the drafter never heard of it
+        assert actors.hops.num_calls == calls + 1  # the target's Free only
+        del prompts["c"]
 
         for round_index in range(5):
             drafting = ["a", "b"] if round_index in (0, 4) else ["a"]  # b rests in fallback for rounds 1-3
