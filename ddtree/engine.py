@@ -92,14 +92,7 @@ class Engine(WorkerRecovery):
         self.writer = OutputWriter(tokenizer)
         self.eos_token_ids = frozenset(target.eos_token_ids)
         self.block_len = drafter.block_len if self.drafter is not None else 0
-        fixed_budget = config.fixed_budget
-        if config.speculation == "dflash":  # the DFlash baseline verifies its whole argmax chain
-            fixed_budget = min(fixed_budget or self.block_len, self.block_len)
-        self.max_budget = (fixed_budget or config.max_budget) if self.drafter is not None else 0
-        is_auto = self.drafter is not None and config.speculation == "ddtree" and fixed_budget is None
-        self.ngram_tokens = config.ngram_tokens if is_auto else 0
-        # Nodes one request may verify beyond its root (drafted and n-gram): its verify scratch in the KV cache
-        self.max_verified_nodes = self.max_budget + self.ngram_tokens
+        fixed_budget, is_auto = self._size_budgets(config)
         self.max_model_len = self._context_window(config.max_model_len, target)
         budget_config = BudgetConfig(
             fixed_budget=fixed_budget,
@@ -116,6 +109,19 @@ class Engine(WorkerRecovery):
         self._ids = itertools.count()
         self.pipeline = Pipeline(self)  # two request groups in flight (config.pipeline)
         self._init_recovery()
+
+    def _size_budgets(self, config: EngineConfig) -> tuple[int | None, bool]:
+        """Sets `max_budget` (nodes drafted per request), `ngram_tokens` and `max_verified_nodes`; returns the fixed
+        budget (None: adaptive) and whether the mode is auto (adaptive ddtree: n-gram chains and the guard)."""
+        fixed_budget = config.fixed_budget
+        if config.speculation == "dflash":  # the DFlash baseline verifies its whole argmax chain
+            fixed_budget = min(fixed_budget or self.block_len, self.block_len)
+        self.max_budget = (fixed_budget or config.max_budget) if self.drafter is not None else 0
+        is_auto = self.drafter is not None and config.speculation == "ddtree" and fixed_budget is None
+        self.ngram_tokens = config.ngram_tokens if is_auto else 0
+        # Nodes one request may verify beyond its root (drafted and n-gram): its verify scratch in the KV cache
+        self.max_verified_nodes = self.max_budget + self.ngram_tokens
+        return fixed_budget, is_auto
 
     def _context_window(self, requested: int | None, target: Target) -> int:
         """The model's window, capped by `requested` and by what one request can reserve in the KV cache (its
