@@ -153,12 +153,13 @@ class TargetProxy:
         self._known_to_drafter.update(request_ids)
         return None
 
-    def drafter_holds(self, request_id) -> bool:
-        """Whether the connected drafter was ever sent features of `request_id` (it holds a context for it)."""
-        return request_id in self._known_to_drafter
-
-    def drafter_freed(self, request_id) -> None:
+    def drafter_forgets(self, request_id) -> bool:
+        """Whether the connected drafter was sent features of the finished `request_id` (it holds a context to
+        drop); it is then no longer counted as holding one."""
+        if request_id not in self._known_to_drafter:
+            return False
         self._known_to_drafter.discard(request_id)
+        return True
 
     def free(self, request_id):
         self._drafting.discard(request_id)
@@ -208,9 +209,8 @@ class DrafterProxy:
 
     def free(self, request_id):
         """Drop the request's context; no call for a request the drafter never heard of (it never drafted)."""
-        if not self.target.drafter_holds(request_id):
+        if not self.target.drafter_forgets(request_id):
             return None
-        self.target.drafter_freed(request_id)
         return self._submit(FreeDraft(request_id, self.target.num_feature_batches)).result()
 
     def measure_draft_cost(self, batch_sizes, max_k):
