@@ -2,12 +2,16 @@
 
     python benchmarks/bench_actors.py                       # embedded SmolLM2 + shipped drafter, CPU
     python benchmarks/bench_actors.py --budget 16 --concurrency 4 --max-tokens 64
+    python benchmarks/bench_actors.py --speculation off --concurrency 1 --threads 1 --poll-ms 200
 
 The same prompts are decoded with the same engine settings (a fixed budget, so that every mode does the same
 work per round, and T=0, so that the outputs must be identical) by:
   in-process   Engine + workers in this process (as ddtree.LLM)
   actors       Engine here, target and drafter each on a Ray actor, called through deployments/proxies.py
                over their channels (features sent target -> drafter over a channel of their own)
+  actors, poll the same with every channel end polling up to `--poll-ms` before it blocks (the app's
+               `channel_poll_ms`, deployments/channel.py); with `--threads 1` the polling process and the computing
+               one each have a core here, as the processes of a GPU replica with whole CPUs would
 After a warm-up pass of each, the modes alternate for `--passes` measured passes (so that load from other jobs on
 the machine hits both alike); the table reports every measured round. The table shows the mean round time, the actor
 call overhead per round (wall time of the proxy calls minus the time the actors spent working), tokens/s, and the round
@@ -27,6 +31,7 @@ os.environ.setdefault("KMP_BLOCKTIME", "0")
 
 import argparse
 import copy
+import dataclasses
 import statistics
 import sys
 import time
@@ -178,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-cpus", type=int, default=2, help="Ray's CPUs (this machine: 2)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the engine and of each actor")
     parser.add_argument("--passes", type=int, default=2, help="measured passes per mode, alternating")
+    parser.add_argument(
+        "--poll-ms", type=float, default=None, help="also run actors whose channels poll this long before blocking"
+    )
     args = parser.parse_args(argv)
     if args.drafter == "random":
         args.drafter = str(make_random_drafter(args.model, Path("work/bench_actors/random-drafter")))
@@ -234,19 +242,25 @@ def main(argv: list[str] | None = None) -> int:
     local_engine = Engine(config, target, drafter, tokenizer)
     cost = copy.deepcopy(local_engine.budget.cost)  # the actors' engine starts from the same cost model
 
-    ray.init(num_cpus=args.num_cpus, include_dashboard=False, log_to_driver=False)
+    polls = [("actors", 0.0)] + ([(f"actors, poll {args.poll_ms:g} ms", args.poll_ms / 1000)] if args.poll_ms else [])
+    # Each set of actors reserves a replica's CPUs: Ray is given that many per set (the modes take turns)
+    ray.init(num_cpus=args.num_cpus * len(polls), include_dashboard=False, log_to_driver=False)
     layout = app_args.worker_layout()
-    actors = start_worker_actors(WorkerSpec.from_args(app_args), layout.target, layout.drafter)
-    actor_engine = Engine(config, actors.target_proxy, actors.drafter_proxy, actors.target_proxy.tokenizer, cost=cost)
-    run_engine(local_engine, prompts, params, args.concurrency, "warm-up")
-    run_engine(actor_engine, prompts, params, args.concurrency, "warm-up", actors.hops)
-    actors.hops.by_op.clear()  # (the measured passes only)
-    local, remote = Result("in-process"), Result("actors")
+    # (name, engine, its actors or None): each mode's engine starts from the same cost model
+    modes = [("in-process", local_engine, None)]
+    for name, poll_seconds in polls:
+        spec = dataclasses.replace(WorkerSpec.from_args(app_args), channel_poll_seconds=poll_seconds)
+        actors = start_worker_actors(spec, layout.target, layout.drafter)
+        engine = Engine(config, actors.target_proxy, actors.drafter_proxy, actors.target_proxy.tokenizer, cost=cost)
+        modes.append((name, engine, actors))
+    for _, engine, actors in modes:
+        run_engine(engine, prompts, params, args.concurrency, "warm-up", actors.hops if actors else None)
+        if actors is not None:
+            actors.hops.by_op.clear()  # (the measured passes only)
+    results = [Result(name) for name, _, _ in modes]
     for _ in range(args.passes):
-        for total, run in (
-            (local, run_engine(local_engine, prompts, params, args.concurrency, "in-process")),
-            (remote, run_engine(actor_engine, prompts, params, args.concurrency, "actors", actors.hops)),
-        ):
+        for total, (name, engine, actors) in zip(results, modes):
+            run = run_engine(engine, prompts, params, args.concurrency, name, actors.hops if actors else None)
             total.round_seconds += run.round_seconds
             total.num_tokens += run.num_tokens
             total.seconds += run.seconds
@@ -257,46 +271,52 @@ def main(argv: list[str] | None = None) -> int:
                 total.stage_seconds[k] = total.stage_seconds.get(k, 0.0) + v
             total.tau = run.tau
     noop, handoff = bare_hops(200, (8, 3 * 576))
-    actors.kill()
+    for _, _, actors in modes[1:]:
+        actors.kill()
     ray.shutdown()
 
-    same = local.outputs == remote.outputs
+    local = results[0]
+    same = all(r.outputs == local.outputs for r in results)
     print(
         f"\n{len(prompts)} prompts, max_tokens={args.max_tokens}, concurrency={args.concurrency}, "
-        f"speculation={args.speculation}, budget={args.budget}; outputs identical: {same}"
+        f"speculation={args.speculation}, budget={args.budget}, {args.threads} torch thread(s); "
+        f"outputs identical: {same}"
     )
     print(
         f"{'mode':<12}{'rounds':>8}{'round ms':>10}{'p50 ms':>9}{'hop ms/round':>14}{'calls/round':>13}"
         f"{'tokens/s':>10}{'tau':>7}"
     )
-    for r in (local, remote):
+    width = max(len(r.name) for r in results) + 2
+    for r in results:
         n = len(r.round_seconds)
         print(
-            f"{r.name:<12}{n:>8}{1000 * statistics.fmean(r.round_seconds):>10.2f}"
+            f"{r.name:<{width}}{n:>8}{1000 * statistics.fmean(r.round_seconds):>10.2f}"
             f"{1000 * statistics.median(r.round_seconds):>9.2f}{1000 * r.hop_seconds / n:>14.2f}"
             f"{r.hop_calls / n:>13.2f}{r.num_tokens / r.seconds:>10.1f}"
             f"{r.tau if r.tau is not None else float('nan'):>7.2f}"
         )
     print("per round, ms: " + "  ".join(f"{k:>8}" for k in STAGES) + "     other")
-    for r in (local, remote):
+    for r in results:
         n = len(r.round_seconds)
         staged = sum(r.stage_seconds.values())
         print(
-            f"{r.name:<12}  "
+            f"{r.name:<{width}}  "
             + "  ".join(f"{1000 * r.stage_seconds[k] / n:>8.2f}" for k in STAGES)
             + f"  {1000 * (sum(r.round_seconds) - staged) / n:>8.2f}"
         )
-    extra = statistics.fmean(remote.round_seconds) - statistics.fmean(local.round_seconds)
-    print(
-        f"actors - in-process: {1000 * extra:+.2f} ms per round "
-        f"({100 * extra / statistics.fmean(local.round_seconds):+.1f}%)"
-    )
-    print(
-        "worker calls, ms each (there: submission until the worker began, pickling and the worker's wake-up "
-        "included; back: the worker's end until the result was read):"
-    )
-    for op, (calls, there, back) in sorted(actors.hops.by_op.items(), key=lambda kv: -kv[1][0]):
-        print(f"  {op:<14}{calls:>6} calls  there {1000 * there / calls:6.3f}  back {1000 * back / calls:6.3f}")
+    for r in results[1:]:
+        extra = statistics.fmean(r.round_seconds) - statistics.fmean(local.round_seconds)
+        print(
+            f"{r.name} - in-process: {1000 * extra:+.2f} ms per round "
+            f"({100 * extra / statistics.fmean(local.round_seconds):+.1f}%)"
+        )
+    for name, _, actors in modes[1:]:
+        print(
+            f"worker calls of '{name}', ms each (there: submission until the worker began, pickling and the worker's "
+            "wake-up included; back: the worker's end until the result was read):"
+        )
+        for op, (calls, there, back) in sorted(actors.hops.by_op.items(), key=lambda kv: -kv[1][0]):
+            print(f"  {op:<14}{calls:>6} calls  there {1000 * there / calls:6.3f}  back {1000 * back / calls:6.3f}")
     print(
         f"bare no-op actor round trip: {1000 * noop:.2f} ms; a call taking features actor A returned earlier "
         f"(8 x 1728 fp32) to actor B: {1000 * handoff:.2f} ms"

@@ -113,7 +113,7 @@ class TargetActor:
         self._to_drafter = None  # ChannelClient to the drafter's feature channel (None: no drafter connected)
         self._drafter_lock = threading.Lock()  # (connect_drafter runs on the actor's thread, `handle` on the channel's)
         self._num_batches = 0
-        self.channel = ChannelServer(_node_id(), "target", handle=self.handle)
+        self.channel = ChannelServer(_node_id(), "target", handle=self.handle, poll_seconds=spec.channel_poll_seconds)
 
     def ping(self) -> bool:
         """Answers when the actor is alive (the engine replica's health check)."""
@@ -247,7 +247,7 @@ class DrafterActor:
         self.worker = load_drafter_worker(path, head, device=spec.device, dtype=spec.dtype)
         self._spec = spec
         self._inbox = _FeatureInbox()
-        self.channel = ChannelServer(_node_id(), "drafter", handle=self.handle)
+        self.channel = ChannelServer(_node_id(), "drafter", handle=self.handle, poll_seconds=spec.channel_poll_seconds)
         self.features = ChannelServer(_node_id(), "features", on_message=self._inbox.put, on_close=self._inbox.close)
 
     def ping(self) -> bool:
@@ -406,7 +406,9 @@ def _start_drafter(
         info = ray.get(drafter.describe.remote(), timeout=timeout_s)
         _check_same_node(info["channel"], "drafter")
         ray.get(target.connect_drafter.remote(info["features"]), timeout=timeout_s)
-        return drafter, DrafterProxy(drafter, info, target_proxy, hops, spec.workers_overlap)
+        return drafter, DrafterProxy(
+            drafter, info, target_proxy, hops, spec.workers_overlap, poll_seconds=spec.channel_poll_seconds
+        )
     except BaseException:
         ray.kill(drafter)
         raise
@@ -436,7 +438,7 @@ def start_worker_actors(
         info = ray.get(target.describe.remote(), timeout=timeout_s)  # waits for the target to load
         _check_same_node(info["channel"], "target")
         hops = hops if hops is not None else HopTimes()
-        target_proxy = TargetProxy(target, info, hops, spec.workers_overlap)
+        target_proxy = TargetProxy(target, info, hops, spec.workers_overlap, poll_seconds=spec.channel_poll_seconds)
         drafter = drafter_proxy = None
         if drafter_place is not None:
             drafter, drafter_proxy = _start_drafter(spec, drafter_place, pg, target, target_proxy, hops, timeout_s)

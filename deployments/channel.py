@@ -3,8 +3,15 @@
 An engine replica calls its target and drafter actors every round. A Ray actor call pays for scheduling and gRPC, a
 noticeable share of a CPU round (docs/serving.md); Ray Compiled Graph channels are cheaper but busy-wait: each idle
 actor, and the caller waiting for a reply, keeps a core at 100%, which on a CPU replica takes the cores the target
-computes on. These channels block in the kernel instead (a `recv` on a socket): a call costs a few process wake-ups and
-no CPU while nothing happens.
+computes on. These channels block in the kernel by default (a `recv` on a socket): a call costs two process wake-ups
+and no CPU while nothing happens.
+
+A process that slept through a round waits for the kernel to wake it (on a VM, for its halted virtual CPU to be
+resumed), part of what a call costs (docs/serving.md). Where each process waits on a core of its own (the workers on
+GPUs, with whole CPUs reserved for the replica and each worker), a channel end can poll instead (`poll_seconds`, the
+app's `channel_poll_ms`): it checks the socket without blocking until a message is there, for at most that long after
+it began to wait, and then blocks as before, so an idle replica burns no CPU beyond that window. On a CPU replica the
+waiting processes would poll on the cores the model computes on, so there every end blocks.
 
 A message is an 8-byte length and a pickle (protocol 5). Only processes of the same replica speak here: each
 server listens in a folder only its user can enter (`mkdtemp`, mode 0700), and a connection must first send the
@@ -19,11 +26,13 @@ import hmac
 import os
 import pickle
 import secrets
+import select
 import shutil
 import socket
 import struct
 import tempfile
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -73,9 +82,38 @@ def _recv_exact(sock: socket.socket, num_bytes: int) -> bytearray:
     return buffer
 
 
-def _recv(sock: socket.socket) -> object:
+def _recv(sock: socket.socket, poller: _Poller | None = None) -> object:
+    if poller is not None:
+        poller.wait()
     (size,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
     return pickle.loads(_recv_exact(sock, size))
+
+
+def check_poll_seconds(value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise ValueError(f"poll_seconds must be a finite number >= 0, got {value!r}")
+
+
+class _Poller:
+    """Waits for a socket to become readable by polling it, for at most `poll_seconds` (a closed peer makes it
+    readable too: its read then ends the channel as a blocking read would)."""
+
+    def __init__(self, sock: socket.socket, poll_seconds: float) -> None:
+        self.poll_seconds = poll_seconds
+        self._poll = select.poll()
+        self._poll.register(sock, select.POLLIN)
+
+    def wait(self) -> bool:
+        """True when the socket became readable while polling; False when the window passed (the read blocks)."""
+        deadline = time.perf_counter() + self.poll_seconds
+        while not self._poll.poll(0):  # (each poll is a system call: other threads get the GIL in between)
+            if time.perf_counter() >= deadline:
+                return False
+        return True
+
+
+def _poller(sock: socket.socket, poll_seconds: float) -> _Poller | None:
+    return _Poller(sock, poll_seconds) if poll_seconds > 0 else None
 
 
 class ChannelServer:
@@ -84,7 +122,8 @@ class ChannelServer:
 
     With `handle`, each message gets `handle(message)`'s return value as its reply (an exception goes back as a
     failure the client raises). With `on_message` instead, messages are one-way: `on_message(message)` for each, and
-    `on_close()` when the sender goes away."""
+    `on_close()` when the sender goes away. `poll_seconds`: how long the server polls for the next message before it
+    blocks (module docstring)."""
 
     def __init__(
         self,
@@ -93,9 +132,12 @@ class ChannelServer:
         handle: Callable[[object], object] | None = None,
         on_message: Callable[[object], None] | None = None,
         on_close: Callable[[], None] | None = None,
+        poll_seconds: float = 0.0,
     ) -> None:
         if (handle is None) == (on_message is None):
             raise ValueError("give exactly one of handle (request/reply) and on_message (one-way)")
+        check_poll_seconds(poll_seconds)
+        self.poll_seconds = poll_seconds
         self._dir = tempfile.mkdtemp(prefix="ddtree-channel-")  # mode 0700: only this user may connect
         path = os.path.join(self._dir, name)
         self.address = ChannelAddress(node_id, path, secrets.token_bytes(_TOKEN_BYTES))
@@ -127,9 +169,10 @@ class ChannelServer:
                 self._converse(conn)
 
     def _converse(self, conn: socket.socket) -> None:
+        poller = _poller(conn, self.poll_seconds)
         while True:
             try:
-                message = _recv(conn)
+                message = _recv(conn, poller)
             except (EOFError, OSError):
                 if self._on_close is not None:
                     self._on_close()
@@ -164,9 +207,11 @@ def _picklable(exc: BaseException) -> bool:
 
 class ChannelClient:
     """The calling end of a channel. Calls may be in flight several at once; replies come back in order.
-    `name` says in errors what is behind it ("target worker"). One thread uses a client at a time."""
+    `name` says in errors what is behind it ("target worker"). One thread uses a client at a time. `poll_seconds`:
+    how long a wait for a reply polls before it blocks (module docstring)."""
 
-    def __init__(self, address: ChannelAddress, name: str) -> None:
+    def __init__(self, address: ChannelAddress, name: str, poll_seconds: float = 0.0) -> None:
+        check_poll_seconds(poll_seconds)
         self.name = name
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
@@ -175,6 +220,7 @@ class ChannelClient:
         except OSError as exc:
             self._sock.close()
             raise ChannelClosedError(f"cannot reach the {name} at {address.path}: {exc}") from exc
+        self._poller = _poller(self._sock, poll_seconds)
         self._num_sent = 0
         self._num_received = 0
         self._replies: collections.deque = collections.deque()  # received, not yet taken: (index, reply)
@@ -198,7 +244,7 @@ class ChannelClient:
             raise ValueError(f"no reply pending for ticket {ticket}")
         while True:
             try:
-                reply = _recv(self._sock)
+                reply = _recv(self._sock, self._poller)
             except (EOFError, OSError) as exc:
                 raise ChannelClosedError(f"the channel to the {self.name} closed (its actor died?): {exc}") from exc
             index = self._num_received

@@ -161,6 +161,16 @@ class AppArgs(BaseModel):
         "CPU the replica holds (engine + workers, rounded down; the target and the drafter take turns on them), on "
         "GPUs its own bundle's CPUs. Capped at the cores the actor's process may use.",
     )
+    channel_poll_ms: float = Field(
+        0.0,
+        ge=0,
+        allow_inf_nan=False,
+        description="How long the engine replica and its worker actors poll their channels for the next message "
+        "before they block (deployments/channel.py). 0: they block at once and pay a process wake-up per message. "
+        "Polling saves part of that where each process has a core of its own to poll on (whole CPUs for the replica "
+        "and each worker, the model on GPUs); set it longer than a round (e.g. 100) so that a busy replica's calls "
+        "never block. On 'cpu' keep 0: the cores a process would poll on are the ones the model computes on.",
+    )
     num_replicas: PositiveInt | None = Field(
         None, description="Fixed number of engine replicas. Give this or `autoscaling_config`, not both."
     )
@@ -351,6 +361,7 @@ class WorkerSpec:
     attention: str
     torch_threads: int
     workers_overlap: bool = False  # the two workers have cores or devices of their own
+    channel_poll_seconds: float = 0.0  # how long a channel end polls before it blocks (deployments/channel.py)
 
     @classmethod
     def from_args(cls, args: AppArgs) -> WorkerSpec:
@@ -364,6 +375,7 @@ class WorkerSpec:
             args.attention,
             args.worker_threads,
             args.workers_overlap,
+            args.channel_poll_ms / 1000,
         )
 
 

@@ -94,9 +94,9 @@ class PendingCall:
 class TargetProxy:
     """Looks like a TargetWorker to the Engine; every method is one call on the target's channel."""
 
-    def __init__(self, actor, info: dict, hops: HopTimes, can_overlap: bool) -> None:
+    def __init__(self, actor, info: dict, hops: HopTimes, can_overlap: bool, poll_seconds: float = 0.0) -> None:
         self.actor = actor
-        self.channel = ChannelClient(info["channel"], "target worker")
+        self.channel = ChannelClient(info["channel"], "target worker", poll_seconds)
         self.hops = hops
         self.can_overlap = can_overlap  # its calls run on other cores or devices than the drafter's
         self.max_model_len = info["max_model_len"]
@@ -190,9 +190,11 @@ class TargetProxy:
 class DrafterProxy:
     """Looks like a DrafterWorker to the Engine."""
 
-    def __init__(self, actor, info: dict, target: TargetProxy, hops: HopTimes, can_overlap: bool) -> None:
+    def __init__(
+        self, actor, info: dict, target: TargetProxy, hops: HopTimes, can_overlap: bool, poll_seconds: float = 0.0
+    ) -> None:
         self.actor = actor
-        self.channel = ChannelClient(info["channel"], "drafter worker")
+        self.channel = ChannelClient(info["channel"], "drafter worker", poll_seconds)
         self.target = target  # (the number of the last feature batch it sent the drafter)
         self.hops = hops
         self.block_len = info["block_len"]

@@ -1,4 +1,5 @@
-"""Worker channels (deployments/channel.py) without Ray: calls, order, errors, the token, a closed peer, no spinning."""
+"""Worker channels (deployments/channel.py) without Ray: calls, order, errors, the token, a closed peer, blocking
+waits and polling ones."""
 
 from __future__ import annotations
 
@@ -121,3 +122,104 @@ def test_a_waiting_server_and_a_waiting_caller_use_no_cpu(echo):
     time.sleep(0.3)  # the server waits for a call
     wall, cpu = time.monotonic() - t0, time.process_time() - cpu0
     assert wall >= 0.8 and cpu < 0.1, (wall, cpu)
+
+
+def _polling_echo(poll_seconds: float) -> ChannelServer:
+    def handle(message):
+        if isinstance(message, dict) and "sleep" in message:
+            time.sleep(message["sleep"])
+        return ("echo", message)
+
+    return ChannelServer("node", "polling", handle=handle, poll_seconds=poll_seconds)
+
+
+def test_polling_ends_carry_calls_as_blocking_ones_do():
+    import numpy as np
+
+    server = _polling_echo(0.05)
+    try:
+        client = ChannelClient(server.address, "polling", poll_seconds=0.05)
+        assert client.call(1) == ("echo", 1)
+        array = np.arange(100_000, dtype=np.float32)  # larger than a socket buffer
+        first, second = client.send({"sleep": 0.2}), client.send(array)  # the first outlasts both poll windows
+        tag, value = client.receive(second)
+        assert tag == "echo" and np.array_equal(value, array)
+        assert client.receive(first) == ("echo", {"sleep": 0.2})
+        time.sleep(0.1)  # the server's window passed: it blocks, and the next call still wakes it
+        assert client.call(2) == ("echo", 2)
+        client.close()
+    finally:
+        server.close()
+
+
+def test_a_polling_caller_polls_for_its_window_and_then_blocks(echo):
+    """The caller's CPU time while it waits for a reply is its poll window, not the whole wait: polling ends that
+    wait on a core of their own pay no wake-up, and an idle one burns no CPU past the window."""
+    short = ChannelClient(echo.address, "echo", poll_seconds=1.0)
+    short.call(0)
+    cpu0 = time.process_time()
+    short.call({"sleep": 0.2})  # shorter than the window: polled all along
+    assert time.process_time() - cpu0 > 0.08
+    short.close()
+
+
+def test_a_polling_caller_blocks_once_its_window_has_passed():
+    server = _polling_echo(0.0)
+    try:
+        client = ChannelClient(server.address, "polling", poll_seconds=0.1)
+        client.call(0)
+        cpu0 = time.process_time()
+        client.call({"sleep": 0.6})  # polled for 0.1 s, then blocked
+        cpu = time.process_time() - cpu0
+        assert 0.03 < cpu < 0.35, cpu
+        client.close()
+    finally:
+        server.close()
+
+
+def test_a_polling_server_polls_after_a_reply_and_then_blocks():
+    server = _polling_echo(0.2)
+    try:
+        client = ChannelClient(server.address, "polling")
+        client.call(0)
+        cpu0 = time.process_time()
+        time.sleep(0.6)  # the server's thread (in this process) polls for 0.2 s of it, then blocks
+        cpu = time.process_time() - cpu0
+        assert 0.08 < cpu < 0.45, cpu
+        client.close()
+    finally:
+        server.close()
+
+
+def test_a_peer_that_goes_away_while_polled_is_an_error_not_a_hang():
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    path = f"/tmp/ddtree-test-poll-{os.getpid()}.sock"
+    listener.bind(path)
+    listener.listen(1)
+
+    def accept_then_die():
+        conn, _ = listener.accept()
+        conn.recv(64)
+        time.sleep(0.1)  # the caller is polling by now
+        conn.close()
+
+    thread = threading.Thread(target=accept_then_die)
+    thread.start()
+    try:
+        client = ChannelClient(ChannelAddress("node", path, bytes(16)), "doomed", poll_seconds=30.0)
+        t0 = time.monotonic()
+        with pytest.raises(ChannelClosedError, match="doomed"):
+            client.call("anything")
+        assert time.monotonic() - t0 < 5
+    finally:
+        thread.join()
+        listener.close()
+        os.unlink(path)
+
+
+@pytest.mark.parametrize("bad", [-0.001, float("inf"), float("nan"), True, "0.1"])
+def test_a_bad_poll_window_is_refused(echo, bad):
+    with pytest.raises(ValueError, match="poll_seconds"):
+        ChannelServer("node", "bad", handle=lambda m: m, poll_seconds=bad)
+    with pytest.raises(ValueError, match="poll_seconds"):
+        ChannelClient(echo.address, "echo", poll_seconds=bad)

@@ -45,6 +45,18 @@ def test_worker_threads_follow_the_placement():
     assert spec.torch_threads == 1 and spec.workers_overlap
 
 
+def test_channels_poll_only_when_asked():
+    """Every channel end blocks unless `channel_poll_ms` says how long to poll first (the workers get it in their
+    spec); a window must be a finite number of milliseconds >= 0."""
+    assert WorkerSpec.from_args(parse_args({})).channel_poll_seconds == 0.0
+    gpu = {"placement": "gpu-per-worker", "engine_num_cpus": 1, "worker_num_cpus": 2}
+    assert WorkerSpec.from_args(parse_args(gpu)).channel_poll_seconds == 0.0
+    assert WorkerSpec.from_args(parse_args({**gpu, "channel_poll_ms": 100})).channel_poll_seconds == 0.1
+    for bad in (-1, float("inf"), float("nan"), "soon"):
+        with pytest.raises(ValueError, match="channel_poll_ms"):
+            parse_args({"channel_poll_ms": bad})
+
+
 @pytest.mark.parametrize(
     "bad",
     [
