@@ -282,11 +282,11 @@ def main(argv: list[str] | None = None) -> int:
         f"speculation={args.speculation}, budget={args.budget}, {args.threads} torch thread(s); "
         f"outputs identical: {same}"
     )
+    width = max(len(r.name) for r in results) + 2
     print(
-        f"{'mode':<12}{'rounds':>8}{'round ms':>10}{'p50 ms':>9}{'hop ms/round':>14}{'calls/round':>13}"
+        f"{'mode':<{width}}{'rounds':>8}{'round ms':>10}{'p50 ms':>9}{'hop ms/round':>14}{'calls/round':>13}"
         f"{'tokens/s':>10}{'tau':>7}"
     )
-    width = max(len(r.name) for r in results) + 2
     for r in results:
         n = len(r.round_seconds)
         print(

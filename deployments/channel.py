@@ -103,13 +103,12 @@ class _Poller:
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
 
-    def wait(self) -> bool:
-        """True when the socket became readable while polling; False when the window passed (the read blocks)."""
+    def wait(self) -> None:
+        """Until the socket is readable or the window has passed (the read after it then blocks)."""
         deadline = time.perf_counter() + self.poll_seconds
         while not self._poll.poll(0):  # (each poll is a system call: other threads get the GIL in between)
             if time.perf_counter() >= deadline:
-                return False
-        return True
+                return
 
 
 def _poller(sock: socket.socket, poll_seconds: float) -> _Poller | None:
