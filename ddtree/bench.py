@@ -104,6 +104,16 @@ def load_prompts(args) -> list[tuple[str, list[dict]]]:
     return items
 
 
+def check_prompts_fill(concurrencies: list[int], num_prompts: int) -> None:
+    """Each concurrency's first group must hold that many requests, or its row would measure a smaller batch under
+    its name."""
+    if max(concurrencies) > num_prompts:
+        raise ValueError(
+            f"--concurrency {max(concurrencies)} needs at least that many prompts, and the run has {num_prompts} "
+            "(--num-prompts N takes N from each category, or from the --prompts file)"
+        )
+
+
 def _prompt_line(line: str, where: str) -> tuple[str, list[dict]]:
     try:
         d = json.loads(line)
@@ -244,6 +254,7 @@ def run(args) -> int:
 
     modes, budgets = check_arguments(args)
     messages = load_prompts(args)
+    check_prompts_fill(parse_concurrencies(args.concurrency), len(messages))
     Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.threads is not None:
         torch.set_num_threads(args.threads)

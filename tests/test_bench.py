@@ -318,6 +318,7 @@ def test_bench_refuses_bad_arguments_and_prompt_files_before_loading(tmp_path):
         ("--concurrency", "1,x"): "--concurrency must be integers separated by commas",
         ("--concurrency", "4,0"): "--concurrency must be >= 1",
         ("--num-prompts", "-1"): "--num-prompts must be >= 0",
+        ("--concurrency", "1,2"): "--concurrency 2 needs at least that many prompts, and the run has 1",
         ("--out", str(a_file)): "is a file; it must be a folder",
     }
     for (flag, value), message in cases.items():
