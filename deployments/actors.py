@@ -61,10 +61,14 @@ from deployments.worker_ops import (
     trees_from_wire,
 )
 
-# OpenMP threads spin after each parallel region by default (libgomp). The target and the drafter take turns on the
-# same cores, so a spinning pool in one actor would steal the cores from the other (docs/serving.md gives the
-# cost). Passive waiting must be set before torch loads OpenMP, so it goes in
-# the actor's environment.
+# How idle OpenMP threads wait. They must not spin for long: the target and the drafter take turns on the same cores,
+# and a pool spinning in one actor steals them from the other (libgomp's default spin of 300k iterations made every
+# stage 5-10x slower on 2 cores). They must not sleep at once either: a forward runs hundreds of parallel regions, and
+# a futex wake-up at each (OMP_WAIT_POLICY=PASSIVE) made a one-token verify ~15% slower than a bounded spin
+# (docs/serving.md). So a worker spins this many iterations (tens to hundreds of microseconds: the gaps between a
+# forward's regions) before it sleeps; the replica, whose torch ops are few and small, sleeps at once. Both must be set
+# before torch loads OpenMP, so they go in the processes' environments. (KMP_*: Intel's OpenMP, where torch uses it.)
+WORKER_OPENMP_ENV = {"GOMP_SPINCOUNT": "30000", "KMP_BLOCKTIME": "1"}
 OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
 
 
@@ -80,9 +84,10 @@ def _set_torch_threads(spec: WorkerSpec) -> None:
 
 
 def worker_env(spec: WorkerSpec) -> dict[str, str]:
-    """A worker actor's environment: passive OpenMP waits, and OpenMP's thread count set to the spec's (Ray would
-    set it to the actor's whole CPUs, 1 for a fraction), so that every library starts with the same count."""
-    return {**OPENMP_ENV, "OMP_NUM_THREADS": str(spec.torch_threads)}
+    """A worker actor's environment: OpenMP waits that spin briefly, then sleep, and OpenMP's thread count set to
+    the spec's (Ray would set it to the actor's whole CPUs, 1 for a fraction), so that every library starts with the
+    same count."""
+    return {**WORKER_OPENMP_ENV, "OMP_NUM_THREADS": str(spec.torch_threads)}
 
 
 # ---- the actors -------------------------------------------------------------------------------------------------
