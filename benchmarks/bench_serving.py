@@ -33,12 +33,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# Passive OpenMP waits, as in the served actors (deployments/actors.py OPENMP_ENV): set before torch loads.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-os.environ.setdefault("KMP_BLOCKTIME", "0")
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+# The offline engine's OpenMP threads wait as the served worker actors' do (Ray's processes inherit this one's
+# environment; the replicas and the actors set their own on top). Set before torch loads OpenMP; torch-free import.
+from deployments.config import WORKER_OPENMP_ENV  # noqa: E402
+
+os.environ.update({key: os.environ.get(key, value) for key, value in WORKER_OPENMP_ENV.items()})
 
 MODES = {
     "off": {"speculation": "off"},

@@ -39,7 +39,7 @@ import ray
 import torch
 
 from deployments.channel import ChannelAddress, ChannelClient, ChannelClosedError, ChannelServer
-from deployments.config import ActorPlace, WorkerSpec
+from deployments.config import WORKER_OPENMP_ENV, ActorPlace, WorkerSpec
 from deployments.proxies import DrafterProxy, HopTimes, TargetProxy
 from deployments.worker_ops import (
     Allocate,
@@ -60,17 +60,6 @@ from deployments.worker_ops import (
     tensor_to_wire,
     trees_from_wire,
 )
-
-# How idle OpenMP threads wait. They must not spin for long: the target and the drafter take turns on the same cores,
-# and a pool spinning in one actor steals them from the other (libgomp's default spin of 300k iterations made every
-# stage 5-10x slower on 2 cores). They must not sleep at once either: a forward runs hundreds of parallel regions, and
-# a futex wake-up at each (OMP_WAIT_POLICY=PASSIVE) made a one-token verify ~15% slower than a bounded spin
-# (docs/serving.md). So a worker spins this many iterations (tens to hundreds of microseconds: the gaps between a
-# forward's regions) before it sleeps; the replica, whose torch ops are few and small, sleeps at once. Both must be set
-# before torch loads OpenMP, so they go in the processes' environments. (KMP_*: Intel's OpenMP, where torch uses it.)
-WORKER_OPENMP_ENV = {"GOMP_SPINCOUNT": "30000", "KMP_BLOCKTIME": "1"}
-OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"}
-
 
 _thread_state = threading.local()
 

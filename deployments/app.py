@@ -14,8 +14,7 @@ from __future__ import annotations
 from ray import serve
 from ray.serve import Application
 
-from deployments.actors import OPENMP_ENV
-from deployments.config import AppArgs, IngressSettings, parse_args
+from deployments.config import REPLICA_OPENMP_ENV, AppArgs, IngressSettings, parse_args
 from deployments.engine_server import DDTreeEngine
 from deployments.ingress import OpenAIIngress
 
@@ -35,7 +34,10 @@ def build_app(args: dict | AppArgs | None = None) -> Application:
         "name": SERVER_DEPLOYMENT if parsed.ingress == "engine" else ENGINE_DEPLOYMENT,
         # Bundle 0 holds the replica itself; its actors go in the next bundles (deployments/actors.py).
         # The replica builds trees with torch on the same cores as its worker actors: no spinning OpenMP threads.
-        "ray_actor_options": {"num_cpus": parsed.engine_num_cpus, "runtime_env": {"env_vars": dict(OPENMP_ENV)}},
+        "ray_actor_options": {
+            "num_cpus": parsed.engine_num_cpus,
+            "runtime_env": {"env_vars": dict(REPLICA_OPENMP_ENV)},
+        },
         "placement_group_bundles": layout.bundles,
         "placement_group_strategy": layout.strategy,
         "max_ongoing_requests": parsed.engine_max_ongoing_requests,
