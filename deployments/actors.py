@@ -42,10 +42,12 @@ from deployments.channel import ChannelAddress, ChannelClient, ChannelClosedErro
 from deployments.config import WORKER_OPENMP_ENV, ActorPlace, WorkerSpec
 from deployments.proxies import DrafterProxy, HopTimes, TargetProxy
 from deployments.worker_ops import (
+    WIRE,
     Allocate,
     DisconnectDrafter,
     Draft,
     DrafterOp,
+    DraftTopK,
     FeatureBatch,
     Free,
     FreeDraft,
@@ -107,7 +109,9 @@ class TargetActor:
         self._to_drafter = None  # ChannelClient to the drafter's feature channel (None: no drafter connected)
         self._drafter_lock = threading.Lock()  # (connect_drafter runs on the actor's thread, `handle` on the channel's)
         self._num_batches = 0
-        self.channel = ChannelServer(_node_id(), "target", handle=self.handle, poll_seconds=spec.channel_poll_seconds)
+        self.channel = ChannelServer(
+            _node_id(), "target", handle=self.handle, poll_seconds=spec.channel_poll_seconds, codec=WIRE
+        )
 
     def ping(self) -> bool:
         """Answers when the actor is alive (the engine replica's health check)."""
@@ -241,7 +245,9 @@ class DrafterActor:
         self.worker = load_drafter_worker(path, head, device=spec.device, dtype=spec.dtype)
         self._spec = spec
         self._inbox = _FeatureInbox()
-        self.channel = ChannelServer(_node_id(), "drafter", handle=self.handle, poll_seconds=spec.channel_poll_seconds)
+        self.channel = ChannelServer(
+            _node_id(), "drafter", handle=self.handle, poll_seconds=spec.channel_poll_seconds, codec=WIRE
+        )
         self.features = ChannelServer(_node_id(), "features", on_message=self._inbox.put, on_close=self._inbox.close)
 
     def ping(self) -> bool:
@@ -270,7 +276,7 @@ class DrafterActor:
                     w.add_contexts(batch.request_ids, list(rows.split(batch.counts)))
         if isinstance(op, Draft):
             logprobs, token_ids = w.draft(op.request_ids, op.roots, None, op.max_k)
-            result = tensor_to_wire(logprobs), tensor_to_wire(token_ids)
+            result = DraftTopK(tensor_to_wire(logprobs), tensor_to_wire(token_ids))
         elif isinstance(op, FreeDraft):
             w.free(op.request_id)
         elif isinstance(op, MeasureDraftCost):

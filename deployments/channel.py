@@ -13,7 +13,10 @@ app's `channel_poll_ms`): it checks the socket without blocking until a message 
 it began to wait, and then blocks as before, so an idle replica burns no CPU beyond that window. On a CPU replica the
 waiting processes would poll on the cores the model computes on, so there every end blocks.
 
-A message is an 8-byte length and a pickle (protocol 5). Only processes of the same replica speak here: each
+A message is an 8-byte length and the bytes of a codec: a pickle (protocol 5) by default, or the worker
+operations' own encoding (deployments/worker_ops.py: `WireCodec`), which sends a round's calls and replies as
+msgpack lists because a pickle is decoded slowly right after a model pass has evicted the interpreter's data from the
+CPU caches. Only processes of the same replica speak here: each
 server listens in a folder only its user can enter (`mkdtemp`, mode 0700), and a connection must first send the
 server's random 16-byte token (handed over by a Ray actor call), so nothing is unpickled from anyone else. Unix
 sockets need one node: the replica's placement group is STRICT_PACK.
@@ -36,6 +39,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from ddtree.workers import WorkerLostError
 
@@ -63,9 +67,28 @@ class _Failure:
     description: str  # type, message and the remote traceback
 
 
-def _send(sock: socket.socket, message: object) -> None:
-    data = pickle.dumps(message, protocol=5)
-    # One write: the length and the pickle reach the peer together, so its read of the length never wakes it
+class Codec(Protocol):
+    """Turns a message into bytes and back. Both ends of a channel must use the same codec."""
+
+    def encode(self, message: object) -> bytes: ...
+
+    def decode(self, data: bytearray) -> object: ...
+
+
+class PickleCodec:
+    def encode(self, message: object) -> bytes:
+        return pickle.dumps(message, protocol=5)
+
+    def decode(self, data: bytearray) -> object:
+        return pickle.loads(data)
+
+
+PICKLE = PickleCodec()
+
+
+def _send(sock: socket.socket, message: object, codec: Codec) -> None:
+    data = codec.encode(message)
+    # One write: the length and the message reach the peer together, so its read of the length never wakes it
     # before the rest has arrived (two writes can cost the receiver a second sleep and wake-up)
     sock.sendall(_HEADER.pack(len(data)) + data)
 
@@ -82,11 +105,11 @@ def _recv_exact(sock: socket.socket, num_bytes: int) -> bytearray:
     return buffer
 
 
-def _recv(sock: socket.socket, poller: _Poller | None = None) -> object:
+def _recv(sock: socket.socket, poller: _Poller | None, codec: Codec) -> object:
     if poller is not None:
         poller.wait()
     (size,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
-    return pickle.loads(_recv_exact(sock, size))
+    return codec.decode(_recv_exact(sock, size))
 
 
 def check_poll_seconds(value) -> None:
@@ -122,7 +145,7 @@ class ChannelServer:
     With `handle`, each message gets `handle(message)`'s return value as its reply (an exception goes back as a
     failure the client raises). With `on_message` instead, messages are one-way: `on_message(message)` for each, and
     `on_close()` when the sender goes away. `poll_seconds`: how long the server polls for the next message before it
-    blocks (module docstring)."""
+    blocks; `codec`: how messages are encoded (module docstring)."""
 
     def __init__(
         self,
@@ -132,11 +155,13 @@ class ChannelServer:
         on_message: Callable[[object], None] | None = None,
         on_close: Callable[[], None] | None = None,
         poll_seconds: float = 0.0,
+        codec: Codec = PICKLE,
     ) -> None:
         if (handle is None) == (on_message is None):
             raise ValueError("give exactly one of handle (request/reply) and on_message (one-way)")
         check_poll_seconds(poll_seconds)
         self.poll_seconds = poll_seconds
+        self.codec = codec
         self._dir = tempfile.mkdtemp(prefix="ddtree-channel-")  # mode 0700: only this user may connect
         path = os.path.join(self._dir, name)
         self.address = ChannelAddress(node_id, path, secrets.token_bytes(_TOKEN_BYTES))
@@ -171,7 +196,7 @@ class ChannelServer:
         poller = _poller(conn, self.poll_seconds)
         while True:
             try:
-                message = _recv(conn, poller)
+                message = _recv(conn, poller, self.codec)
             except (EOFError, OSError):
                 if self._on_close is not None:
                     self._on_close()
@@ -187,7 +212,7 @@ class ChannelServer:
                     "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
                 )
             try:
-                _send(conn, reply)
+                _send(conn, reply, self.codec)
             except OSError:
                 return
 
@@ -207,11 +232,12 @@ def _picklable(exc: BaseException) -> bool:
 class ChannelClient:
     """The calling end of a channel. Calls may be in flight several at once; replies come back in order.
     `name` says in errors what is behind it ("target worker"). One thread uses a client at a time. `poll_seconds`:
-    how long a wait for a reply polls before it blocks (module docstring)."""
+    how long a wait for a reply polls before it blocks; `codec`: the server's (module docstring)."""
 
-    def __init__(self, address: ChannelAddress, name: str, poll_seconds: float = 0.0) -> None:
+    def __init__(self, address: ChannelAddress, name: str, poll_seconds: float = 0.0, codec: Codec = PICKLE) -> None:
         check_poll_seconds(poll_seconds)
         self.name = name
+        self.codec = codec
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             self._sock.connect(address.path)
@@ -227,7 +253,7 @@ class ChannelClient:
     def send(self, message: object) -> int:
         """Send; the returned ticket names the reply for `receive` (request/reply servers)."""
         try:
-            _send(self._sock, message)
+            _send(self._sock, message, self.codec)
         except OSError as exc:
             raise ChannelClosedError(f"the channel to the {self.name} closed: {exc}") from exc
         self._num_sent += 1
@@ -243,7 +269,7 @@ class ChannelClient:
             raise ValueError(f"no reply pending for ticket {ticket}")
         while True:
             try:
-                reply = _recv(self._sock, self._poller)
+                reply = _recv(self._sock, self._poller, self.codec)
             except (EOFError, OSError) as exc:
                 raise ChannelClosedError(f"the channel to the {self.name} closed (its actor died?): {exc}") from exc
             index = self._num_received

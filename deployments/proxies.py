@@ -20,10 +20,12 @@ import torch
 
 from deployments.channel import ChannelClient, ChannelClosedError
 from deployments.worker_ops import (
+    WIRE,
     Allocate,
     DisconnectDrafter,
     Draft,
     DrafterOp,
+    DraftTopK,
     Free,
     FreeDraft,
     MeasureDraftCost,
@@ -96,7 +98,7 @@ class TargetProxy:
 
     def __init__(self, actor, info: dict, hops: HopTimes, can_overlap: bool, poll_seconds: float = 0.0) -> None:
         self.actor = actor
-        self.channel = ChannelClient(info["channel"], "target worker", poll_seconds)
+        self.channel = ChannelClient(info["channel"], "target worker", poll_seconds, codec=WIRE)
         self.hops = hops
         self.can_overlap = can_overlap  # its calls run on other cores or devices than the drafter's
         self.max_model_len = info["max_model_len"]
@@ -194,7 +196,7 @@ class DrafterProxy:
         self, actor, info: dict, target: TargetProxy, hops: HopTimes, can_overlap: bool, poll_seconds: float = 0.0
     ) -> None:
         self.actor = actor
-        self.channel = ChannelClient(info["channel"], "drafter worker", poll_seconds)
+        self.channel = ChannelClient(info["channel"], "drafter worker", poll_seconds, codec=WIRE)
         self.target = target  # (the number of the last feature batch it sent the drafter)
         self.hops = hops
         self.block_len = info["block_len"]
@@ -241,6 +243,5 @@ class _DrafterCall(PendingCall):
             raise
 
 
-def _draft_from_wire(wire) -> tuple[torch.Tensor, torch.Tensor]:
-    logprobs, token_ids = wire
-    return tensor_from_wire(logprobs), tensor_from_wire(token_ids)
+def _draft_from_wire(topk: DraftTopK) -> tuple[torch.Tensor, torch.Tensor]:
+    return tensor_from_wire(topk.logprobs), tensor_from_wire(topk.token_ids)

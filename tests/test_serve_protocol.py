@@ -584,6 +584,68 @@ def test_what_crosses_between_actors_round_trips_exactly():
         got.add_(1)  # writable: not a view of the (read-only) received buffer
 
 
+def test_the_worker_codec_carries_a_rounds_messages_exactly_and_pickles_the_rest():
+    """WireCodec: Verify and Draft and the replies with their results travel as msgpack (their own tags), every
+    value, dtype and shape intact (bfloat16 top-K, logprobs, trees None and empty); any other message, a failure's
+    exception included, travels as a pickle; bytes with an unknown tag are refused."""
+    import torch
+
+    from ddtree.tree import DraftTree, build_tree
+    from ddtree.workers import RawLogprobs, VerifyResult
+    from deployments.channel import PICKLE
+    from deployments.worker_ops import (
+        WIRE,
+        Draft,
+        DraftTopK,
+        Free,
+        Reply,
+        Verify,
+        tensor_from_wire,
+        tensor_to_wire,
+        trees_from_wire,
+        trees_to_wire,
+    )
+
+    def through(message):
+        data = WIRE.encode(message)
+        return data[0], WIRE.decode(bytearray(data))
+
+    gen = torch.Generator().manual_seed(1)
+    trees = [build_tree(torch.log_softmax(torch.randn(4, 9, generator=gen), -1), 6), None, DraftTree.empty()]
+    verify = Verify(["a", "b", "c"], trees_to_wire(trees), [5, 6, 7], ["a"])
+    tag, got = through(verify)
+    assert tag != 0 and (got.request_ids, got.roots, got.feature_request_ids) == (["a", "b", "c"], [5, 6, 7], ["a"])
+    back = trees_from_wire(got.trees)
+    assert back[1] is None and back[2].num_nodes == 0
+    for field in ("token_ids", "parents", "depths", "path_logprobs"):
+        assert torch.equal(getattr(back[0], field), getattr(trees[0], field))
+        assert getattr(back[0], field).dtype == getattr(trees[0], field).dtype
+    plain = Verify(["a"], trees_to_wire([None]), [3], [])  # a plain round's (no tensor work on either side)
+    assert trees_from_wire(through(plain)[1].trees) == [None]
+
+    draft = Draft(["a", "b"], [1, 2], 16, 7)
+    assert through(draft)[0] != 0 and through(draft)[1] == draft
+
+    logprobs = [RawLogprobs([-0.5, -1.25], [[3, 4], [5, 6]], [[-0.5, -2.0], [-1.25, -1.5]]), None]
+    result = VerifyResult([[11, 12], []], [13, 14], 9, 0.02, 0.001, logprobs)
+    tag, got = through(Reply(result, 0.025, 3, 123.5))
+    assert tag != 0 and got == Reply(result, 0.025, 3, 123.5)
+
+    topk = torch.randn(2, 8, 4, generator=gen).bfloat16(), torch.randint(0, 50, (2, 8, 4), generator=gen)
+    tag, got = through(Reply(DraftTopK(*(tensor_to_wire(t) for t in topk)), 0.009, 0, 99.0))
+    assert tag != 0 and (got.seconds, got.started_at) == (0.009, 99.0)
+    for sent, wire in zip(topk, (got.result.logprobs, got.result.token_ids)):
+        received = tensor_from_wire(wire)
+        assert received.dtype == sent.dtype and torch.equal(received, sent)
+
+    for other in (Free("a"), Reply(None, 0.001), Reply([(1, 0.01)], 0.5), KeyError("x")):
+        tag, got = through(other)
+        assert tag == 0 and type(got) is type(other) and repr(got) == repr(other)
+    with pytest.raises(ValueError, match="not a worker message"):
+        WIRE.decode(bytearray(b"\x09"))
+    assert PICKLE.decode(bytearray(PICKLE.encode(verify))).roots == [5, 6, 7]
+
+
 @pytest.mark.parametrize(
     "accept, wants",
     [
