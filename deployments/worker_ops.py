@@ -194,6 +194,12 @@ class WireCodec:
     exactly (a subclass may carry more than the list holds)."""
 
     def encode(self, message: object) -> bytes:
+        try:
+            return self._encode_round(message)
+        except TypeError:  # a value msgpack cannot carry (a numpy scalar in a list): correct, if slower, as a pickle
+            return bytes([_PICKLED]) + pickle.dumps(message, protocol=5)
+
+    def _encode_round(self, message: object) -> bytes:
         kind = type(message)
         if kind is Verify:
             counts, ints, values = message.trees

@@ -587,7 +587,9 @@ def test_what_crosses_between_actors_round_trips_exactly():
 def test_the_worker_codec_carries_a_rounds_messages_exactly_and_pickles_the_rest():
     """WireCodec: Verify and Draft and the replies with their results travel as msgpack (their own tags), every
     value, dtype and shape intact (bfloat16 top-K, logprobs, trees None and empty); any other message, a failure's
-    exception included, travels as a pickle; bytes with an unknown tag are refused."""
+    exception included, travels as a pickle, and so does a round's message with a value msgpack cannot carry; bytes
+    with an unknown tag are refused."""
+    import numpy as np
     import torch
 
     from ddtree.tree import DraftTree, build_tree
@@ -638,7 +640,8 @@ def test_the_worker_codec_carries_a_rounds_messages_exactly_and_pickles_the_rest
         received = tensor_from_wire(wire)
         assert received.dtype == sent.dtype and torch.equal(received, sent)
 
-    for other in (Free("a"), Reply(None, 0.001), Reply([(1, 0.01)], 0.5), KeyError("x")):
+    odd = Reply(VerifyResult([[np.int64(11)]], [13], 2, 0.02, 0.001, [None]), 0.025)  # msgpack cannot carry it
+    for other in (Free("a"), Reply(None, 0.001), Reply([(1, 0.01)], 0.5), KeyError("x"), odd):
         tag, got = through(other)
         assert tag == 0 and type(got) is type(other) and repr(got) == repr(other)
     with pytest.raises(ValueError, match="not a worker message"):
