@@ -172,6 +172,13 @@ def _cancel_all(calls) -> None:
         response.cancel()
 
 
+async def _cancel_after_response(calls) -> None:
+    """`_cancel_all` as a response's background task. It must be a coroutine function: Starlette runs a plain
+    function in a worker thread, where an in-process engine stream (`server._LocalStream`, `ingress: engine`) cannot
+    schedule its close on the event loop."""
+    _cancel_all(calls)
+
+
 async def _read_body(request: Request) -> bytes:
     """The body's bytes, refused (413) past MAX_BODY_BYTES: at once when Content-Length says so, else as soon as
     the bytes received pass it (a chunked body), so that no replica buffers more than the limit."""
@@ -360,7 +367,7 @@ class OpenAIIngress:
         # `_sse` cancels in its `finally`; a client gone before the body starts never starts `_sse`, and closing an
         # unstarted generator runs no `finally`: Starlette's background task runs after the response either way.
         return StreamingResponse(
-            events, media_type="text/event-stream", background=BackgroundTask(_cancel_all, streams)
+            events, media_type="text/event-stream", background=BackgroundTask(_cancel_after_response, streams)
         )
 
     async def _sse(self, firsts: list, streams: list, body, response_id: str, chat: bool) -> AsyncIterator[str]:

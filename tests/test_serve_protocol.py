@@ -841,6 +841,43 @@ def test_a_bad_ingress_user_config_is_logged_and_changes_nothing(caplog):
     assert "user_config refused" in caplog.text
 
 
+def test_a_stream_whose_client_left_before_its_body_is_aborted_on_an_in_process_engine():
+    """A streaming answer's background task (run by Starlette after the response, also when the client went away
+    before the body started, so that `_sse` never ran) aborts its engine requests. With the engine in the API's
+    process (`ingress: engine`, the default) that is closing the engine's async generator on the event loop: the
+    task runs there, with no exception, and the generator's `finally` (the abort) runs."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from deployments.ingress import OpenAIIngress
+    from deployments.server import _LocalStream
+
+    closed = []
+
+    async def engine_stream(request_id):
+        try:
+            yield SimpleNamespace(request_id=request_id)
+            await asyncio.sleep(3600)  # (a request still decoding)
+        finally:
+            closed.append(request_id)
+
+    class Engine:
+        def options(self, stream):
+            return SimpleNamespace(generate_stream=SimpleNamespace(remote=lambda r: _LocalStream(engine_stream(r))))
+
+    async def main():
+        ingress = object.__new__(OpenAIIngress)
+        ingress.engine = Engine()
+        body = SimpleNamespace(stream=True)
+        response = await ingress._respond(None, body, "cmpl-1", ["r0", "r1"], chat=True)
+        await response.background()  # what Starlette runs once the response is over
+        for _ in range(5):
+            await asyncio.sleep(0)
+        return closed
+
+    assert sorted(asyncio.run(main())) == ["r0", "r1"]
+
+
 def test_the_serve_runner_polls_the_first_apps_health_and_refuses_a_bad_config(tmp_path, capsys):
     """`make serve`'s runner (deployments/run.py): the URL it polls and prints follows the config's HTTP options
     and route prefix (0.0.0.0 is polled on loopback); a config it cannot use is refused before anything starts."""
