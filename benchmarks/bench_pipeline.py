@@ -21,21 +21,17 @@ when the verify is bandwidth-bound (few tokens) and the drafter cheap. The outpu
 
 from __future__ import annotations
 
-import os
-import sys
-from pathlib import Path
-
-# The in-process engine's OpenMP threads wait as the worker actors' do (deployments/config.py: WORKER_OPENMP_ENV; Ray's
-# processes inherit this one's environment, and the actors set theirs on top), or the comparison measures the waits
-# rather than the actors. Set before torch loads OpenMP; the import is torch-free.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from deployments.config import WORKER_OPENMP_ENV  # noqa: E402
-
-os.environ.update({key: os.environ.get(key, value) for key, value in WORKER_OPENMP_ENV.items()})
-
 import argparse
 import copy
 import statistics
+import sys
+from pathlib import Path
+
+# The in-process engine's OpenMP threads wait as the worker actors' do (set before torch loads OpenMP).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from deployments.config import use_worker_openmp_env  # noqa: E402
+
+use_worker_openmp_env()
 
 from benchmarks.bench_actors import Result, make_random_drafter, run_engine  # noqa: E402
 

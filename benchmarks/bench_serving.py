@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 import time
@@ -36,11 +35,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-# The offline engine's OpenMP threads wait as the served worker actors' do (Ray's processes inherit this one's
-# environment; the replicas and the actors set their own on top). Set before torch loads OpenMP; torch-free import.
-from deployments.config import WORKER_OPENMP_ENV  # noqa: E402
+# The in-process engine's OpenMP threads wait as the worker actors' do (set before torch loads OpenMP).
+from deployments.config import use_worker_openmp_env  # noqa: E402
 
-os.environ.update({key: os.environ.get(key, value) for key, value in WORKER_OPENMP_ENV.items()})
+use_worker_openmp_env()
 
 MODES = {
     "off": {"speculation": "off"},

@@ -39,6 +39,13 @@ _ENGINE = EngineConfig(**SERVE_DEFAULTS)
 WORKER_OPENMP_ENV = {"GOMP_SPINCOUNT": "30000", "KMP_BLOCKTIME": "1"}
 REPLICA_OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0", "KMP_BLOCKTIME": "0"}
 
+
+def use_worker_openmp_env() -> None:
+    """This process's OpenMP threads wait as the worker actors' do (values already in the environment win): for a
+    benchmark's in-process engine, compared with engines on worker actors. Call before torch loads OpenMP."""
+    os.environ.update({key: os.environ.get(key, value) for key, value in WORKER_OPENMP_ENV.items()})
+
+
 PLACEMENTS = ("cpu", "gpu-per-worker", "shared-gpu")
 DEFAULT_SERVED_MODEL_NAME = "SmolLM2-135M-Instruct"
 
