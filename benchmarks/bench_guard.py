@@ -6,7 +6,8 @@
 The same held-out prompts (code, math, chat in turn), all submitted at once, T=0, through three engines on the same
 loaded workers: `off`, `auto` with the loop (the default `max_explore_share`) and `auto` with the policy alone
 (`max_explore_share=0`); the engines alternate pass by pass, so the machine's drift hits them alike. Prints tokens/s
-per pass, then what the loop measured per batch-size bucket (its arms' tokens/s, rounds, the share of time explored).
+per pass, then what the loop measured per batch-size bucket (the policy's speedup over plain decoding, each arm's
+rounds, the share of time explored).
 """
 
 from __future__ import annotations
@@ -71,13 +72,14 @@ def main(argv=None) -> int:
         print(f"| {name} | {' / '.join(f'{v:.1f}' for v in values)} | {values[-1] / rates['off'][-1]:.2f} |")
     same = all(o == outputs["off"] for o in outputs.values())
     print(f"\nT=0 outputs identical to `off`: {same}\n")
-    print("| batch sizes | rounds | policy tok/s (rounds) | plain tok/s (rounds) | time explored |")
-    print("|---|---|---|---|---|")
+    print("| batch sizes | rounds | policy x plain | policy tokens/request (rounds) | plain rounds | time explored |")
+    print("|---|---|---|---|---|---|")
     for row in engines["auto"].guard.describe():
         low, high = row["batch_sizes"]
+        speedup = "-" if row["policy_speedup"] is None else f"{row['policy_speedup']:.2f}"
         print(
-            f"| {low}-{high} | {row['num_rounds']} | {row['policy_tokens_per_second']:.1f} ({row['policy_rounds']}) "
-            f"| {row['plain_tokens_per_second']:.1f} ({row['plain_rounds']}) | {100 * row['explored_share']:.1f}% |"
+            f"| {low}-{high} | {row['num_rounds']} | {speedup} | {row['policy_tokens_per_request']:.2f} "
+            f"({row['policy_rounds']}) | {row['plain_rounds']} | {100 * row['explored_share']:.1f}% |"
         )
     return 0
 

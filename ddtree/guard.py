@@ -3,12 +3,18 @@
 The budget policy (budget.py) prices trees with a cost model and calibrated draft probabilities. When either is
 wrong (a loaded machine, a drafter whose probabilities flatter it), it may speculate where plain decoding is faster.
 The guard does not second-guess the policy's decisions; it measures what they deliver. For each batch size (in
-buckets: 1, 2, 3-4, 5-8, ...) it keeps the committed tokens per second of the rounds run as the policy planned them
-("policy" arm) and of rounds run as plain decoding (no draft, no n-gram chain: what `speculation: off` does), each as
-a ratio of exponential moving averages (tokens and seconds apart, so that a round's size weighs as it should). It
-runs the arm that measures faster.
+buckets: 1, 2, 3-4, 5-8, ...) it compares rounds run as the policy planned them ("policy" arm) against rounds run as
+plain decoding (no draft, no n-gram chain: what `speculation: off` does), and runs the arm that measures faster.
 
-The other arm is explored in windows of `window_rounds` consecutive rounds, each measuring it afresh (its old
+A round's speed is split in two, measured differently:
+- Committed tokens per request per round, an exponential moving average per arm. It depends on the text and the
+  drafter, not on how fast the machine is right now, so rounds far apart in time compare fairly.
+- Round seconds, compared in pairs of adjacent runs only: each window of one arm against the rounds of the other
+  arm just before it, as a log ratio averaged over windows. A round's time drifts by a third and more within a run
+  (other load on the machine, the requests' context lengths), so an arm's seconds measured minutes ago say nothing
+  about the other arm's now; adjacent rounds see the same machine and nearly the same requests.
+
+The other arm is explored in windows of `window_rounds` consecutive rounds, each measuring it afresh (its old token
 estimate is dropped), and only while the time spent on the arm measured slower stays within `max_explore_share` of
 the bucket's round seconds. Exploring thus costs at most that share of the difference between the two arms' speeds,
 plus each arm's first window per bucket. Why windows and a fresh estimate: a speculative round's tokens vary a lot
@@ -21,6 +27,8 @@ Policy only: integers and floats, no tensors (the engine times the rounds and co
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from dataclasses import dataclass, field
 
 POLICY, PLAIN = "policy", "plain"
@@ -33,41 +41,56 @@ def check_max_explore_share(value) -> None:
 
 @dataclass
 class _Arm:
-    tokens: float = 0.0  # EMA of committed tokens per round
-    seconds: float = 0.0  # EMA of round seconds
+    window_rounds: int
+    tokens: float = 0.0  # EMA of committed tokens per request per round
+    seconds: float = 0.0  # EMA of round seconds (what a window of this arm is expected to cost)
     num_rounds: int = 0  # since the estimate was last started afresh
     total_rounds: int = 0
+    recent: deque = field(init=False)  # seconds of its last `window_rounds` rounds, for pairing
+
+    def __post_init__(self) -> None:
+        self.recent = deque(maxlen=self.window_rounds)
 
     def restart(self) -> None:
         self.tokens = self.seconds = 0.0
         self.num_rounds = 0
 
-    def observe(self, num_tokens: int, seconds: float, weight: float) -> None:
+    def observe(self, tokens_per_request: float, seconds: float, weight: float) -> None:
         w = max(weight, 1.0 / (self.num_rounds + 1))  # the first rounds: their plain mean
-        self.tokens += w * (num_tokens - self.tokens)
+        self.tokens += w * (tokens_per_request - self.tokens)
         self.seconds += w * (seconds - self.seconds)
         self.num_rounds += 1
         self.total_rounds += 1
+        self.recent.append(seconds)
 
     @property
-    def rate(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+    def recent_seconds(self) -> float:
+        return sum(self.recent) / len(self.recent)
 
 
 @dataclass
 class _Bucket:
-    arms: dict[str, _Arm] = field(default_factory=lambda: {POLICY: _Arm(), PLAIN: _Arm()})
+    window_rounds: int
+    arms: dict[str, _Arm] = field(init=False)
     num_rounds: int = 0
     seconds: float = 0.0  # of every round once both arms were measured
     explored_seconds: float = 0.0  # of those, on the arm that measured slower
     window_arm: str | None = None  # the arm being measured afresh, until it has `window_rounds` rounds again
+    is_exploring: bool = False  # the window explores (else it is the arm's first measurement in the bucket)
+    reference_seconds: float | None = None  # the other arm's recent round seconds when the window began
+    log_seconds_ratio: float = 0.0  # log(policy round seconds / plain round seconds), averaged over windows
+    num_pairs: int = 0
+
+    def __post_init__(self) -> None:
+        self.arms = {POLICY: _Arm(self.window_rounds), PLAIN: _Arm(self.window_rounds)}
 
 
 @dataclass
 class ThroughputGuard:
     max_explore_share: float = 0.03  # at most this share of a bucket's time on the arm measured slower
-    weight: float = 0.02  # EMA weight of a new round of the arm that runs (~50 rounds' memory)
+    weight: float = 0.02  # EMA weight of a new round's tokens on the arm that runs (~50 rounds' memory)
     window_rounds: int = 4  # rounds per exploring window (and per arm's first measurement)
+    pair_weight: float = 0.25  # EMA weight of a window's seconds ratio (~4 windows' memory)
     buckets: dict[int, _Bucket] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -77,53 +100,86 @@ class ThroughputGuard:
     def bucket_of(num_requests: int) -> int:
         return max(0, num_requests - 1).bit_length()  # 1 -> 0, 2 -> 1, 3-4 -> 2, 5-8 -> 3, ...
 
+    def _bucket(self, num_requests: int) -> _Bucket:
+        return self.buckets.setdefault(self.bucket_of(num_requests), _Bucket(self.window_rounds))
+
+    def speedup(self, num_requests: int) -> float | None:
+        """The policy's measured tokens/s over plain decoding's at this batch size (None until both are measured):
+        the ratio of their tokens per request-round times the paired ratio of their round seconds."""
+        bucket = self.buckets.get(self.bucket_of(num_requests))
+        if bucket is None:
+            return None
+        policy, plain = bucket.arms[POLICY], bucket.arms[PLAIN]
+        if min(policy.num_rounds, plain.num_rounds) < self.window_rounds or plain.tokens <= 0:
+            return None
+        if bucket.num_pairs:
+            return policy.tokens / plain.tokens * math.exp(-bucket.log_seconds_ratio)
+        # (rounds observed without a window, e.g. replayed: their seconds as measured)
+        return (policy.tokens / policy.seconds) / (plain.tokens / plain.seconds)
+
     def best(self, num_requests: int) -> str:
         """The arm measured faster at this batch size (the policy's while either is not measured yet, and the one
         that was faster when the window began while an exploring window runs)."""
         bucket = self.buckets.get(self.bucket_of(num_requests))
-        if bucket is None:
-            return POLICY
-        if bucket.window_arm is not None:
+        if bucket is not None and bucket.window_arm is not None:
             return PLAIN if bucket.window_arm == POLICY else POLICY
-        policy, plain = bucket.arms[POLICY], bucket.arms[PLAIN]
-        if min(policy.num_rounds, plain.num_rounds) < self.window_rounds:
-            return POLICY
-        return PLAIN if plain.rate > policy.rate else POLICY
+        speedup = self.speedup(num_requests)
+        return PLAIN if speedup is not None and speedup < 1.0 else POLICY
 
     def choose(self, num_requests: int) -> str:
         """The arm of the next round of `num_requests` requests: the faster, or the other in an exploring window
         while the time spent exploring stays within the share. An arm not yet measured `window_rounds` times is run
         first, once per bucket (a bounded, one-off cost)."""
-        bucket = self.buckets.setdefault(self.bucket_of(num_requests), _Bucket())
+        bucket = self._bucket(num_requests)
         for arm in (POLICY, PLAIN):  # (an exploring window's arm included: it was restarted)
             if bucket.arms[arm].num_rounds < self.window_rounds:
+                if bucket.window_arm is None:
+                    self._start_window(bucket, arm, is_exploring=False)
                 return arm
         best = self.best(num_requests)
         other = PLAIN if best == POLICY else POLICY
         expected = self.window_rounds * bucket.arms[other].seconds  # what the window would add (its arm's EMA)
         if bucket.explored_seconds + expected <= self.max_explore_share * (bucket.seconds + expected):
-            bucket.window_arm = other
+            self._start_window(bucket, other, is_exploring=True)
             bucket.arms[other].restart()  # measured afresh: the old estimate is where the arm was left
             return other
         return best
 
+    @staticmethod
+    def _start_window(bucket: _Bucket, arm: str, is_exploring: bool) -> None:
+        other = bucket.arms[PLAIN if arm == POLICY else POLICY]
+        bucket.window_arm, bucket.is_exploring = arm, is_exploring
+        bucket.reference_seconds = other.recent_seconds if other.recent else None
+
     def observe(self, num_requests: int, arm: str, num_tokens: int, seconds: float) -> None:
         """A round of `num_requests` requests ran on `arm`, committing `num_tokens` tokens in `seconds`."""
-        if seconds <= 0:
+        if seconds <= 0 or num_requests <= 0:
             return
-        bucket = self.buckets.setdefault(self.bucket_of(num_requests), _Bucket())
+        bucket = self._bucket(num_requests)
         is_window = bucket.window_arm == arm
-        if is_window or min(a.num_rounds for a in bucket.arms.values()) >= self.window_rounds:
+        if (is_window and bucket.is_exploring) or min(a.num_rounds for a in bucket.arms.values()) >= self.window_rounds:
             bucket.seconds += seconds
             if arm != self.best(num_requests):
                 bucket.explored_seconds += seconds
         bucket.num_rounds += 1
-        bucket.arms[arm].observe(num_tokens, seconds, self.weight)
-        if is_window and bucket.arms[arm].num_rounds >= self.window_rounds:
-            bucket.window_arm = None
+        measured = bucket.arms[arm]
+        measured.observe(num_tokens / num_requests, seconds, self.weight)
+        if is_window and measured.num_rounds >= self.window_rounds:
+            self._end_window(bucket, arm)
+
+    def _end_window(self, bucket: _Bucket, arm: str) -> None:
+        """The window's round seconds against the other arm's just before it: one sample of the seconds ratio."""
+        if bucket.reference_seconds is not None and bucket.reference_seconds > 0:
+            sample = math.log(bucket.arms[arm].recent_seconds / bucket.reference_seconds)
+            sample = sample if arm == POLICY else -sample  # as policy over plain
+            w = max(self.pair_weight, 1.0 / (bucket.num_pairs + 1))
+            bucket.log_seconds_ratio += w * (sample - bucket.log_seconds_ratio)
+            bucket.num_pairs += 1
+        bucket.window_arm = bucket.reference_seconds = None
 
     def describe(self) -> list[dict]:
-        """Per bucket: batch sizes, rounds, the share of time explored, each arm's measured tokens/s and rounds."""
+        """Per bucket: batch sizes, rounds, the share of time explored, the policy's measured speedup over plain
+        decoding, each arm's tokens per request-round and rounds."""
         rows = []
         for b in sorted(self.buckets):
             bucket = self.buckets[b]
@@ -133,7 +189,8 @@ class ThroughputGuard:
                     "batch_sizes": [low, high],
                     "num_rounds": bucket.num_rounds,
                     "explored_share": bucket.explored_seconds / bucket.seconds if bucket.seconds else 0.0,
-                    **{f"{name}_tokens_per_second": arm.rate for name, arm in bucket.arms.items()},
+                    "policy_speedup": self.speedup(high),
+                    **{f"{name}_tokens_per_request": arm.tokens for name, arm in bucket.arms.items()},
                     **{f"{name}_rounds": arm.total_rounds for name, arm in bucket.arms.items()},
                 }
             )

@@ -97,6 +97,34 @@ def test_a_streak_of_rejections_does_not_leave_speculation_off(seed):
     assert run_passages(ThroughputGuard(max_explore_share=0.03), 3000, seed) >= bound
 
 
+def run_arm(rates, arm: str, num_rounds: int, num_requests: int = 8, seed: int = 0) -> float:
+    """`run` with every round on `arm`."""
+
+    class Fixed:
+        def choose(self, n):
+            return arm
+
+        def observe(self, *args):
+            pass
+
+    return run(Fixed(), rates, num_rounds, num_requests, seed)
+
+
+@pytest.mark.parametrize("policy_rate", [88.0, 112.0])
+@pytest.mark.parametrize("drift", ["steps", "sawtooth"])
+def test_the_machine_drifting_under_the_loop_does_not_choose_for_it(drift, policy_rate):
+    """Round times swing by half (other load, the requests' context lengths) in spells of tens to hundreds of
+    rounds, both arms alike, while the arms' ratio stays put. Comparing an arm's fresh window against the other arm's
+    average over an earlier spell credits the arm that happened to run in the fast spell (about 3-4% below the faster
+    arm here); comparing each window's round seconds with the adjacent rounds of the other arm keeps the bound."""
+    slow = {"steps": lambda i: 1.5 if (i // 100) % 2 else 1.0, "sawtooth": lambda i: 1.0 + 0.5 * (i % 200) / 200}
+    rates = lambda i: {POLICY: policy_rate / slow[drift](i), PLAIN: 100.0 / slow[drift](i)}  # noqa: E731
+    num_rounds = 6000
+    arms = {arm: run_arm(rates, arm, num_rounds) for arm in (POLICY, PLAIN)}
+    bound = loop_bound(arms[POLICY], arms[PLAIN], noise=0.01)
+    assert run(ThroughputGuard(max_explore_share=0.03), rates, num_rounds) >= bound
+
+
 def test_batch_sizes_are_measured_apart():
     guard = ThroughputGuard(max_explore_share=0.03)
     run(guard, lambda i: {POLICY: 150.0, PLAIN: 100.0}, 500, num_requests=1)
