@@ -8,8 +8,9 @@ deployed at once on one Ray instance, so the runs can alternate without restarti
 clients sends streaming chat completions (`stream_options.include_usage`) until every prompt is answered; the
 offline runs keep C requests in the engine the same way (a finished request is replaced at once). For each
 concurrency, after `--warmup` unmeasured runs of everything, the order is: offline mode 1, served mode 1, offline
-mode 2, served mode 2, ..., repeated `--passes` times, so that the machine's drift hits every row alike; tokens/s is
-the median over passes.
+mode 2, served mode 2, ..., then the same in reverse order of modes, and so on for `--passes` passes, so that the
+machine's drift (and whatever a served run leaves running behind it) hits every row alike; tokens/s is the median
+over passes.
 
 The table gives output tokens/s (completion tokens over the wall time of the whole run), the served/offline ratio,
 and a served round broken down, per engine round, into compute (inside the worker actors, plus the engine's own
@@ -263,7 +264,8 @@ def main(argv=None) -> int:
                     run_offline(engines[mode], prompts, params, c)
                     asyncio.run(run_served(f"http://127.0.0.1:8123/{mode}", model_name, messages, args.max_tokens, c))
             for p in range(args.passes):
-                for mode in args.modes:
+                # ABBA: the order flips every pass, so that no mode always runs right after another's served run
+                for mode in args.modes if p % 2 == 0 else args.modes[::-1]:
                     off_run = results.setdefault(("offline", mode, c), Run())
                     timings_before = engines[mode].timings.as_dict()
                     rate, outs, num_tokens = run_offline(engines[mode], prompts, params, c)
