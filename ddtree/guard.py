@@ -10,9 +10,9 @@ A round's speed is split in two, measured differently:
 - Committed tokens per request per round, an exponential moving average per arm. It depends on the text and the
   drafter, not on how fast the machine is right now, so rounds far apart in time compare fairly.
 - Round seconds, compared in pairs of adjacent runs only: each window of one arm against the rounds of the other
-  arm just before it, as a log ratio averaged over windows. A round's time drifts by a third and more within a run
-  (other load on the machine, the requests' context lengths), so an arm's seconds measured minutes ago say nothing
-  about the other arm's now; adjacent rounds see the same machine and nearly the same requests.
+  arm just before it, as a log ratio averaged over windows. A round's time drifts within a run by more than the
+  arms differ (other load on the machine, the requests' context lengths), so an arm's seconds measured minutes ago
+  say little about the other arm's now; adjacent rounds see the same machine and nearly the same requests.
 
 The other arm is explored in windows of `window_rounds` consecutive rounds, each measuring it afresh (its old token
 estimate is dropped), and only while the time spent on the arm measured slower stays within `max_explore_share` of
