@@ -10,7 +10,7 @@ offline runs keep C requests in the engine the same way (a finished request is r
 concurrency, after `--warmup` unmeasured runs of everything, the order is: offline mode 1, served mode 1, offline
 mode 2, served mode 2, ..., then the same in reverse order of modes, and so on for `--passes` passes, so that the
 machine's drift (and whatever a served run leaves running behind it) hits every row alike; tokens/s is the median
-over passes.
+over passes. `--served-only` leaves the offline runs out, so that served runs follow served runs only.
 
 The table gives output tokens/s (completion tokens over the wall time of the whole run), the served/offline ratio,
 and a served round broken down, per engine round, into compute (inside the worker actors, plus the engine's own
@@ -85,6 +85,13 @@ def parse(argv=None):
         default=[],
         metavar="KEY=VALUE",
         help="override an app arg of the served runs (YAML value), e.g. --set stream_interval_ms=50",
+    )
+    p.add_argument(
+        "--served-only",
+        action="store_true",
+        help="no offline runs: the served apps alone, alternating (a served run then follows another served run, not "
+        "an offline run in this process); the offline columns are '-', and T=0 texts are compared with the first "
+        "mode's served texts",
     )
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
@@ -261,17 +268,24 @@ def main(argv=None) -> int:
         for c in args.concurrency:
             for _ in range(args.warmup):
                 for mode in args.modes:
-                    run_offline(engines[mode], prompts, params, c)
+                    if not args.served_only:
+                        run_offline(engines[mode], prompts, params, c)
                     asyncio.run(run_served(f"http://127.0.0.1:8123/{mode}", model_name, messages, args.max_tokens, c))
             for p in range(args.passes):
                 # ABBA: the order flips every pass, so that no mode always runs right after another's served run
                 for mode in args.modes if p % 2 == 0 else args.modes[::-1]:
-                    off_run = results.setdefault(("offline", mode, c), Run())
-                    timings_before = engines[mode].timings.as_dict()
-                    rate, outs, num_tokens = run_offline(engines[mode], prompts, params, c)
-                    off_run.tokens_per_second.append(rate)
-                    off_run.outputs = outs
-                    _add_mix(off_run, timings_before, engines[mode].timings.as_dict(), num_tokens)
+                    off_run = None
+                    if not args.served_only:
+                        off_run = results.setdefault(("offline", mode, c), Run())
+                        timings_before = engines[mode].timings.as_dict()
+                        rate, outs, num_tokens = run_offline(engines[mode], prompts, params, c)
+                        off_run.tokens_per_second.append(rate)
+                        off_run.outputs = outs
+                        _add_mix(off_run, timings_before, engines[mode].timings.as_dict(), num_tokens)
+                        off_run.engine_state = {
+                            "guard": engines[mode].guard.describe() if engines[mode].guard else None,
+                            "timings": engines[mode].timings.as_dict(),
+                        }
                     served_run = results.setdefault(("served", mode, c), Run())
                     handle = serve.get_app_handle(mode)
                     before = handle.info.remote().result()
@@ -287,15 +301,8 @@ def main(argv=None) -> int:
                     _add_breakdown(served_run, before, after, wall)
                     _add_mix(served_run, before["timings"], after["timings"], num_tokens)
                     served_run.engine_state = {"guard": after["guard"], "timings": after["timings"]}
-                    off_run.engine_state = {
-                        "guard": engines[mode].guard.describe() if engines[mode].guard else None,
-                        "timings": engines[mode].timings.as_dict(),
-                    }
-                    print(
-                        f"  c={c} pass {p + 1} {mode}: offline {off_run.tokens_per_second[-1]:.1f}, "
-                        f"served {rate:.1f} tok/s",
-                        flush=True,
-                    )
+                    offline = f"offline {off_run.tokens_per_second[-1]:.1f}, " if off_run is not None else ""
+                    print(f"  c={c} pass {p + 1} {mode}: {offline}served {rate:.1f} tok/s", flush=True)
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -367,21 +374,24 @@ def print_table(args, results: dict) -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for c in args.concurrency:
         for mode in args.modes:
-            off, srv = results[("offline", mode, c)], results[("served", mode, c)]
+            off, srv = results.get(("offline", mode, c)), results[("served", mode, c)]
             base = results.get(("served", "off", c))
             rounds = max(srv.num_rounds, 1)
             wall = 1000 * srv.per_round["wall"] / rounds
             compute = 1000 * srv.per_round["compute"] / rounds
             hops = 1000 * srv.per_round["hops"] / rounds
             there = 1000 * srv.per_round["hops_there"] / rounds
-            equal = off.outputs == srv.outputs
+            reference = off if off is not None else results[("served", args.modes[0], c)]
+            equal = reference.outputs == srv.outputs
+            off_rate = f"{off.median:.1f}" if off is not None else "-"
+            ratio = f"{srv.median / off.median:.2f}" if off is not None else "-"
             x_off = f"{srv.median / base.median:.2f}" if base and base.median else "-"
             batch = (srv.mix["num_speculative_request_rounds"] + srv.mix["num_autoregressive_request_rounds"]) / rounds
             print(
-                f"| {mode} | {c} | {off.median:.1f} | {srv.median:.1f} | {srv.median / off.median:.2f} | {x_off} "
+                f"| {mode} | {c} | {off_rate} | {srv.median:.1f} | {ratio} | {x_off} "
                 f"| {batch:.1f} "
                 f"| {wall:.1f} | {compute:.1f} | {hops:.2f} ({there:.2f}) | {wall - compute - hops:.1f} "
-                f"| {_mix_columns(off)} | {_mix_columns(srv)} | {equal} |"
+                f"| {_mix_columns(off) if off is not None else '- | -'} | {_mix_columns(srv)} | {equal} |"
             )
 
 
