@@ -381,17 +381,20 @@ def print_table(args, results: dict) -> None:
             compute = 1000 * srv.per_round["compute"] / rounds
             hops = 1000 * srv.per_round["hops"] / rounds
             there = 1000 * srv.per_round["hops_there"] / rounds
-            reference = off if off is not None else results[("served", args.modes[0], c)]
+            if off is None:  # --served-only: T=0 texts against the first mode's served ones
+                off_rate, ratio, off_mix = "-", "-", "- | -"
+                reference = results[("served", args.modes[0], c)]
+            else:
+                off_rate, ratio, off_mix = f"{off.median:.1f}", f"{srv.median / off.median:.2f}", _mix_columns(off)
+                reference = off
             equal = reference.outputs == srv.outputs
-            off_rate = f"{off.median:.1f}" if off is not None else "-"
-            ratio = f"{srv.median / off.median:.2f}" if off is not None else "-"
             x_off = f"{srv.median / base.median:.2f}" if base and base.median else "-"
             batch = (srv.mix["num_speculative_request_rounds"] + srv.mix["num_autoregressive_request_rounds"]) / rounds
             print(
                 f"| {mode} | {c} | {off_rate} | {srv.median:.1f} | {ratio} | {x_off} "
                 f"| {batch:.1f} "
                 f"| {wall:.1f} | {compute:.1f} | {hops:.2f} ({there:.2f}) | {wall - compute - hops:.1f} "
-                f"| {_mix_columns(off) if off is not None else '- | -'} | {_mix_columns(srv)} | {equal} |"
+                f"| {off_mix} | {_mix_columns(srv)} | {equal} |"
             )
 
 
