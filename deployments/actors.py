@@ -67,18 +67,23 @@ _thread_state = threading.local()
 
 
 def _set_torch_threads(spec: WorkerSpec) -> None:
-    """torch's CPU threads for the calling OS thread (OpenMP keeps the count per thread, and the compiled graph
-    runs the steps on a thread of its own): the spec's count, at most the cores this process may use."""
-    if spec.device.startswith("cpu") and getattr(_thread_state, "threads", None) is None:
+    """The calling OS thread is the worker's channel thread, the one that computes: torch runs the spec's thread
+    count on it, at most the cores this process may use (OpenMP keeps the count per thread; every other thread of
+    the process keeps the environment's 1, `worker_env`)."""
+    if getattr(_thread_state, "threads", None) is None:
         _thread_state.threads = min(spec.torch_threads, len(os.sched_getaffinity(0)))
         torch.set_num_threads(_thread_state.threads)
 
 
-def worker_env(spec: WorkerSpec) -> dict[str, str]:
-    """A worker actor's environment: OpenMP waits that spin briefly, then sleep, and OpenMP's thread count set to
-    the spec's (Ray would set it to the actor's whole CPUs, 1 for a fraction), so that every library starts with the
-    same count."""
-    return {**WORKER_OPENMP_ENV, "OMP_NUM_THREADS": str(spec.torch_threads)}
+def worker_env() -> dict[str, str]:
+    """A worker actor's environment: OpenMP waits that spin briefly, then sleep (each variable the replica sets,
+    so that the actor inherits none of the replica's waits), and one OpenMP thread by default. The worker computes
+    on its channel's thread alone, which takes the spec's count (`_set_torch_threads`); the actor's own thread
+    loads the model and answers Ray calls on one thread, so it never starts an OpenMP team. libgomp counts the
+    threads of every team in the process against its cores, and past them every wait between two parallel regions
+    sleeps at once: with the model loaded on a team of its own, each region of a forward paid for a wake-up
+    (docs/serving.md, "Threads")."""
+    return {**WORKER_OPENMP_ENV, "OMP_NUM_THREADS": "1"}
 
 
 # ---- the actors -------------------------------------------------------------------------------------------------
@@ -94,7 +99,6 @@ class TargetActor:
     def __init__(self, spec: WorkerSpec, need_drafter: bool) -> None:
         from ddtree.loaders import load_target_worker, resolve_drafter_path
 
-        _set_torch_threads(spec)
         drafter_path = resolve_drafter_path(spec.model, spec.drafter) if need_drafter else None
         self.worker = load_target_worker(
             spec.model,
@@ -240,7 +244,6 @@ class DrafterActor:
     def __init__(self, spec: WorkerSpec, head) -> None:
         from ddtree.loaders import load_drafter_worker, resolve_drafter_path
 
-        _set_torch_threads(spec)
         path = resolve_drafter_path(spec.model, spec.drafter)
         self.worker = load_drafter_worker(path, head, device=spec.device, dtype=spec.dtype)
         self._spec = spec
@@ -382,7 +385,7 @@ def _actor_options(spec: WorkerSpec, place: ActorPlace, pg) -> dict:
         "num_cpus": place.num_cpus,
         "num_gpus": place.num_gpus,
         "max_restarts": 0,
-        "runtime_env": {"env_vars": worker_env(spec)},
+        "runtime_env": {"env_vars": worker_env()},
     }
     if pg is not None:
         opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(

@@ -33,11 +33,11 @@ _ENGINE = EngineConfig(**SERVE_DEFAULTS)
 # spinning in one actor steals them from the other. Not asleep at once either: a forward runs hundreds of parallel
 # regions, and a futex wake-up at each costs the verify (docs/serving.md, "Threads", has both costs). So a worker
 # spins GOMP_SPINCOUNT iterations (~0.3 ms, longer than the gaps between a forward's regions) before it sleeps; the
-# replica, whose torch ops are few and small, sleeps at once. Both must be set before torch loads OpenMP, so they go
-# in the processes' environments, each explicit about both: Ray's workers inherit its driver's environment, and a
-# worker actor the replica's (KMP_*: Intel's OpenMP, where torch uses it).
+# replica, whose torch ops are few and small, sleeps at once (a spin count of 0). Both must be set before torch loads
+# OpenMP, so they go in the processes' environments, and both set the same variables: Ray's workers inherit its
+# driver's environment, and a worker actor the replica's (KMP_*: Intel's OpenMP, where torch uses it).
 WORKER_OPENMP_ENV = {"GOMP_SPINCOUNT": "30000", "KMP_BLOCKTIME": "1"}
-REPLICA_OPENMP_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0", "KMP_BLOCKTIME": "0"}
+REPLICA_OPENMP_ENV = {"GOMP_SPINCOUNT": "0", "KMP_BLOCKTIME": "0"}
 
 
 def use_worker_openmp_env() -> None:
