@@ -19,7 +19,9 @@ served round's wall time beyond those (serving: HTTP, the ingress, streaming, th
 and served alike it gives the share of request-rounds that drafted ("spec share") and the output tokens per
 request-round: where served speculation makes less than offline at the same round time, these say whether it
 drafted less often or committed less per draft. T=0 outputs are compared token for token between offline and
-served.
+served. A second table gives the cores each kind of process used during the served runs (the target and drafter
+actors, the engine replica, Serve's proxy and controller, everything else, this process's HTTP clients) and the
+cores left idle.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import time
@@ -58,6 +61,9 @@ class Run:
     engine_state: dict = field(default_factory=dict)  # the engine's closed loop and cumulative timings, last pass
     # summed over passes: output tokens, request-rounds speculative and in fallback (offline and served alike)
     mix: dict[str, int] = field(default_factory=dict)
+    # served runs, summed over passes: CPU seconds by process role (`cpu_snapshot`), and the runs' wall seconds
+    cpu_seconds: dict[str, float] = field(default_factory=dict)
+    cpu_wall: float = 0.0
 
     @property
     def median(self) -> float:
@@ -289,11 +295,12 @@ def main(argv=None) -> int:
                     served_run = results.setdefault(("served", mode, c), Run())
                     handle = serve.get_app_handle(mode)
                     before = handle.info.remote().result()
-                    t0 = time.perf_counter()
+                    cpu_before, t0 = cpu_snapshot(), time.perf_counter()
                     rate, outs, ttfts, num_tokens = asyncio.run(
                         run_served(f"http://127.0.0.1:8123/{mode}", model_name, messages, args.max_tokens, c)
                     )
                     wall = time.perf_counter() - t0
+                    _add_cpu(served_run, cpu_before, cpu_snapshot(), wall)
                     after = handle.info.remote().result()
                     served_run.tokens_per_second.append(rate)
                     served_run.outputs = outs
@@ -320,6 +327,7 @@ def main(argv=None) -> int:
                         "mix": r.mix,
                         "ttft_p50_s": statistics.median(r.ttft) if r.ttft else None,
                         "engine_state": r.engine_state,
+                        "cpu_cores": {k: v / r.cpu_wall for k, v in r.cpu_seconds.items()} if r.cpu_wall else None,
                     }
                     for (w, m, c), r in results.items()
                 ],
@@ -327,6 +335,53 @@ def main(argv=None) -> int:
             )
         )
     return 0
+
+
+# Whose CPU a served run spends: each process on the machine by its role (Ray names an actor's process after its
+# class), this process's (the HTTP clients'), and the cores' idle time.
+_ROLES = (
+    (b"TargetActor", "target"),
+    (b"DrafterActor", "drafter"),
+    (b"ServeReplica", "replica"),
+    (b"ProxyActor", "proxy"),
+    (b"ServeController", "controller"),
+)
+CPU_COLUMNS = ("target", "drafter", "replica", "proxy", "controller", "other", "clients", "idle")
+
+
+def cpu_snapshot() -> dict[str, float] | None:
+    """CPU seconds used so far by role (`CPU_COLUMNS`; "other": Ray's own processes and anything else running), and
+    the machine's idle seconds, from /proc (None where there is none)."""
+    if not os.path.exists("/proc/stat"):
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    seconds = dict.fromkeys(CPU_COLUMNS, 0.0)
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_bytes()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+        except OSError:  # (exited meanwhile)
+            continue
+        fields = stat[stat.rindex(b")") + 2 :].split()  # from the state on: utime and stime are the 12th and 13th
+        used = (int(fields[11]) + int(fields[12])) / tick
+        if int(entry) == os.getpid():
+            role = "clients"
+        else:
+            role = next((name for key, name in _ROLES if key in cmdline), "other")
+        seconds[role] += used
+    cpu = Path("/proc/stat").read_text().split("\n", 1)[0].split()  # "cpu user nice system idle iowait ..."
+    seconds["idle"] = (int(cpu[4]) + int(cpu[5])) / tick
+    return seconds
+
+
+def _add_cpu(run: Run, before: dict[str, float] | None, after: dict[str, float] | None, wall: float) -> None:
+    if before is None or after is None:
+        return
+    for role in CPU_COLUMNS:
+        run.cpu_seconds[role] = run.cpu_seconds.get(role, 0.0) + after[role] - before[role]
+    run.cpu_wall += wall
 
 
 def _add_breakdown(run: Run, before: dict, after: dict, wall: float) -> None:
@@ -396,6 +451,14 @@ def print_table(args, results: dict) -> None:
                 f"| {wall:.1f} | {compute:.1f} | {hops:.2f} ({there:.2f}) | {wall - compute - hops:.1f} "
                 f"| {off_mix} | {_mix_columns(srv)} | {equal} |"
             )
+    served = [(mode, c, results[("served", mode, c)]) for c in args.concurrency for mode in args.modes]
+    if all(run.cpu_wall for _, _, run in served):
+        print(f"\nCores used while served (CPU seconds over the served runs' wall time; {os.cpu_count()} cores):\n")
+        print("| mode | concurrency | " + " | ".join(CPU_COLUMNS) + " |")
+        print("|---|---|" + "---|" * len(CPU_COLUMNS))
+        for mode, c, run in served:
+            cores = " | ".join(f"{run.cpu_seconds[role] / run.cpu_wall:.2f}" for role in CPU_COLUMNS)
+            print(f"| {mode} | {c} | {cores} |")
 
 
 if __name__ == "__main__":
