@@ -20,7 +20,7 @@ from ddtree.engine import Engine, EngineConfig
 from ddtree.llm import LLM
 from ddtree.sampling_params import SamplingParams
 
-MODES = ("hf", "off", "dflash", "ddtree", "auto", "auto-no-ngram")
+MODES = ("hf", "off", "dflash", "ddtree", "auto", "auto-no-ngram", "auto-no-loop")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,7 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--modes",
         default="hf,off,dflash,ddtree,auto",
-        help="which modes to run (also: auto-no-ngram, auto without n-gram proposals)",
+        help="which modes to run (also: auto-no-ngram, auto without n-gram proposals; auto-no-loop, the budget "
+        "policy alone, without the closed loop)",
     )
     parser.add_argument(
         "--concurrency",
@@ -187,7 +188,7 @@ def run_hf(model_dir: str, prompts: list[list[int]], max_tokens: int, eos_token_
     return result
 
 
-SPECULATIVE_MODES = ("dflash", "ddtree", "auto", "auto-no-ngram")
+SPECULATIVE_MODES = ("dflash", "ddtree", "auto", "auto-no-ngram", "auto-no-loop")
 
 
 def parse_concurrencies(value) -> list[int]:
@@ -303,6 +304,8 @@ def run(args) -> int:
         configs.append(("ddtree auto", EngineConfig(speculation="ddtree", budget="auto")))
     if "auto-no-ngram" in modes:
         configs.append(("ddtree auto, no n-gram", EngineConfig(speculation="ddtree", budget="auto", ngram_tokens=0)))
+    if "auto-no-loop" in modes:
+        configs.append(("ddtree auto, no loop", EngineConfig(speculation="ddtree", budget="auto", max_explore_share=0)))
     engines = []
     for name, config in configs:
         config.max_num_seqs = max_concurrency

@@ -59,7 +59,8 @@ def test_bench_runs_every_mode_over_several_passes(tmp_path, capsys):
 
 def test_bench_sweeps_concurrency_in_one_table(tmp_path, capsys):
     """--concurrency 1,3: every mode at each count on the same engines, one table with a row per count and mode
-    (off, auto, dflash and the fastest fixed B of that count), results.json naming the count of each row."""
+    (off, auto, auto without its loop, dflash and the fastest fixed B of that count), results.json naming the count
+    of each row."""
     target = make_tiny_target(tmp_path / "target", logit_scale=8.0)
     drafter = make_tiny_drafter(tmp_path / "drafter", target)
     prompts = tmp_path / "prompts.jsonl"
@@ -84,7 +85,7 @@ def test_bench_sweeps_concurrency_in_one_table(tmp_path, capsys):
                 "--budgets",
                 "2,4",
                 "--modes",
-                "off,dflash,ddtree,auto",
+                "off,dflash,ddtree,auto,auto-no-loop",
                 "--concurrency",
                 "1,3",
                 "--threads",
@@ -98,12 +99,14 @@ def test_bench_sweeps_concurrency_in_one_table(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "| concurrency | mode | tokens/s | x off | drafted | tokens/round | tau |" in printed
     table = [line for line in printed.splitlines() if line.startswith("| 1 |") or line.startswith("| 3 |")]
-    assert len(table) == 2 * 4  # off, dflash, auto, best B: at each count
+    assert len(table) == 2 * 5  # off, dflash, auto, auto without its loop, best B: at each count
     assert sum("(best B)" in line for line in table) == 2
     assert "T=0 outputs identical to `off`: all modes, every concurrency" in printed
     rows = json.loads((out / "results.json").read_text())
     assert {(r["concurrency"], r["mode"]) for r in rows} == {
-        (c, m) for c in (1, 3) for m in ("off", "dflash", "ddtree B=2", "ddtree B=4", "ddtree auto")
+        (c, m)
+        for c in (1, 3)
+        for m in ("off", "dflash", "ddtree B=2", "ddtree B=4", "ddtree auto", "ddtree auto, no loop")
     }
     assert all(r["num_tokens"] == 3 * 6 for r in rows)
 
