@@ -104,6 +104,7 @@ class Engine(WorkerRecovery):
         self.scheduler = Scheduler(config.max_num_seqs, config.max_waiting)
         # the closed loop over the budget policy (auto mode only: a fixed budget or dflash is the user's choice)
         self.guard = ThroughputGuard(config.max_explore_share) if is_auto and config.max_explore_share > 0 else None
+        self._drafter_behind = False  # plain rounds ran since the policy's last drafting round
         self.requests: dict[str, Request] = {}
         self.timings = RoundTimings()
         self._ids = itertools.count()
@@ -286,7 +287,11 @@ class Engine(WorkerRecovery):
         arm = self.guard.choose(len(running)) if self.guard is not None else POLICY
         roots = {rid: self.requests[rid].root_token_id for rid in running}
         if arm == POLICY:
-            return RoundBatch.from_plan(self._plan(running), roots, arm=arm, started_at=started_at)
+            plan = self._plan(running)
+            resumes = self._drafter_behind and bool(plan.speculative_ids)
+            self._drafter_behind &= not resumes
+            return RoundBatch.from_plan(plan, roots, arm=arm, started_at=started_at, resumes_drafting=resumes)
+        self._drafter_behind = True
         self.timings.num_plain_rounds += 1
         batch = RoundBatch.from_plan(RoundPlan([], list(running), []), roots, arm=arm, started_at=started_at)
         batch.close()  # plain decoding, as speculation "off" does: no draft, no n-gram chain
@@ -383,7 +388,7 @@ class Engine(WorkerRecovery):
         """What the round teaches the budget policy: the cost curves, each drafting request's acceptance (drafting's
         gain is what it accepted beyond its n-gram chain alone), and the chains' values."""
         cost = self.budget.cost
-        if batch.draft_seconds is not None:
+        if batch.draft_seconds is not None and not batch.resumes_drafting:  # (a switch's catch-up is no draft cost)
             cost.observe_draft(batch.num_drafting, batch.draft_seconds)
         cost.observe_verify(batch.num_verified_tokens, batch.verify_seconds)
         for e in batch.entries:
@@ -422,7 +427,8 @@ class Engine(WorkerRecovery):
         if self.guard is None or self.drafter_lost is not None or self.target_lost is not None:
             return
         num_tokens = sum(1 + len(e.accepted) for e in batch.entries)
-        self.guard.observe(len(batch.entries), batch.arm, num_tokens, time.perf_counter() - batch.started_at)
+        seconds = time.perf_counter() - batch.started_at
+        self.guard.observe(len(batch.entries), batch.arm, num_tokens, seconds, switches=batch.resumes_drafting)
 
     def _append_tokens(
         self, req: Request, tokens: list[int], logprobs: RawLogprobs | None = None

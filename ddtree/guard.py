@@ -14,6 +14,12 @@ A round's speed is split in two, measured differently:
   arms differ (other load on the machine, the requests' context lengths), so an arm's seconds measured minutes ago
   say little about the other arm's now; adjacent rounds see the same machine and nearly the same requests.
 
+Only the policy's estimate is noisy (plain decoding commits exactly one token per request-round), so the two are read
+asymmetrically: the running policy gives way to plain decoding only where it measures slower by more than
+`confidence` standard errors of its token estimate, and plain decoding gives way as soon as a window measures the
+policy faster (`_decide`). The policy's first drafting round after plain ones is not measured (`observe(switches=)`):
+its draft also takes in the features of the plain rounds, a cost of switching, not of the arm's rounds.
+
 The other arm is explored in windows of `window_rounds` consecutive rounds, each measuring it afresh (its old token
 estimate is dropped), and only while the time spent on the arm measured slower stays within `max_explore_share` of
 the bucket's round seconds. Exploring thus costs at most that share of the difference between the two arms' speeds,
@@ -43,6 +49,7 @@ def check_max_explore_share(value) -> None:
 class _Arm:
     window_rounds: int
     tokens: float = 0.0  # EMA of committed tokens per request per round
+    squares: float = 0.0  # EMA of their squares (the spread of a round's tokens)
     seconds: float = 0.0  # EMA of round seconds (what a window of this arm is expected to cost)
     num_rounds: int = 0  # since the estimate was last started afresh
     total_rounds: int = 0
@@ -52,12 +59,13 @@ class _Arm:
         self.recent = deque(maxlen=self.window_rounds)
 
     def restart(self) -> None:
-        self.tokens = self.seconds = 0.0
+        self.tokens = self.squares = self.seconds = 0.0
         self.num_rounds = 0
 
     def observe(self, tokens_per_request: float, seconds: float, weight: float) -> None:
         w = max(weight, 1.0 / (self.num_rounds + 1))  # the first rounds: their plain mean
         self.tokens += w * (tokens_per_request - self.tokens)
+        self.squares += w * (tokens_per_request**2 - self.squares)
         self.seconds += w * (seconds - self.seconds)
         self.num_rounds += 1
         self.total_rounds += 1
@@ -67,6 +75,14 @@ class _Arm:
     def recent_seconds(self) -> float:
         return sum(self.recent) / len(self.recent)
 
+    def relative_error(self, weight: float) -> float:
+        """The standard error of `tokens` over its value: a plain mean's for the first rounds, then an EMA's (whose
+        variance is weight / (2 - weight) of one round's)."""
+        if self.tokens <= 0 or self.num_rounds == 0:
+            return math.inf
+        variance = max(0.0, self.squares - self.tokens**2)
+        return math.sqrt(variance / min(self.num_rounds, (2 - weight) / weight)) / self.tokens
+
 
 @dataclass
 class _Bucket:
@@ -75,6 +91,7 @@ class _Bucket:
     num_rounds: int = 0
     seconds: float = 0.0  # of every round once both arms were measured
     explored_seconds: float = 0.0  # of those, on the arm that measured slower
+    current: str = POLICY  # the arm measured faster (as `_decide` reads the estimates)
     window_arm: str | None = None  # the arm being measured afresh, until it has `window_rounds` rounds again
     is_exploring: bool = False  # the window explores (else it is the arm's first measurement in the bucket)
     reference_seconds: float | None = None  # the other arm's recent round seconds when the window began
@@ -91,6 +108,9 @@ class ThroughputGuard:
     weight: float = 0.02  # EMA weight of a new round's tokens on the arm that runs (~50 rounds' memory)
     window_rounds: int = 4  # rounds per exploring window (and per arm's first measurement)
     pair_weight: float = 0.25  # EMA weight of a window's seconds ratio (~4 windows' memory)
+    # standard errors of its token estimate by which the running policy must measure slower before plain decoding
+    # replaces it (plain decoding's tokens per request-round are known exactly: 1)
+    confidence: float = 1.0
     buckets: dict[int, _Bucket] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -121,10 +141,28 @@ class ThroughputGuard:
         """The arm measured faster at this batch size (the policy's while either is not measured yet, and the one
         that was faster when the window began while an exploring window runs)."""
         bucket = self.buckets.get(self.bucket_of(num_requests))
-        if bucket is not None and bucket.window_arm is not None:
+        if bucket is None:
+            return POLICY
+        if bucket.window_arm is not None:
             return PLAIN if bucket.window_arm == POLICY else POLICY
+        return bucket.current
+
+    def _decide(self, bucket: _Bucket, num_requests: int) -> None:
+        """The arm measured faster. Plain decoding's estimate is exact and the policy's is not: a speculative round's
+        tokens vary widely (none accepted in a third of rounds, streaks on hard passages), so the running policy
+        gives way only where it measures slower by more than `confidence` standard errors of its estimate; plain
+        decoding gives way as soon as a window of the policy measures faster. Taking the noisy estimate at its word
+        both ways left speculation off on a dip of its noise, for the hundreds of rounds until a window measured it
+        again (at one request, whole answers decoded plain where speculation paid on the whole)."""
         speedup = self.speedup(num_requests)
-        return PLAIN if speedup is not None and speedup < 1.0 else POLICY
+        if speedup is None:
+            bucket.current = POLICY
+        elif bucket.current == POLICY:
+            error = bucket.arms[POLICY].relative_error(self.weight)
+            if speedup * (1.0 + self.confidence * error) < 1.0:
+                bucket.current = PLAIN
+        elif speedup >= 1.0:
+            bucket.current = POLICY
 
     def choose(self, num_requests: int) -> str:
         """The arm of the next round of `num_requests` requests: the faster, or the other in an exploring window
@@ -151,8 +189,11 @@ class ThroughputGuard:
         bucket.window_arm, bucket.is_exploring = arm, is_exploring
         bucket.reference_seconds = other.recent_seconds if other.recent else None
 
-    def observe(self, num_requests: int, arm: str, num_tokens: int, seconds: float) -> None:
-        """A round of `num_requests` requests ran on `arm`, committing `num_tokens` tokens in `seconds`."""
+    def observe(self, num_requests: int, arm: str, num_tokens: int, seconds: float, switches: bool = False) -> None:
+        """A round of `num_requests` requests ran on `arm`, committing `num_tokens` tokens in `seconds`. A round that
+        `switches` (the policy's first drafting round after plain ones: its draft also takes in the features of the
+        plain rounds) counts in the time spent but is not measured: what it costs beyond a round of the arm is
+        the switch, paid once per exploring window, and would price every later round of the arm."""
         if seconds <= 0 or num_requests <= 0:
             return
         bucket = self._bucket(num_requests)
@@ -162,10 +203,14 @@ class ThroughputGuard:
             if arm != self.best(num_requests):
                 bucket.explored_seconds += seconds
         bucket.num_rounds += 1
+        if switches:
+            return
         measured = bucket.arms[arm]
         measured.observe(num_tokens / num_requests, seconds, self.weight)
         if is_window and measured.num_rounds >= self.window_rounds:
             self._end_window(bucket, arm)
+        if bucket.window_arm is None:
+            self._decide(bucket, num_requests)
 
     def _end_window(self, bucket: _Bucket, arm: str) -> None:
         """The window's round seconds against the other arm's just before it: one sample of the seconds ratio."""

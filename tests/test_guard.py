@@ -59,14 +59,24 @@ def test_speculation_comes_back_when_it_pays_again():
     assert second_half >= 0.9 * 150.0
 
 
-def run_passages(guard: ThroughputGuard | None, num_rounds: int, seed: int) -> float:
+def run_passages(
+    guard: ThroughputGuard | None,
+    num_rounds: int,
+    seed: int,
+    catch_up_seconds: float = 0.0,
+    mark_switch: bool = True,
+    policy_seconds: float = 0.0175,
+) -> float:
     """One request decoding text of easy and hard passages (about 20 tokens each, keyed by the tokens committed so
     far, whichever arm committed them): a speculative round accepts 0-6 draft nodes (each after its parent with
     chance 0.7) on easy text, at most one (chance 0.3) on hard text, and costs 1.25x a plain round. Speculation pays
-    on the whole, while a hard passage leaves it a streak of rounds below plain decoding. Returns tokens/s."""
+    on the whole, while a hard passage leaves it a streak of rounds below plain decoding. The first speculative round
+    after plain rounds costs `catch_up_seconds` more per plain round (the drafter takes in their features), and tells
+    the guard it switches where `mark_switch`, as the engine does. Returns tokens/s."""
     rng, passages = random.Random(seed), random.Random(seed + 1)
     hard, is_hard = False, []
     tokens = seconds = 0.0
+    num_plain = 0  # plain rounds since the last speculative one
     for _ in range(num_rounds):
         while len(is_hard) <= tokens:
             hard = hard != (passages.random() < 0.05)
@@ -78,9 +88,13 @@ def run_passages(guard: ThroughputGuard | None, num_rounds: int, seed: int) -> f
         elif arm == POLICY:
             while accepted < 6 and rng.random() < 0.7:
                 accepted += 1
-        round_seconds = (0.0175 if arm == POLICY else 0.014) * rng.uniform(0.8, 1.2)
+        round_seconds = (policy_seconds if arm == POLICY else 0.014) * rng.uniform(0.8, 1.2)
+        switches = arm == POLICY and num_plain > 0
+        if switches:
+            round_seconds += catch_up_seconds * num_plain
+        num_plain = num_plain + 1 if arm == PLAIN else 0
         if guard is not None:
-            guard.observe(1, arm, 1 + accepted, round_seconds)
+            guard.observe(1, arm, 1 + accepted, round_seconds, switches=switches and mark_switch)
         tokens += 1 + accepted
         seconds += round_seconds
     return tokens / seconds
@@ -95,6 +109,28 @@ def test_a_streak_of_rejections_does_not_leave_speculation_off(seed):
     assert policy_alone > 1.5 * plain
     bound = loop_bound(policy_alone, plain)
     assert run_passages(ThroughputGuard(max_explore_share=0.03), 3000, seed) >= bound
+
+
+def test_speculation_that_pays_a_little_is_not_left_off_for_long():
+    """Speculative rounds cost 1.5x a plain round (as at one request on a CPU), so the policy gains ~25% on the
+    whole and loses on hard passages; the first speculative round after plain rounds costs 0.06 ms more per plain
+    round (the drafter takes in their features: ~10 ms after a typical stretch against a 21 ms round). A guard that
+    took the noisy token estimate at its word both ways, and priced a switch's catch-up as a round of the policy, went
+    plain on a dip of the noise and stayed there for hundreds of rounds while exploring windows that included the
+    catch-up measured the policy slow: it kept about half the gain. The guard keeps most of it."""
+    plain = 1 / 0.014
+
+    def gain_kept(make_guard, mark_switch: bool) -> float:
+        kept = []
+        for seed in range(6):
+            policy_alone = run_passages(None, 3000, seed, policy_seconds=0.021)
+            looped = run_passages(make_guard(), 3000, seed, 0.00006, mark_switch, policy_seconds=0.021)
+            kept.append((looped - plain) / (policy_alone - plain))
+        return sum(kept) / len(kept)
+
+    assert gain_kept(lambda: ThroughputGuard(max_explore_share=0.03), mark_switch=True) >= 0.75
+    before = gain_kept(lambda: ThroughputGuard(max_explore_share=0.03, confidence=0.0), mark_switch=False)
+    assert before < 0.6
 
 
 def run_arm(rates, arm: str, num_rounds: int, num_requests: int = 8, seed: int = 0) -> float:
@@ -269,3 +305,36 @@ def test_the_guard_runs_in_auto_mode_only(workers):
     for bad in (-0.1, 0.7, True, "0.1"):
         with pytest.raises(ValueError, match="max_explore_share"):
             EngineConfig(max_explore_share=bad)
+
+
+def test_the_first_drafting_round_after_plain_rounds_is_marked_a_switch(workers):
+    """The engine tells the guard which round takes in the plain rounds' features (the policy's first drafting round
+    after them), and keeps that round's draft call out of the cost model's draft curve."""
+    from ddtree import SamplingParams
+
+    engine = _engine(workers, max_num_seqs=1)
+    arms = iter([POLICY] * 3 + [PLAIN] * 5 + [POLICY] * 20)
+    engine.guard.choose = lambda num_requests: next(arms)
+    observed = []
+    original = engine.guard.observe
+
+    def observe(num_requests, arm, num_tokens, seconds, switches=False):
+        observed.append((arm, switches))
+        original(num_requests, arm, num_tokens, seconds, switches)
+
+    engine.guard.observe = observe
+    draft_samples = []
+    observe_draft = engine.budget.cost.observe_draft
+    engine.budget.cost.observe_draft = lambda n, s: (draft_samples.append(len(observed)), observe_draft(n, s))
+    engine.add_request("a b a b a b a b", SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    num_draft_calls = []
+    while engine.has_unfinished_requests():
+        engine.step()
+        num_draft_calls.append(engine.timings.num_draft_calls)
+    switched = [i for i, (_, switches) in enumerate(observed) if switches]
+    assert len(switched) == 1 and observed[switched[0]][0] == POLICY and switched[0] >= 8
+    first = switched[0]
+    assert num_draft_calls[first] == num_draft_calls[first - 1] + 1  # it drafted, the first since the plain rounds
+    assert all(num_draft_calls[i] == num_draft_calls[7] for i in range(3, first))
+    assert first not in draft_samples  # (the index the round's draft would be observed at, before its guard call)
+    assert any(i > first for i in draft_samples) and any(i < 3 for i in draft_samples)
