@@ -115,6 +115,8 @@ class ThroughputGuard:
 
     def __post_init__(self) -> None:
         check_max_explore_share(self.max_explore_share)
+        if not self.confidence >= 0:
+            raise ValueError(f"confidence must be a number >= 0, got {self.confidence!r}")
 
     @staticmethod
     def bucket_of(num_requests: int) -> int:
@@ -148,12 +150,9 @@ class ThroughputGuard:
         return bucket.current
 
     def _decide(self, bucket: _Bucket, num_requests: int) -> None:
-        """The arm measured faster. Plain decoding's estimate is exact and the policy's is not: a speculative round's
-        tokens vary widely (none accepted in a third of rounds, streaks on hard passages), so the running policy
-        gives way only where it measures slower by more than `confidence` standard errors of its estimate; plain
-        decoding gives way as soon as a window of the policy measures faster. Taking the noisy estimate at its word
-        both ways left speculation off on a dip of its noise, for the hundreds of rounds until a window measured it
-        again (at one request, whole answers decoded plain where speculation paid on the whole)."""
+        """The arm measured faster, read asymmetrically (module docstring): taking the policy's noisy estimate at its
+        word both ways left speculation off on a dip of its noise for the hundreds of rounds until a window measured
+        it again."""
         speedup = self.speedup(num_requests)
         if speedup is None:
             bucket.current = POLICY

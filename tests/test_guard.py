@@ -169,10 +169,13 @@ def test_batch_sizes_are_measured_apart():
     assert guard.best(12) == PLAIN and guard.best(4) == POLICY  # 12 shares 16's bucket; 4 has none: the policy
 
 
-def test_the_explore_share_is_checked():
+def test_the_explore_share_and_the_confidence_are_checked():
     for bad in (-0.1, 0.6):
         with pytest.raises(ValueError, match="max_explore_share"):
             ThroughputGuard(max_explore_share=bad)
+    for bad in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="confidence"):
+            ThroughputGuard(confidence=bad)
 
 
 # ---- the loop over the real policy -------------------------------------------------------------------------------
