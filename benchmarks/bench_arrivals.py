@@ -33,16 +33,7 @@ from ddtree.sampling_params import SamplingParams  # noqa: E402
 
 def run(engine: Engine, prompts: list[list[int]], args, staggered: bool) -> tuple[float, int]:
     """(output tokens/s, prefill passes) of one closed loop of `args.num_requests` requests."""
-    target = engine.target
-    num_prefills = 0
-    prefill = target.prefill
-
-    def counted(*a, **k):
-        nonlocal num_prefills
-        num_prefills += 1
-        return prefill(*a, **k)
-
-    target.prefill = counted
+    prefills_before = engine.timings.num_prefill_calls
     sent = num_tokens = 0
 
     def send(max_tokens: int) -> None:
@@ -53,18 +44,15 @@ def run(engine: Engine, prompts: list[list[int]], args, staggered: bool) -> tupl
 
     c, n = args.concurrency, args.max_tokens
     t0 = time.perf_counter()
-    try:
-        for i in range(c):
-            send(4 + i * (n - 4) // max(1, c - 1) if staggered else n)
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                if out.finished:
-                    num_tokens += len(out.token_ids)
-                    if sent < args.num_requests:
-                        send(n)
-    finally:
-        target.prefill = prefill
-    return num_tokens / (time.perf_counter() - t0), num_prefills
+    for i in range(c):
+        send(4 + i * (n - 4) // max(1, c - 1) if staggered else n)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                num_tokens += len(out.token_ids)
+                if sent < args.num_requests:
+                    send(n)
+    return num_tokens / (time.perf_counter() - t0), engine.timings.num_prefill_calls - prefills_before
 
 
 def main() -> None:

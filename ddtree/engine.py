@@ -64,6 +64,7 @@ class RoundTimings:
     emit: float = 0.0
     num_rounds: int = 0  # verify passes
     num_draft_calls: int = 0  # drafter forwards
+    num_prefill_calls: int = 0  # target prefill passes (admissions and restores)
     num_pipelined_phases: int = 0  # steps run with two request groups in flight (pipeline=True or "auto")
     num_plain_rounds: int = 0  # rounds the guard ran as plain decoding (no draft, no n-gram chain)
     num_speculative_request_rounds: int = 0
@@ -253,6 +254,7 @@ class Engine(WorkerRecovery):
         t0 = time.perf_counter()
         prefilled = self.target.prefill(admitted, [self.requests[r].prompt_token_ids for r in admitted])
         self.timings.prefill += time.perf_counter() - t0
+        self.timings.num_prefill_calls += 1
         for rid, token, logprobs in zip(admitted, prefilled.token_ids, prefilled.logprobs):
             self._first_token(self.requests[rid], token, logprobs, outputs)
 

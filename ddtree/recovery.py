@@ -110,6 +110,7 @@ class WorkerRecovery:
         sequences = [self.requests[r].prompt_token_ids + self.requests[r].output.token_ids[:-1] for r in restore]
         prefilled = self.target.prefill(restore, sequences)
         self.timings.prefill += time.perf_counter() - t0
+        self.timings.num_prefill_calls += 1
         self._to_restore = []
         for rid, token, logprobs in zip(restore, prefilled.token_ids, prefilled.logprobs):
             req = self.requests[rid]

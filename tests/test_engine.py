@@ -1194,3 +1194,17 @@ def test_a_lost_drafter_costs_no_request_and_a_new_one_resumes_speculation(worke
     assert drafted and not lost_with_it & set(drafted)
     assert all(finals[i].stats.num_speculative_rounds > 0 for i in ids[3:] if i not in lost_with_it)
     assert engine.drafter_lost is None and not engine._without_draft_context
+
+
+def test_requests_admitted_together_share_one_prefill_pass(workers):
+    """Admission prefills every admitted request in one target pass; one joining later costs a pass of its own
+    (what benchmarks/bench_arrivals.py counts)."""
+    engine = make_llm(workers, speculation="off").engine
+    for prompt in PROMPTS[:3]:
+        engine.add_request(prompt, greedy(6))
+    engine.step()
+    assert engine.timings.num_prefill_calls == 1
+    engine.add_request(PROMPTS[3], greedy(6))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.timings.num_prefill_calls == 2
