@@ -1,15 +1,20 @@
-"""What separate prefill passes cost: the offline engine (`off`) kept at C requests in a closed loop (a finished
-request is replaced at once, every answer `--max-tokens` long), with two arrival patterns, alternating:
+"""What admissions cost a loaded engine: the offline engine kept at C requests in a closed loop (a finished request
+is replaced at once, every answer `--max-tokens` long), with two arrival patterns and two ways of taking in the
+admitted prompts, all alternating in one run:
 
 - lockstep: the first C requests start together, so they finish together and their replacements are admitted
-  together, one prefill pass for all of them;
+  together;
 - staggered: the first C requests get 4..max_tokens tokens, so requests finish one or two at a time from then on, and
-  almost every round first runs a prefill pass of its own for the one or two admitted.
+  almost every round admits one or two;
+- own pass (`max_folded_prompt_tokens=0`): the admitted prompts are prefilled in a target pass of their own before
+  the round;
+- in verify (the default): they join the round's verify pass.
 
-The rounds' work is the same (the same prompts, the same tokens decoded); the difference is the prefill passes. On a
-CPU each pass reads every weight once, the cost of a decode step.
+The rounds' work is the same (the same prompts, the same tokens decoded); the difference is the passes. On a CPU
+each pass reads every weight once, the cost of a decode step. `--modes off,auto` adds the adaptive mode, whose
+requests drift apart by themselves (they commit different numbers of tokens per round).
 
-    python benchmarks/bench_arrivals.py [--concurrency 16] [--num-requests 96] [--passes 3]
+    python benchmarks/bench_arrivals.py [--modes off,auto] [--concurrency 16] [--num-requests 96] [--passes 3]
 """
 
 from __future__ import annotations
@@ -55,8 +60,13 @@ def run(engine: Engine, prompts: list[list[int]], args, staggered: bool) -> tupl
     return num_tokens / (time.perf_counter() - t0), engine.timings.num_prefill_calls - prefills_before
 
 
+SPECULATION = {"off": {"speculation": "off"}, "auto": {"speculation": "ddtree", "budget": "auto"}}
+ADMISSIONS = {"own pass": 0, "in verify": EngineConfig.max_folded_prompt_tokens}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--modes", default="off", help="comma-separated: off, auto")
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--num-requests", type=int, default=96)
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -71,35 +81,53 @@ def main() -> None:
     ):
         if value < least:
             parser.error(f"{flag} must be >= {least}, got {value}")
+    modes = args.modes.split(",")
+    if not modes or any(m not in SPECULATION for m in modes) or len(set(modes)) != len(modes):
+        parser.error(f"--modes takes distinct names of {', '.join(SPECULATION)}, got {args.modes!r}")
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    target, _, tokenizer = build_workers(need_drafter=False)
+    target, drafter, tokenizer = build_workers(need_drafter="auto" in modes)
     prompts = [
         list(tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False))
         for m in load_messages(16)
     ]
-    engine = Engine(EngineConfig(speculation="off", max_num_seqs=args.concurrency), target, None, tokenizer)
-    run(engine, prompts, argparse.Namespace(**{**vars(args), "num_requests": args.concurrency}), staggered=False)
-    rates: dict[bool, list[float]] = {False: [], True: []}
-    prefills: dict[bool, int] = {}
+    engines = {}
+    for mode in modes:
+        for admission, max_folded in ADMISSIONS.items():
+            config = EngineConfig(
+                **SPECULATION[mode], max_num_seqs=args.concurrency, max_folded_prompt_tokens=max_folded
+            )
+            engines[mode, admission] = Engine(config, target, drafter if mode != "off" else None, tokenizer)
+    warm_up = argparse.Namespace(**{**vars(args), "num_requests": args.concurrency})
+    for engine in engines.values():
+        run(engine, prompts, warm_up, staggered=False)
+    cases = [(key, staggered) for key in engines for staggered in (False, True)]
+    rates: dict[tuple, list[float]] = {case: [] for case in cases}
+    passes: dict[tuple, tuple[int, int]] = {}
     for p in range(args.passes):
-        for staggered in (False, True) if p % 2 == 0 else (True, False):
-            rate, prefills[staggered] = run(engine, prompts, args, staggered)
-            rates[staggered].append(rate)
-            print(f"  pass {p + 1}: {'staggered' if staggered else 'lockstep'} {rate:.1f} tok/s", flush=True)
+        for key, staggered in cases if p % 2 == 0 else cases[::-1]:
+            engine = engines[key]
+            prompts_before = engine.timings.num_prompts_in_verify
+            rate, num_prefills = run(engine, prompts, args, staggered)
+            rates[key, staggered].append(rate)
+            passes[key, staggered] = num_prefills, engine.timings.num_prompts_in_verify - prompts_before
+            arrivals = "staggered" if staggered else "lockstep"
+            print(f"  pass {p + 1}: {key[0]}, {key[1]}, {arrivals}: {rate:.1f} tok/s", flush=True)
     print(
-        f"\noff, {args.concurrency} requests in flight, {args.num_requests} requests of {args.max_tokens} tokens, "
+        f"\n{args.concurrency} requests in flight, {args.num_requests} requests of {args.max_tokens} tokens, "
         f"T=0, {torch.get_num_threads()} torch thread(s); median over {args.passes} passes\n"
     )
-    print("| arrivals | tokens/s | x lockstep | prefill passes |")
-    print("|---|---|---|---|")
-    base = statistics.median(rates[False])
-    for staggered in (False, True):
-        median = statistics.median(rates[staggered])
-        name = "staggered" if staggered else "lockstep"
+    print("| mode | prompts | arrivals | tokens/s | x off, own pass, lockstep | prefill passes | prompts in verify |")
+    print("|---|---|---|---|---|---|---|")
+    base = statistics.median(rates[(modes[0], "own pass"), False]) if modes[0] == "off" else None
+    for (mode, admission), staggered in cases:
+        r = rates[(mode, admission), staggered]
+        median = statistics.median(r)
+        ratio = f"{median / base:.2f}" if base else "-"
+        num_prefills, num_in_verify = passes[(mode, admission), staggered]
         print(
-            f"| {name} | {median:.1f} ({min(rates[staggered]):.1f}-{max(rates[staggered]):.1f}) | "
-            f"{median / base:.2f} | {prefills[staggered]} |"
+            f"| {mode} | {admission} | {'staggered' if staggered else 'lockstep'} | {median:.1f} "
+            f"({min(r):.1f}-{max(r):.1f}) | {ratio} | {num_prefills} | {num_in_verify} |"
         )
 
 

@@ -38,6 +38,10 @@ class EngineConfig:
     # (the server answers it with a retriable 503). None: it waits as long as it takes (offline, where the LLM
     # queues a whole batch; the Serve app bounds it: SERVE_DEFAULTS).
     max_queue_seconds: float | None = None
+    # Prompts of newly admitted requests join the round's verify pass (one pass, one read of the weights, instead of
+    # a prefill pass of their own) while they sum to at most this many tokens; past it, and when no other request
+    # runs, they are prefilled in a pass of their own. 0: always a pass of their own.
+    max_folded_prompt_tokens: int = 512
 
     def __post_init__(self) -> None:
         if self.speculation not in SPECULATION_MODES:
@@ -51,6 +55,12 @@ class EngineConfig:
             raise ValueError(f"pipeline must be true, false or 'auto', got {self.pipeline!r}")
         if isinstance(self.ngram_tokens, bool) or not isinstance(self.ngram_tokens, int) or self.ngram_tokens < 0:
             raise ValueError(f"ngram_tokens must be an integer >= 0, got {self.ngram_tokens!r}")
+        if (
+            isinstance(self.max_folded_prompt_tokens, bool)
+            or not isinstance(self.max_folded_prompt_tokens, int)
+            or self.max_folded_prompt_tokens < 0
+        ):
+            raise ValueError(f"max_folded_prompt_tokens must be an integer >= 0, got {self.max_folded_prompt_tokens!r}")
         for name in ("max_budget", "max_num_seqs", "max_waiting"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")

@@ -45,8 +45,16 @@ class Target(Protocol):
 
     def prefill(self, request_ids: list[str], prompts: list[list[int]]) -> PrefillResult: ...
 
-    def verify_async(self, request_ids: list[str], trees: list[DraftTree | None], root_token_ids: list[int]) -> Pending:
-        """ONE forward over every request's root and tree (None: the root alone); `result()` is a `VerifyResult`."""
+    def verify_async(
+        self,
+        request_ids: list[str],
+        trees: list[DraftTree | None],
+        root_token_ids: list[int],
+        prompt_ids: list[str] = (),
+        prompts: list[list[int]] = (),
+    ) -> Pending:
+        """ONE forward over every request's root and tree (None: the root alone), and the prompts of newly admitted
+        `prompt_ids` (kept whole: their first tokens in `VerifyResult.prefilled`); `result()` is a `VerifyResult`."""
 
     def take_features(self, request_ids: list[str]) -> list[torch.Tensor] | None:
         """The target features the drafter needs before drafting these requests (None: the target sends them)."""

@@ -2,14 +2,17 @@
 
 One round (`Engine.step`; docs/engine.md), each stage a method that fills in the round's `RoundBatch`:
 
-    admit + prefill     waiting requests that fit in KV memory join; their first token comes from the prefill
+    admit               waiting requests that fit in KV memory join; their prompts go into this round's verify pass
+                        (their first token comes from it), or into a prefill pass of their own when nothing else
+                        runs or they are longer than `max_folded_prompt_tokens`
     schedule            which running requests draft this round, each with its budget, and which decode plain
     draft               ONE drafter forward for all drafting requests: top-K log-probs for positions 1..L, then
                         the trees: the top-B prefixes of each request, all requests at once; in auto mode each
                         request's n-gram proposal (ddtree.ngram) merged in, or as the whole tree of a plain
                         request; then the global node allocation
-    verify              ONE target forward over every request's packed tree (a root-only tree when plain),
-                        target tokens, acceptance walk, KV compaction: all inside the target worker
+    verify              ONE target forward over every request's packed tree (a root-only tree when plain) and
+                        the admitted prompts, target tokens, acceptance walk, KV compaction: all inside the
+                        target worker
     update budgets      cost curves and each request's acceptance, before the commit (finished requests leave)
     commit + emit       stops applied, text decoded, outputs made; finished requests leave
     update guard        the round's tokens per second, for the closed loop (ddtree.guard)
@@ -65,6 +68,7 @@ class RoundTimings:
     num_rounds: int = 0  # verify passes
     num_draft_calls: int = 0  # drafter forwards
     num_prefill_calls: int = 0  # target prefill passes (admissions and restores)
+    num_prompts_in_verify: int = 0  # admitted prompts taken in by a round's verify pass (no prefill pass of their own)
     num_pipelined_phases: int = 0  # steps run with two request groups in flight (pipeline=True or "auto")
     num_plain_rounds: int = 0  # rounds the guard ran as plain decoding (no draft, no n-gram chain)
     num_speculative_request_rounds: int = 0
@@ -207,12 +211,16 @@ class Engine(WorkerRecovery):
             if overlap or self.pipeline.in_flight is not None:  # (a group still in flight is verified first)
                 self.pipeline.step(outputs, overlap)
                 return outputs
-            self._admit_and_prefill(outputs)  # admit + prefill
+            admitted = self._admit()
             running = self._ready_requests(busy=set())
+            in_verify = self._prompts_in_verify(admitted, running)
+            if admitted and not in_verify:
+                self._prefill(admitted, outputs)  # a pass of their own: they join this round's verify next
+                running = self._ready_requests(busy=set())
             if running:
-                batch = self._schedule(running)  # which requests draft, each with its budget
+                batch = self._schedule(running, in_verify)  # which requests draft, each with its budget
                 self._draft(batch)  # draft, build trees (n-gram chains merged, global node allocation)
-                self._verify(batch)  # ONE target pass: target tokens, acceptance walk, KV compaction
+                self._verify(batch)  # ONE target pass: target tokens, acceptance walk, KV compaction, prompts
                 self._update_budgets(batch)  # cost curves, per-request acceptance (before commit: some finish)
                 self._commit(batch, outputs)  # tokens committed and emitted; finished requests leave
                 self._update_guard(batch)  # the round's tokens per second, for the throughput guard
@@ -243,12 +251,29 @@ class Engine(WorkerRecovery):
         """The KV entries a request reserves: its prompt, every new token, and one verify pass's scratch."""
         return len(req.prompt_token_ids) + req.output.max_new_tokens + 1 + self.max_verified_nodes
 
-    def _admit_and_prefill(self, outputs: list[RequestOutput]) -> None:
+    def _admit(self) -> list[str]:
+        """Waiting requests that fit join (their KV reserved), in arrival order; nothing of theirs computed yet."""
+
         def try_allocate(rid: str) -> bool:
             req = self.requests[rid]
             return self.target.allocate(rid, self._kv_capacity(req), req.output.params)
 
-        admitted = self.scheduler.admit(try_allocate)
+        return self.scheduler.admit(try_allocate)
+
+    def _prompts_in_verify(self, admitted: list[str], running: list[str]) -> list[str]:
+        """The admitted requests whose prompts join the round's verify pass: all of them where a round runs anyway
+        and their prompts sum to at most `max_folded_prompt_tokens`, else none (one prefill pass takes them all)."""
+        if not admitted or not running:
+            return []
+        num_tokens = sum(len(self.requests[r].prompt_token_ids) for r in admitted)
+        return admitted if num_tokens <= self.config.max_folded_prompt_tokens else []
+
+    def _admit_and_prefill(self, outputs: list[RequestOutput]) -> None:
+        """Admit, and prefill the admitted in a pass of their own (two groups in flight: each pass is planned
+        without them)."""
+        self._prefill(self._admit(), outputs)
+
+    def _prefill(self, admitted: list[str], outputs: list[RequestOutput]) -> None:
         if not admitted:
             return
         t0 = time.perf_counter()
@@ -283,19 +308,24 @@ class Engine(WorkerRecovery):
             plan.speculative_ids, plan.autoregressive_ids + [r for r in running if r in last], plan.max_budgets
         )
 
-    def _schedule(self, running: list[str]) -> RoundBatch:
-        """The round's batch: the budget policy's plan, or plain decoding where the throughput guard explores it."""
+    def _schedule(self, running: list[str], prompt_ids: list[str]) -> RoundBatch:
+        """The round's batch: the budget policy's plan, or plain decoding where the throughput guard explores it;
+        `prompt_ids`' prompts join its verify pass."""
         started_at = time.perf_counter()
         arm = self.guard.choose(len(running)) if self.guard is not None else POLICY
         roots = {rid: self.requests[rid].root_token_id for rid in running}
+        num_prompt_tokens = sum(len(self.requests[r].prompt_token_ids) for r in prompt_ids)
+        prompts = {"prompt_ids": list(prompt_ids), "num_prompt_tokens": num_prompt_tokens}
         if arm == POLICY:
             plan = self._plan(running)
             resumes = self._drafter_behind and bool(plan.speculative_ids)
             self._drafter_behind &= not resumes
-            return RoundBatch.from_plan(plan, roots, arm=arm, started_at=started_at, resumes_drafting=resumes)
+            return RoundBatch.from_plan(
+                plan, roots, arm=arm, started_at=started_at, resumes_drafting=resumes, **prompts
+            )
         self._drafter_behind = True
         self.timings.num_plain_rounds += 1
-        batch = RoundBatch.from_plan(RoundPlan([], list(running), []), roots, arm=arm, started_at=started_at)
+        batch = RoundBatch.from_plan(RoundPlan([], list(running), []), roots, arm=arm, started_at=started_at, **prompts)
         batch.close()  # plain decoding, as speculation "off" does: no draft, no n-gram chain
         return batch
 
@@ -367,11 +397,16 @@ class Engine(WorkerRecovery):
 
     def _submit_verify(self, batch: RoundBatch) -> Pending:
         roots = [e.root_token_id for e in batch.entries]
-        return self.target.verify_async(batch.request_ids, [e.tree for e in batch.entries], roots)
+        trees = [e.tree for e in batch.entries]
+        if not batch.prompt_ids:
+            return self.target.verify_async(batch.request_ids, trees, roots)
+        prompts = [self.requests[r].prompt_token_ids for r in batch.prompt_ids]
+        return self.target.verify_async(batch.request_ids, trees, roots, batch.prompt_ids, prompts)
 
     def _collect_verify(self, batch: RoundBatch, pending: Pending) -> None:
         result = pending.result()
         batch.record(result, self._observed_seconds(pending))
+        self.timings.num_prompts_in_verify += len(batch.prompt_ids)
         self.timings.verify += result.forward_seconds
         self.timings.accept += result.accept_seconds
         self.timings.num_rounds += 1
@@ -421,16 +456,21 @@ class Engine(WorkerRecovery):
                 self.timings.num_ngram_tokens += num_ngram
             if out is not None:
                 outputs.append(out)
+        for rid, token, logprobs in zip(batch.prompt_ids, batch.first_token_ids, batch.first_logprobs):
+            self._first_token(self.requests[rid], token, logprobs, outputs)
         self.timings.emit += time.perf_counter() - t0
 
     def _update_guard(self, batch: RoundBatch) -> None:
         """The throughput guard's measurement: tokens the round's verify answered (past a stop included) over the
-        round's whole time, for the arm it ran. Not while a worker is lost: those rounds measure the loss."""
+        round's whole time, for the arm it ran. Not while a worker is lost: those rounds measure the loss. A round
+        that switches arms (`resumes_drafting`) or takes in prompts counts in the time spent but is not measured:
+        either costs it what is no work of the arm."""
         if self.guard is None or self.drafter_lost is not None or self.target_lost is not None:
             return
         num_tokens = sum(1 + len(e.accepted) for e in batch.entries)
         seconds = time.perf_counter() - batch.started_at
-        self.guard.observe(len(batch.entries), batch.arm, num_tokens, seconds, switches=batch.resumes_drafting)
+        measured = not (batch.resumes_drafting or batch.prompt_ids)
+        self.guard.observe(len(batch.entries), batch.arm, num_tokens, seconds, measured=measured)
 
     def _append_tokens(
         self, req: Request, tokens: list[int], logprobs: RawLogprobs | None = None

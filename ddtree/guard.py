@@ -17,8 +17,9 @@ A round's speed is split in two, measured differently:
 Only the policy's estimate is noisy (plain decoding commits exactly one token per request-round), so the two are read
 asymmetrically: the running policy gives way to plain decoding only where it measures slower by more than
 `confidence` standard errors of its token estimate, and plain decoding gives way as soon as a window measures the
-policy faster (`_decide`). The policy's first drafting round after plain ones is not measured (`observe(switches=)`):
-its draft also takes in the features of the plain rounds, a cost of switching, not of the arm's rounds.
+policy faster (`_decide`). Two kinds of round are not measured (`observe(measured=False)`): the policy's first
+drafting round after plain ones, whose draft also takes in the features of the plain rounds (a cost of switching,
+not of the arm's rounds), and a round whose verify pass also took in newly admitted prompts (work of neither arm).
 
 The other arm is explored in windows of `window_rounds` consecutive rounds, each measuring it afresh (its old token
 estimate is dropped), and only while the time spent on the arm measured slower stays within `max_explore_share` of
@@ -188,11 +189,12 @@ class ThroughputGuard:
         bucket.window_arm, bucket.is_exploring = arm, is_exploring
         bucket.reference_seconds = other.recent_seconds if other.recent else None
 
-    def observe(self, num_requests: int, arm: str, num_tokens: int, seconds: float, switches: bool = False) -> None:
-        """A round of `num_requests` requests ran on `arm`, committing `num_tokens` tokens in `seconds`. A round that
-        `switches` (the policy's first drafting round after plain ones: its draft also takes in the features of the
-        plain rounds) counts in the time spent but is not measured: what it costs beyond a round of the arm is
-        the switch, paid once per exploring window, and would price every later round of the arm."""
+    def observe(self, num_requests: int, arm: str, num_tokens: int, seconds: float, measured: bool = True) -> None:
+        """A round of `num_requests` requests ran on `arm`, committing `num_tokens` tokens in `seconds`. A round not
+        `measured` counts in the time spent but not in the arm's measure: one that switches arms (the policy's
+        first drafting round after plain ones: its draft also takes in the features of the plain rounds), whose
+        extra cost is paid once per exploring window and would price every later round of the arm, and one whose
+        verify pass also took in new prompts, work of neither arm."""
         if seconds <= 0 or num_requests <= 0:
             return
         bucket = self._bucket(num_requests)
@@ -202,7 +204,7 @@ class ThroughputGuard:
             if arm != self.best(num_requests):
                 bucket.explored_seconds += seconds
         bucket.num_rounds += 1
-        if switches:
+        if not measured:
             return
         measured = bucket.arms[arm]
         measured.observe(num_tokens / num_requests, seconds, self.weight)

@@ -41,7 +41,9 @@ class LLM:
     to this many tokens proposed from the request's own history (prompt lookup) join its tree, or are verified
     alone by a request in fallback; 0 turns them off. `max_explore_share` (auto budget): the engine runs, per batch
     size, the faster of "as the policy plans" and plain decoding, as measured, and the other in at most this share
-    of the time (docs/engine.md, "The closed loop"); 0: the policy alone. Every engine setting and its default:
+    of the time (docs/engine.md, "The closed loop"); 0: the policy alone. `max_folded_prompt_tokens`: newly admitted
+    prompts up to this many tokens in all join the round's verify pass instead of a prefill pass of their own
+    (docs/engine.md, "Admission"); 0: always a pass of their own. Every engine setting and its default:
     `ddtree.config.EngineConfig`.
     """
 
@@ -66,6 +68,7 @@ class LLM:
         pipeline: bool | str = "auto",
         max_explore_share: float = 0.03,
         max_queue_seconds: float | None = None,
+        max_folded_prompt_tokens: int = 512,
     ) -> None:
         from ddtree.loaders import build_workers
 
@@ -82,6 +85,7 @@ class LLM:
             pipeline=pipeline,
             max_explore_share=max_explore_share,
             max_queue_seconds=max_queue_seconds,
+            max_folded_prompt_tokens=max_folded_prompt_tokens,
         )
         show_progress()
         t0 = time.perf_counter()

@@ -68,6 +68,17 @@ class PackedBatch:
     def num_requests(self) -> int:
         return len(self.num_cached)
 
+    def head(self, num_requests: int) -> PackedBatch:
+        """The batch of its first `num_requests` segments (views, no copy; the ancestor bits keep their width)."""
+        end = self.query_starts[num_requests]
+        names = ("input_ids", "position_ids", "seq_index", "node_index", "local_parents", "depths", "ancestor_bits")
+        return dataclasses.replace(
+            self,
+            **{name: getattr(self, name)[:end] for name in names},
+            query_starts=self.query_starts[: num_requests + 1],
+            num_cached=self.num_cached[:num_requests],
+        )
+
     def segment(self, r: int) -> slice:
         return slice(self.query_starts[r], self.query_starts[r + 1])
 

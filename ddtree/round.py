@@ -51,7 +51,12 @@ class RoundBatch:
     draft_seconds: float | None = None  # what the drafter call cost the round (None: nothing drafted)
     num_drafting: int = 0  # rows of that drafter call
     verify_seconds: float = 0.0  # what the verify call cost the round
-    num_verified_tokens: int = 0
+    num_verified_tokens: int = 0  # packed tokens of the verify pass, prompts included
+    # Newly admitted requests whose prompts the verify pass takes in whole, and what it answered: their first tokens
+    prompt_ids: list[str] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    first_token_ids: list[int] = field(default_factory=list)
+    first_logprobs: list[RawLogprobs | None] = field(default_factory=list)
 
     @classmethod
     def from_plan(cls, plan: RoundPlan, roots: dict[str, int], **kwargs) -> RoundBatch:
@@ -75,9 +80,11 @@ class RoundBatch:
         )
 
     def closed_load(self) -> tuple[int, float]:
-        """What the closed entries put into the verify pass: tokens, and tokens they are expected to commit."""
+        """What the closed entries and the prompts put into the verify pass: tokens, and tokens they are expected to
+        commit (a prompt commits its first token)."""
         closed = [e for e in self.entries if not e.is_open]
-        return sum(e.num_tokens for e in closed), sum(1 + e.predicted for e in closed)
+        num_tokens = sum(e.num_tokens for e in closed) + self.num_prompt_tokens
+        return num_tokens, sum(1 + e.predicted for e in closed) + len(self.prompt_ids)
 
     def close(self) -> None:
         for e in self.entries:
@@ -96,3 +103,5 @@ class RoundBatch:
         for e, (accepted, bonus, logprobs) in zip(self.entries, answers):
             e.accepted, e.bonus, e.logprobs = accepted, bonus, logprobs
         self.verify_seconds, self.num_verified_tokens = seconds, result.num_tokens
+        if result.prefilled is not None:
+            self.first_token_ids, self.first_logprobs = result.prefilled.token_ids, result.prefilled.logprobs

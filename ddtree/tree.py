@@ -52,6 +52,18 @@ class DraftTree:
         z = torch.zeros(0, dtype=torch.int64, device=device)
         return DraftTree(z, z.clone(), z.clone(), torch.zeros(0, dtype=torch.float32, device=device))
 
+    @staticmethod
+    def chain(token_ids: list[int]) -> DraftTree:
+        """The tokens as one path below the root (each the child of the one before), on the host: a prompt's tokens
+        after its first, which a verify pass takes in whole (its ancestor mask is then causal)."""
+        n = len(token_ids)
+        return DraftTree(
+            torch.tensor(token_ids, dtype=torch.int64),
+            torch.arange(-1, n - 1, dtype=torch.int64),
+            torch.arange(1, n + 1, dtype=torch.int64),
+            torch.zeros(n, dtype=torch.float32),
+        )
+
 
 @dataclass
 class PaddedTrees:

@@ -73,6 +73,7 @@ class VerifyResult:
     forward_seconds: float
     accept_seconds: float  # target tokens, the walk and the KV compaction
     logprobs: list[RawLogprobs | None]  # per request: at its accepted tokens and the bonus token (None: not asked)
+    prefilled: PrefillResult | None = None  # the prompts the pass took in (`TargetWorker.verify(prompts=)`)
 
 
 # From this many packed tokens a verify runs the LM head only on the rows its acceptance walk reaches (each pass an
@@ -185,6 +186,12 @@ class TargetWorker:
         if self.keep_features:
             for rid, f in zip(request_ids, features):
                 self._pending_features[rid].append(f)  # each its own tensor (the prefill concatenates its pieces)
+        return self._first_tokens(request_ids, prompts, last_logits)
+
+    def _first_tokens(
+        self, request_ids: list[str], prompts: list[list[int]], last_logits: torch.Tensor
+    ) -> PrefillResult:
+        """Each prompt's first generated token from the logits at its last token [R, V] (and its log-probs)."""
         seq_index = torch.arange(len(request_ids), device=last_logits.device)
         last_positions = torch.tensor([len(p) - 1 for p in prompts], device=last_logits.device)
         tokens = self._target_tokens(request_ids, last_logits, seq_index, last_positions)
@@ -192,22 +199,64 @@ class TargetWorker:
         logprobs = raw_logprobs(last_logits, tokens, [[r] for r in range(len(request_ids))], ks)
         return PrefillResult(tokens.tolist(), logprobs)
 
-    def verify(self, request_ids: list[str], trees: list[DraftTree | None], root_token_ids: list[int]) -> VerifyResult:
+    def verify(
+        self,
+        request_ids: list[str],
+        trees: list[DraftTree | None],
+        root_token_ids: list[int],
+        prompt_ids: list[str] = (),
+        prompts: list[list[int]] = (),
+    ) -> VerifyResult:
         """One forward over every request's packed tree (None: root only, an autoregressive step), then the
-        acceptance walk and the KV compaction: pack -> forward -> accept -> commit."""
+        acceptance walk and the KV compaction: pack -> forward -> accept -> commit.
+
+        `prompts` (of the newly admitted `prompt_ids`, nothing in their KV yet) join the same forward, each as one
+        causal segment that is kept whole, so that admitting requests costs no pass of its own (a pass reads every
+        weight; on a CPU that is a decode step's cost). Their first tokens come back in `VerifyResult.prefilled`."""
+        if len(prompt_ids) != len(prompts) or any(not p for p in prompts):
+            raise ValueError("verify needs one non-empty prompt per prompt id")
+        if not request_ids:
+            raise ValueError("verify needs at least one request to verify (a prompt alone is a prefill)")
         t0 = time.perf_counter()
-        seq_ids = [self._seq_ids[r] for r in request_ids]
-        packed = self._pack(seq_ids, trees, root_token_ids)
-        on_demand = packed.num_tokens >= self.lm_head_on_demand_min_tokens
-        out, features = self.model.verify(seq_ids, packed, hidden_only=on_demand)  # [N, H] or [N, V]; [N, F]
+        num_trees = len(request_ids)
+        seq_ids = [self._seq_ids[r] for r in request_ids + list(prompt_ids)]
+        packed = self._pack(
+            seq_ids,
+            list(trees) + [DraftTree.chain(p[1:]) for p in prompts],
+            list(root_token_ids) + [p[0] for p in prompts],
+        )
+        in_trees = packed.head(num_trees) if prompts else packed
+        on_demand = in_trees.num_tokens >= self.lm_head_on_demand_min_tokens
+        prompt_rows = [(packed.query_starts[r], packed.query_starts[r + 1]) for r in range(num_trees, len(seq_ids))]
+        logits_rows = None
+        if prompts and not on_demand:  # every tree row, then each prompt's last row
+            logits_rows = torch.tensor(list(range(in_trees.num_tokens)) + [end - 1 for _, end in prompt_rows])
+        out, features = self.model.verify(
+            seq_ids, packed, logits_rows, hidden_only=on_demand, num_prompts=len(prompts)
+        )  # [N, H] or [M, V]; [N, F]
         wait_for_device(self.model.device)  # the forward's time, not its launches' (the walk's sync would add it)
         t1 = time.perf_counter()
-        result, logits, tokens, logit_rows = self._accept(request_ids, packed, out, on_demand)
-        self._commit(request_ids, seq_ids, packed, result.accepted_packed, features)
+        prefilled = None
+        if prompts:
+            if on_demand:
+                last_rows = torch.tensor([end - 1 for _, end in prompt_rows], device=out.device)
+                last_logits = self.model.lm_head_logits(out.index_select(0, last_rows))
+            else:
+                last_logits, out = out[in_trees.num_tokens :], out[: in_trees.num_tokens]
+            prefilled = self._first_tokens(list(prompt_ids), list(prompts), last_logits)
+        result, logits, tokens, logit_rows = self._accept(request_ids, in_trees, out, on_demand)
+        kept = result.accepted_packed + [list(range(start, end)) for start, end in prompt_rows]  # prompts: whole
+        self._commit(request_ids + list(prompt_ids), seq_ids, packed, kept, features)
         logprobs = raw_logprobs(logits, tokens, logit_rows, [self._params[rid].logprobs for rid in request_ids])
         t2 = time.perf_counter()
         return VerifyResult(
-            result.accepted_token_ids, result.bonus_token_ids, packed.num_tokens, t1 - t0, t2 - t1, logprobs
+            result.accepted_token_ids,
+            result.bonus_token_ids,
+            packed.num_tokens,
+            t1 - t0,
+            t2 - t1,
+            logprobs,
+            prefilled,
         )
 
     def _pack(self, seq_ids: list[int], trees: list[DraftTree | None], root_token_ids: list[int]) -> PackedBatch:
@@ -267,9 +316,14 @@ class TargetWorker:
         return result, torch.cat(asked_logits), torch.cat(asked_tokens), logit_rows
 
     def verify_async(
-        self, request_ids: list[str], trees: list[DraftTree | None], root_token_ids: list[int]
+        self,
+        request_ids: list[str],
+        trees: list[DraftTree | None],
+        root_token_ids: list[int],
+        prompt_ids: list[str] = (),
+        prompts: list[list[int]] = (),
     ) -> Completed:
-        return Completed(self.verify, request_ids, trees, root_token_ids)
+        return Completed(self.verify, request_ids, trees, root_token_ids, prompt_ids, prompts)
 
     def take_features(self, request_ids: list[str]) -> list[torch.Tensor]:
         """Features [n_i, F] of every token committed since the request's last draft (the drafter's new context)."""

@@ -167,7 +167,7 @@ class TargetActor:
         elif isinstance(op, Prefill):  # (its features wait here until the request drafts: `SendFeatures`)
             result = w.prefill(op.request_ids, op.prompts)
         elif isinstance(op, Verify):
-            result = w.verify(op.request_ids, trees_from_wire(op.trees), op.roots)
+            result = w.verify(op.request_ids, trees_from_wire(op.trees), op.roots, op.prompt_ids, op.prompts)
             feature_ids = op.feature_request_ids
         elif isinstance(op, Free):
             w.free(op.request_id)

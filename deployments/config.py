@@ -135,6 +135,13 @@ class AppArgs(BaseModel):
         "policy plans them and of plain decoding, per batch size, runs the faster, and the other in at most this "
         "share of the time (so that a change of load is seen). 0: the policy alone (docs/engine.md).",
     )
+    max_folded_prompt_tokens: int = Field(
+        _ENGINE.max_folded_prompt_tokens,
+        ge=0,
+        description="Prompts of newly admitted requests join the round's verify pass while they sum to at most "
+        "this many tokens, so that an admission costs no pass of its own (a pass reads every weight); longer ones, "
+        "or arrivals while nothing else runs, are prefilled in a pass of their own. 0: always a pass of their own.",
+    )
     ngram_tokens: int = Field(
         _ENGINE.ngram_tokens,
         ge=0,

@@ -133,15 +133,17 @@ class TargetProxy:
             self._waiting_in_actor.update(request_ids)
         return self._submit(Prefill(list(request_ids), [list(p) for p in prompts])).result()
 
-    def verify(self, request_ids, trees, roots):
-        return self.verify_async(request_ids, trees, roots).result()
+    def verify(self, request_ids, trees, roots, prompt_ids=(), prompts=()):
+        return self.verify_async(request_ids, trees, roots, prompt_ids, prompts).result()
 
-    def verify_async(self, request_ids, trees, roots) -> PendingCall:
+    def verify_async(self, request_ids, trees, roots, prompt_ids=(), prompts=()) -> PendingCall:
         drafting = [r for r in request_ids if r in self._drafting]
         self._drafting.difference_update(request_ids)
-        if self.keeps_features:
+        if self.keeps_features:  # (the prompts' features wait in the target actor, as a prefill's do)
             self._waiting_in_actor.update(r for r in request_ids if r not in drafting)
-        return self._submit(Verify(list(request_ids), trees_to_wire(trees), list(roots), drafting))
+            self._waiting_in_actor.update(prompt_ids)
+        op = Verify(list(request_ids), trees_to_wire(trees), list(roots), drafting, list(prompt_ids), list(prompts))
+        return self._submit(op)
 
     def take_features(self, request_ids) -> None:
         """The target sends the drafter what it needs itself (module docstring): here only requests back from

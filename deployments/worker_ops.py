@@ -17,13 +17,13 @@ memory, and decoding it costs several times what it does warm; a msgpack list to
 from __future__ import annotations
 
 import pickle
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgpack
 import numpy as np
 import torch
 
-from ddtree.workers import RawLogprobs, VerifyResult
+from ddtree.workers import PrefillResult, RawLogprobs, VerifyResult
 
 
 def tensor_to_wire(t: torch.Tensor) -> tuple[np.ndarray, str]:
@@ -90,6 +90,8 @@ class Verify:
     trees: tuple  # trees_to_wire
     roots: list[int]
     feature_request_ids: list[str]  # those that drafted: their new features go on to the drafter
+    prompt_ids: list[str] = field(default_factory=list)  # newly admitted requests: the pass takes in their prompts
+    prompts: list[list[int]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -205,7 +207,7 @@ class WireCodec:
             counts, ints, values = message.trees
             body = [
                 message.request_ids, counts, _array_out(ints), _array_out(values), message.roots,
-                message.feature_request_ids,
+                message.feature_request_ids, list(message.prompt_ids), list(message.prompts),
             ]  # fmt: skip
             return bytes([_VERIFY]) + msgpack.packb(body)
         if kind is Draft:
@@ -213,9 +215,10 @@ class WireCodec:
             return bytes([_DRAFT]) + msgpack.packb(body)
         if kind is Reply and type(message.result) is VerifyResult:
             r = message.result
+            prefilled = None if r.prefilled is None else [r.prefilled.token_ids, _logprobs_out(r.prefilled.logprobs)]
             body = [
                 r.accepted_token_ids, r.bonus_token_ids, r.num_tokens, r.forward_seconds, r.accept_seconds,
-                _logprobs_out(r.logprobs), message.seconds, message.feature_batch, message.started_at,
+                _logprobs_out(r.logprobs), prefilled, message.seconds, message.feature_batch, message.started_at,
             ]  # fmt: skip
             return bytes([_VERIFY_REPLY]) + msgpack.packb(body)
         if kind is Reply and type(message.result) is DraftTopK:
@@ -232,13 +235,17 @@ class WireCodec:
             raise ValueError(f"not a worker message (tag {tag})")
         fields = msgpack.unpackb(body)
         if tag == _VERIFY:
-            request_ids, counts, ints, values, roots, feature_ids = fields
-            return Verify(request_ids, (counts, _array_in(ints), _array_in(values)), roots, feature_ids)
+            request_ids, counts, ints, values, roots, feature_ids, prompt_ids, prompts = fields
+            trees = (counts, _array_in(ints), _array_in(values))
+            return Verify(request_ids, trees, roots, feature_ids, prompt_ids, prompts)
         if tag == _DRAFT:
             return Draft(*fields)
         if tag == _VERIFY_REPLY:
-            *result, logprobs, seconds, feature_batch, started_at = fields
-            return Reply(VerifyResult(*result, _logprobs_in(logprobs)), seconds, feature_batch, started_at)
+            *result, logprobs, prefilled, seconds, feature_batch, started_at = fields
+            if prefilled is not None:
+                prefilled = PrefillResult(prefilled[0], _logprobs_in(prefilled[1]))
+            result = VerifyResult(*result, _logprobs_in(logprobs), prefilled)
+            return Reply(result, seconds, feature_batch, started_at)
         lp, lp_dtype, ids, ids_dtype, seconds, started_at = fields  # _DRAFT_REPLY
         return Reply(DraftTopK((_array_in(lp), lp_dtype), (_array_in(ids), ids_dtype)), seconds, 0, started_at)
 

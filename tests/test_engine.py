@@ -312,12 +312,12 @@ def test_trees_hold_no_node_deeper_than_the_tokens_left(workers, config, monkeyp
     engine, depth_excess = llm.engine, []
     submit = engine.target.verify_async
 
-    def checked_verify(request_ids, trees, roots):
+    def checked_verify(request_ids, trees, roots, *prompts):
         for rid, tree in zip(request_ids, trees):
             if tree is not None and tree.num_nodes:
                 output = engine.requests[rid].output
                 depth_excess.append(int(tree.depths.max()) - (output.max_new_tokens - len(output.token_ids) - 1))
-        return submit(request_ids, trees, roots)
+        return submit(request_ids, trees, roots, *prompts)
 
     monkeypatch.setattr(engine.target, "verify_async", checked_verify)  # (the workers are the module's)
     params = [greedy(n) for n in (3, 4, 5, 7, 9)]
@@ -1197,14 +1197,137 @@ def test_a_lost_drafter_costs_no_request_and_a_new_one_resumes_speculation(worke
 
 
 def test_requests_admitted_together_share_one_prefill_pass(workers):
-    """Admission prefills every admitted request in one target pass; one joining later costs a pass of its own
-    (what benchmarks/bench_arrivals.py counts)."""
-    engine = make_llm(workers, speculation="off").engine
-    for prompt in PROMPTS[:3]:
-        engine.add_request(prompt, greedy(6))
-    engine.step()
-    assert engine.timings.num_prefill_calls == 1
-    engine.add_request(PROMPTS[3], greedy(6))
-    while engine.has_unfinished_requests():
+    """Admission while nothing runs prefills every admitted request in one target pass; one joining later goes into
+    the round's verify pass, or (max_folded_prompt_tokens=0) costs a prefill pass of its own (what
+    benchmarks/bench_arrivals.py counts)."""
+    for max_folded, num_prefills in ((512, 1), (0, 2)):
+        engine = make_llm(workers, speculation="off", max_folded_prompt_tokens=max_folded).engine
+        for prompt in PROMPTS[:3]:
+            engine.add_request(prompt, greedy(6))
         engine.step()
-    assert engine.timings.num_prefill_calls == 2
+        assert engine.timings.num_prefill_calls == 1
+        engine.add_request(PROMPTS[3], greedy(6))
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert engine.timings.num_prefill_calls == num_prefills
+        assert engine.timings.num_prompts_in_verify == 2 - num_prefills
+
+
+def _staggered(engine, params: list[SamplingParams]) -> tuple[list[list[int]], list]:
+    """Each of PROMPTS submitted two rounds after the one before; the outputs' token ids and log-probs, in order."""
+    ids, finals, pending, steps = {}, {}, list(enumerate(PROMPTS)), 0
+    while pending or engine.has_unfinished_requests():
+        if pending and steps % 2 == 0:
+            i, p = pending.pop(0)
+            ids[engine.add_request(p, params[i])] = i
+        for out in engine.step():
+            if out.finished:
+                finals[ids[out.request_id]] = out
+        steps += 1
+    return [finals[i].token_ids for i in range(len(PROMPTS))], [finals[i].logprobs for i in range(len(PROMPTS))]
+
+
+@pytest.mark.parametrize(
+    "config",
+    [{"speculation": "off"}, {"speculation": "ddtree", "budget": 8}, {"speculation": "ddtree", "ngram_tokens": 3}],
+    ids=["off", "ddtree-8", "auto"],
+)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_prompts_taken_in_by_the_verify_pass_change_no_token(workers, config, temperature):
+    """Requests joining while others run have their prompts verified with the round's trees: the same tokens and
+    log-probs as a prefill pass of their own (greedy, and sampled with seeds), and no prefill pass but the first."""
+    params = [
+        SamplingParams(temperature=temperature, max_tokens=6 + 3 * i, ignore_eos=True, seed=i, logprobs=2)
+        for i in range(len(PROMPTS))
+    ]
+    folded = make_llm(workers, max_num_seqs=3, **config).engine
+    separate = make_llm(workers, max_num_seqs=3, max_folded_prompt_tokens=0, **config).engine
+    tokens, logprobs = _staggered(folded, params)
+    reference_tokens, reference_logprobs = _staggered(separate, params)
+    assert tokens == reference_tokens
+    for lps, ref in zip(logprobs, reference_logprobs):
+        for lp, r in zip(lps, ref):
+            assert (lp.token_id, [t for t, _, _ in lp.top]) == (r.token_id, [t for t, _, _ in r.top])
+            assert math.isclose(lp.logprob, r.logprob, abs_tol=1e-9)
+    assert folded.timings.num_prompts_in_verify >= 2 and separate.timings.num_prompts_in_verify == 0
+    assert folded.timings.num_prefill_calls + folded.timings.num_prompts_in_verify == len(PROMPTS)
+    assert separate.timings.num_prefill_calls == len(PROMPTS)
+
+
+def test_prompts_past_the_fold_limit_get_a_prefill_pass_of_their_own(workers):
+    """Admitted prompts longer in all than max_folded_prompt_tokens are prefilled in a pass of their own (the
+    model's prefill chunks long prompts), and join the round's verify right after."""
+    short, long = "a", "why is the sky blue?"
+    engine = make_llm(workers, speculation="off", max_folded_prompt_tokens=len(engine_tokens(workers, short))).engine
+    reference = make_llm(workers, speculation="off").generate([short, long], [greedy(6), greedy(6)])
+    engine.add_request("hello world", greedy(20))
+    engine.step()
+    ids = [engine.add_request(short, greedy(6))]
+    engine.step()
+    assert (engine.timings.num_prefill_calls, engine.timings.num_prompts_in_verify) == (1, 1)
+    ids.append(engine.add_request(long, greedy(6)))
+    engine.step()
+    assert (engine.timings.num_prefill_calls, engine.timings.num_prompts_in_verify) == (2, 1)
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    assert [finals[i] for i in ids] == [r.token_ids for r in reference]
+
+
+def engine_tokens(workers, prompt: str) -> list[int]:
+    return make_llm(workers, speculation="off").engine.validate(prompt, greedy(1))[0]
+
+
+def test_a_verify_pass_with_prompts_equals_a_prefill_then_a_verify(workers):
+    """The target worker's verify with prompts: the trees' answer, and each prompt's first token, log-probs, KV
+    entries and features, as a prefill pass of their own gives them (float64)."""
+    from ddtree.tree import DraftTree
+
+    target, _, _ = workers
+    running, prompt = [3, 7, 11, 5], [9, 4, 4, 12, 30, 2]
+    tree = DraftTree(torch.tensor([8, 9, 8]), torch.tensor([-1, -1, 0]), torch.tensor([1, 1, 2]), torch.zeros(3))
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=3)
+    results = {}
+    for folded in (True, False):
+        rid, new = f"running-{folded}", f"new-{folded}"
+        for r in (rid, new):
+            assert target.allocate(r, 64, params)
+        target.prefill([rid], [running[:-1]])
+        target.take_features([rid])
+        if folded:
+            result = target.verify([rid], [tree], [running[-1]], [new], [prompt])
+            first = result.prefilled
+        else:
+            first = target.prefill([new], [prompt])
+            result = target.verify([rid], [tree], [running[-1]])
+        features = target.take_features([rid, new])
+        kv = [target.model.kv.num_committed(target.seq_id(r)) for r in (rid, new)]
+        results[folded] = (result, first, features, kv)
+        for r in (rid, new):
+            target.free(r)
+    (result, first, features, kv), (ref, ref_first, ref_features, ref_kv) = results[True], results[False]
+    assert result.prefilled is not None and ref.prefilled is None
+    assert (result.accepted_token_ids, result.bonus_token_ids) == (ref.accepted_token_ids, ref.bonus_token_ids)
+    assert result.num_tokens == ref.num_tokens + len(prompt)
+    assert first.token_ids == ref_first.token_ids
+    assert first.logprobs[0].top_ids == ref_first.logprobs[0].top_ids
+    torch.testing.assert_close(torch.tensor(first.logprobs[0].chosen), torch.tensor(ref_first.logprobs[0].chosen))
+    assert kv == ref_kv == [len(running) + len(result.accepted_token_ids[0]), len(prompt)]
+    for f, r in zip(features, ref_features):
+        torch.testing.assert_close(f, r)
+
+
+def test_a_verify_pass_refuses_prompts_without_requests_or_ids(workers):
+    target, _, _ = workers
+    with pytest.raises(ValueError, match="one non-empty prompt per prompt id"):
+        target.verify(["x"], [None], [1], ["y"], [])
+    with pytest.raises(ValueError, match="one non-empty prompt per prompt id"):
+        target.verify(["x"], [None], [1], ["y"], [[]])
+    with pytest.raises(ValueError, match="at least one request to verify"):
+        target.verify([], [], [], ["y"], [[1, 2]])
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "512"])
+def test_max_folded_prompt_tokens_is_validated(bad):
+    with pytest.raises(ValueError, match="max_folded_prompt_tokens"):
+        EngineConfig(max_folded_prompt_tokens=bad)

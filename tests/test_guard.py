@@ -94,7 +94,7 @@ def run_passages(
             round_seconds += catch_up_seconds * num_plain
         num_plain = num_plain + 1 if arm == PLAIN else 0
         if guard is not None:
-            guard.observe(1, arm, 1 + accepted, round_seconds, switches=switches and mark_switch)
+            guard.observe(1, arm, 1 + accepted, round_seconds, measured=not (switches and mark_switch))
         tokens += 1 + accepted
         seconds += round_seconds
     return tokens / seconds
@@ -321,9 +321,9 @@ def test_the_first_drafting_round_after_plain_rounds_is_marked_a_switch(workers)
     observed = []
     original = engine.guard.observe
 
-    def observe(num_requests, arm, num_tokens, seconds, switches=False):
-        observed.append((arm, switches))
-        original(num_requests, arm, num_tokens, seconds, switches)
+    def observe(num_requests, arm, num_tokens, seconds, measured=True):
+        observed.append((arm, not measured))
+        original(num_requests, arm, num_tokens, seconds, measured)
 
     engine.guard.observe = observe
     draft_samples = []

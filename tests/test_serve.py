@@ -832,12 +832,45 @@ def test_pipelined_engine_on_worker_actors_equals_offline_off(served, app_args, 
         actors.kill()
 
 
+def test_prompts_joining_the_verify_pass_on_worker_actors_equal_offline_off(served, app_args, checkpoints):
+    """Requests arriving while others run, through the actor proxies: their prompts go into the round's verify pass
+    (one call), and T=0 outputs equal the offline engine with speculation off."""
+    from ddtree import LLM, SamplingParams
+    from ddtree.cost import CostModel
+    from ddtree.engine import Engine, EngineConfig
+    from deployments.actors import start_worker_actors
+    from deployments.config import ActorPlace, WorkerSpec, parse_args
+
+    place = ActorPlace(0, 0.0, 0.0)  # the app holds the CPUs
+    actors = start_worker_actors(WorkerSpec.from_args(parse_args(app_args)), place, place)
+    try:
+        config = EngineConfig(speculation="ddtree", budget=8, max_budget=16, max_num_seqs=4, pipeline=False)
+        cost = CostModel([(1, 0.010), (64, 0.012), (1024, 0.05)], [(1, 0.002), (16, 0.003)])
+        engine = Engine(config, actors.target_proxy, actors.drafter_proxy, actors.target_proxy.tokenizer, cost=cost)
+        prompts = ["hello world", "the cat sat on", "12 + 7 =", "why is the sky blue?", "a"]
+        params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        ids, finals, pending = {}, {}, list(prompts)
+        while pending or engine.has_unfinished_requests():
+            if pending:
+                prompt = pending.pop(0)
+                ids[engine.add_request(prompt, params)] = prompt
+            finals.update({ids[o.request_id]: o.token_ids for o in engine.step() if o.finished})
+        reference = LLM(
+            str(checkpoints["target"]), str(checkpoints["drafter"]), dtype="float64", speculation="off"
+        ).generate(prompts, params)
+        assert [finals[p] for p in prompts] == [r.token_ids for r in reference]
+        assert engine.timings.num_prefill_calls == 1 and engine.timings.num_prompts_in_verify == len(prompts) - 1
+        assert engine.timings.num_draft_calls > 0
+    finally:
+        actors.kill()
+
+
 def test_features_reach_the_drafter_through_fallback_and_back(served, app_args):
     """On the worker actors, a prompt's features wait in the target actor until the request drafts; a drafting
     request's features go from the target to the drafter after its verify; a request decoding without a draft
     (fallback) leaves its features in the target actor and gets them all when it drafts again: the drafter's
     context always holds every token the target has run for it, once. A request that never drafted is freed
-    without a drafter call."""
+    without a drafter call. A prompt taken in by a verify pass waits in the target actor as a prefilled one does."""
     from ddtree.contracts import Drafter, Target
     from deployments.actors import start_worker_actors
     from deployments.config import ActorPlace, WorkerSpec, parse_args
@@ -849,9 +882,10 @@ def test_features_reach_the_drafter_through_fallback_and_back(served, app_args):
     try:
         prompts = {"a": [5, 6, 7, 8], "b": [9, 10, 11], "c": [12, 13]}
         params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-        for rid in prompts:
+        for rid in [*prompts, "d"]:
             assert target.allocate(rid, 64, params)
         roots = dict(zip(prompts, target.prefill(list(prompts), list(prompts.values())).token_ids))
+        prompt_d = [14, 15, 16]
         num_run = {rid: len(p) for rid, p in prompts.items()}  # tokens the target has run (features made)
 
         def context_len(rid: str) -> int:
@@ -871,7 +905,11 @@ def test_features_reach_the_drafter_through_fallback_and_back(served, app_args):
             drafting = ["a", "b"] if round_index in (0, 4) else ["a"]  # b rests in fallback for rounds 1-3
             drafter.draft(drafting, [roots[r] for r in drafting], target.take_features(drafting), 4)
             assert [context_len(r) for r in drafting] == [num_run[r] for r in drafting]
-            result = target.verify(["a", "b"], [None, None], [roots["a"], roots["b"]])  # root only: 1 token each
+            joining = (["d"], [prompt_d]) if round_index == 0 else ()
+            result = target.verify(["a", "b"], [None, None], [roots["a"], roots["b"]], *joining)  # 1 token each
+            if joining:
+                roots["d"] = result.prefilled.token_ids[0]
+                assert waiting_in_target("d") == len(prompt_d)
             for i, rid in enumerate(["a", "b"]):
                 num_run[rid] += 1 + len(result.accepted_token_ids[i])
                 roots[rid] = result.bonus_token_ids[i]
@@ -880,6 +918,8 @@ def test_features_reach_the_drafter_through_fallback_and_back(served, app_args):
                 assert waiting_in_target("b") == round_index
         assert waiting_in_target("b") == 0  # b drafted in round 4: sent with that verify
         assert context_len("b") == num_run["b"] - 1  # (the last verify's token not taken in yet)
+        drafter.draft(["d"], [roots["d"]], target.take_features(["d"]), 4)
+        assert context_len("d") == len(prompt_d) and waiting_in_target("d") == 0
     finally:
         actors.kill()
 

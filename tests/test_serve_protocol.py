@@ -593,7 +593,7 @@ def test_the_worker_codec_carries_a_rounds_messages_exactly_and_pickles_the_rest
     import torch
 
     from ddtree.tree import DraftTree, build_tree
-    from ddtree.workers import RawLogprobs, VerifyResult
+    from ddtree.workers import PrefillResult, RawLogprobs, VerifyResult
     from deployments.channel import PICKLE
     from deployments.worker_ops import (
         WIRE,
@@ -624,12 +624,18 @@ def test_the_worker_codec_carries_a_rounds_messages_exactly_and_pickles_the_rest
         assert getattr(back[0], field).dtype == getattr(trees[0], field).dtype
     plain = Verify(["a"], trees_to_wire([None]), [3], [])  # a plain round's (no tensor work on either side)
     assert trees_from_wire(through(plain)[1].trees) == [None]
+    with_prompts = Verify(["a"], trees_to_wire([None]), [3], [], ["d", "e"], [[1, 2, 3], [4]])
+    tag, got = through(with_prompts)
+    assert tag != 0 and (got.prompt_ids, got.prompts) == (["d", "e"], [[1, 2, 3], [4]])
 
     draft = Draft(["a", "b"], [1, 2], 16, 7)
     assert through(draft)[0] != 0 and through(draft)[1] == draft
 
     logprobs = [RawLogprobs([-0.5, -1.25], [[3, 4], [5, 6]], [[-0.5, -2.0], [-1.25, -1.5]]), None]
     result = VerifyResult([[11, 12], []], [13, 14], 9, 0.02, 0.001, logprobs)
+    tag, got = through(Reply(result, 0.025, 3, 123.5))
+    assert tag != 0 and got == Reply(result, 0.025, 3, 123.5)
+    result.prefilled = PrefillResult([21, 22], [None, RawLogprobs([-0.1], [[21, 2]], [[-0.1, -3.0]])])
     tag, got = through(Reply(result, 0.025, 3, 123.5))
     assert tag != 0 and got == Reply(result, 0.025, 3, 123.5)
 

@@ -290,11 +290,13 @@ class TargetModel:
         packed: PackedBatch,
         logits_rows: torch.Tensor | None = None,
         hidden_only: bool = False,
+        num_prompts: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward over a packed batch of trees. KV entries go to scratch slots after each request's committed
         entries (call `commit` next). Returns logits [M, V] for `logits_rows` (all N rows if None) and features
         [N, F] for every packed token; `hidden_only`: the final-normed hidden states [N, H] instead of logits, for
-        `lm_head_logits` of the rows a caller turns out to need."""
+        `lm_head_logits` of the rows a caller turns out to need. The last `num_prompts` segments are prompts, each
+        packed as one chain (`DraftTree.chain`): their attention is causal, and the caller commits them whole."""
         if len(seq_ids) != packed.num_requests:
             raise ValueError(f"{len(seq_ids)} seq_ids for a batch of {packed.num_requests} requests")
         for r, s in enumerate(seq_ids):
@@ -309,7 +311,8 @@ class TargetModel:
         if is_root_only or self.attention == "flex":
             masks = [None] * packed.num_requests  # root-only segments see everything; flex uses `packed`
         else:
-            masks = [packed.dense_mask(r).to(self.device) for r in range(packed.num_requests)]
+            num_trees = packed.num_requests - num_prompts
+            masks = [packed.dense_mask(r).to(self.device) for r in range(num_trees)] + [None] * num_prompts
         batch = ForwardBatch(
             list(seq_ids),
             list(packed.query_starts),
