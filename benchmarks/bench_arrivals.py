@@ -5,12 +5,13 @@ admitted prompts, all alternating in one run:
 - lockstep: the first C requests start together, so they finish together and their replacements are admitted
   together;
 - staggered: the first C requests get 4..max_tokens tokens, so requests finish one or two at a time from then on, and
-  almost every round admits one or two;
+  almost every round admits one or two (as under steady load from many users);
 - own pass (`max_folded_prompt_tokens=0`): the admitted prompts are prefilled in a target pass of their own before
   the round;
 - in verify (the default): they join the round's verify pass.
 
-The rounds' work is the same (the same prompts, the same tokens decoded); the difference is the passes. On a CPU
+Tokens/s count from the start to the last request's admission, while C requests are in flight: the drain after it
+differs between the patterns (lockstep requests leave together, staggered ones one by one) and is not counted. On a CPU
 each pass reads every weight once, the cost of a decode step. `--modes off,auto` adds the adaptive mode, whose
 requests drift apart by themselves (they commit different numbers of tokens per round).
 
@@ -36,9 +37,12 @@ from ddtree.loaders import build_workers  # noqa: E402
 from ddtree.sampling_params import SamplingParams  # noqa: E402
 
 
-def run(engine: Engine, prompts: list[list[int]], args, staggered: bool) -> tuple[float, int]:
-    """(output tokens/s, prefill passes) of one closed loop of `args.num_requests` requests."""
-    prefills_before = engine.timings.num_prefill_calls
+def run(engine: Engine, prompts: list[list[int]], args, staggered: bool) -> tuple[float, int, int]:
+    """One closed loop of `args.num_requests` requests: (output tokens/s, prefill passes, prompts taken in by verify
+    passes), all counted while the loop is full, from the start to the last request's admission (the drain after it
+    differs between the arrival patterns: lockstep requests leave together, staggered ones one by one)."""
+    timings = engine.timings
+    prefills_before, in_verify_before = timings.num_prefill_calls, timings.num_prompts_in_verify
     sent = num_tokens = 0
 
     def send(max_tokens: int) -> None:
@@ -51,13 +55,16 @@ def run(engine: Engine, prompts: list[list[int]], args, staggered: bool) -> tupl
     t0 = time.perf_counter()
     for i in range(c):
         send(4 + i * (n - 4) // max(1, c - 1) if staggered else n)
-    while engine.has_unfinished_requests():
+    while sent < args.num_requests or engine.num_waiting:
         for out in engine.step():
-            if out.finished:
-                num_tokens += len(out.token_ids)
-                if sent < args.num_requests:
-                    send(n)
-    return num_tokens / (time.perf_counter() - t0), engine.timings.num_prefill_calls - prefills_before
+            num_tokens += len(out.new_token_ids)
+            if out.finished and sent < args.num_requests:
+                send(n)
+    seconds = time.perf_counter() - t0
+    counts = timings.num_prefill_calls - prefills_before, timings.num_prompts_in_verify - in_verify_before
+    while engine.has_unfinished_requests():  # the drain, not counted
+        engine.step()
+    return num_tokens / seconds, *counts
 
 
 SPECULATION = {"off": {"speculation": "off"}, "auto": {"speculation": "ddtree", "budget": "auto"}}
@@ -107,15 +114,15 @@ def main() -> None:
     for p in range(args.passes):
         for key, staggered in cases if p % 2 == 0 else cases[::-1]:
             engine = engines[key]
-            prompts_before = engine.timings.num_prompts_in_verify
-            rate, num_prefills = run(engine, prompts, args, staggered)
+            rate, *counts = run(engine, prompts, args, staggered)
             rates[key, staggered].append(rate)
-            passes[key, staggered] = num_prefills, engine.timings.num_prompts_in_verify - prompts_before
+            passes[key, staggered] = tuple(counts)
             arrivals = "staggered" if staggered else "lockstep"
             print(f"  pass {p + 1}: {key[0]}, {key[1]}, {arrivals}: {rate:.1f} tok/s", flush=True)
     print(
         f"\n{args.concurrency} requests in flight, {args.num_requests} requests of {args.max_tokens} tokens, "
-        f"T=0, {torch.get_num_threads()} torch thread(s); median over {args.passes} passes\n"
+        f"T=0, {torch.get_num_threads()} torch thread(s); median over {args.passes} passes, counted from the start "
+        "to the last request's admission\n"
     )
     print("| mode | prompts | arrivals | tokens/s | x off, own pass, lockstep | prefill passes | prompts in verify |")
     print("|---|---|---|---|---|---|---|")

@@ -236,15 +236,15 @@ class TargetWorker:
         )  # [N, H] or [M, V]; [N, F]
         wait_for_device(self.model.device)  # the forward's time, not its launches' (the walk's sync would add it)
         t1 = time.perf_counter()
-        prefilled = None
-        if prompts:
-            if on_demand:
-                last_rows = torch.tensor([end - 1 for _, end in prompt_rows], device=out.device)
-                last_logits = self.model.lm_head_logits(out.index_select(0, last_rows))
-            else:
-                last_logits, out = out[in_trees.num_tokens :], out[: in_trees.num_tokens]
-            prefilled = self._first_tokens(list(prompt_ids), list(prompts), last_logits)
-        result, logits, tokens, logit_rows = self._accept(request_ids, in_trees, out, on_demand)
+        last_rows = [end - 1 for _, end in prompt_rows]
+        if on_demand:  # (the prompts' last rows go with the walk's first LM head call: one read of the head)
+            result, logits, tokens, logit_rows, last_logits = self._accept_on_demand(
+                request_ids, in_trees, out, last_rows
+            )
+        else:
+            last_logits, out = out[in_trees.num_tokens :], out[: in_trees.num_tokens]
+            result, logits, tokens, logit_rows = self._accept(request_ids, in_trees, out)
+        prefilled = self._first_tokens(list(prompt_ids), list(prompts), last_logits) if prompts else None
         kept = result.accepted_packed + [list(range(start, end)) for start, end in prompt_rows]  # prompts: whole
         self._commit(request_ids + list(prompt_ids), seq_ids, packed, kept, features)
         logprobs = raw_logprobs(logits, tokens, logit_rows, [self._params[rid].logprobs for rid in request_ids])
@@ -266,15 +266,12 @@ class TargetWorker:
         num_cached = [self.model.kv.num_committed(s) for s in seq_ids]
         return pack(trees, root_token_ids, num_cached, device="cpu").to(self.model.device)
 
-    def _accept(self, request_ids: list[str], packed: PackedBatch, out: torch.Tensor, on_demand: bool):
-        """The target's tokens and the walk: (result, logits of the rows the tokens came from, those tokens, each
-        request's accepted rows as indices into them). `out` is the final hidden state where the LM head runs on
-        demand, else every row's logits."""
-        if on_demand:
-            return self._accept_on_demand(request_ids, packed, out)
-        tokens = self._target_tokens(request_ids, out, packed.seq_index, packed.position_ids)
+    def _accept(self, request_ids: list[str], packed: PackedBatch, logits: torch.Tensor):
+        """The target's tokens at every row of `logits` and the walk: (result, those logits, the tokens, each
+        request's accepted rows as indices into them)."""
+        tokens = self._target_tokens(request_ids, logits, packed.seq_index, packed.position_ids)
         result = accept(packed, tokens)  # the round's one host sync
-        return result, out, tokens, result.accepted_packed
+        return result, logits, tokens, result.accepted_packed
 
     def _commit(
         self,
@@ -295,14 +292,19 @@ class TargetWorker:
             for rid, own_rows in zip(request_ids, rows.split([len(k) for k in kept])):
                 self._pending_features[rid].append(features.index_select(0, own_rows))
 
-    def _accept_on_demand(self, request_ids: list[str], packed, hidden: torch.Tensor):
+    def _accept_on_demand(self, request_ids: list[str], packed, hidden: torch.Tensor, extra_rows: list[int]):
         """The walk with the LM head run only on the rows it reaches (`accept_on_demand`): (result, logits [M, V] of
-        the rows asked, the target's tokens there [M], each request's accepted rows as indices into them)."""
-        asked_logits, asked_tokens = [], []
+        the rows asked, the target's tokens there [M], each request's accepted rows as indices into them, and the
+        logits of `extra_rows` [E, V], which the first LM head call projects with the walk's first rows)."""
+        asked_logits, asked_tokens, extra = [], [], []
 
         def target_tokens_of(rows: list[int]) -> list[int]:
-            index = torch.tensor(rows, device=hidden.device)
+            with_extra = rows + (extra_rows if not asked_logits else [])
+            index = torch.tensor(with_extra, device=hidden.device)
             logits = self.model.lm_head_logits(hidden.index_select(0, index))
+            if not asked_logits:
+                extra.append(logits[len(rows) :])
+                logits, index = logits[: len(rows)], index[: len(rows)]
             tokens = self._target_tokens(
                 request_ids, logits, packed.seq_index.index_select(0, index), packed.position_ids.index_select(0, index)
             )
@@ -313,7 +315,7 @@ class TargetWorker:
         result, asked = accept_on_demand(packed, target_tokens_of)
         row_of = {p: i for i, p in enumerate(asked)}
         logit_rows = [[row_of[p] for p in path] for path in result.accepted_packed]
-        return result, torch.cat(asked_logits), torch.cat(asked_tokens), logit_rows
+        return result, torch.cat(asked_logits), torch.cat(asked_tokens), logit_rows, extra[0]
 
     def verify_async(
         self,
