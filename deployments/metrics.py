@@ -18,7 +18,8 @@ the last round's values; Ray also stops exporting a gauge nobody sets).
     ddtree_stage_seconds_total{stage}        Counter    time per stage: prefill, draft, tree, verify, accept, emit,
                                                         other (the rest of the round's wall time); they add up to
                                                         the rounds' wall time, except when pipelined: draft and
-                                                        verify then overlap and "other" is not recorded
+                                                        verify then overlap and "other" is not recorded; a prompt
+                                                        taken in by a round's verify pass counts in verify
     ddtree_drafter_available                 Gauge      1 while the engine drafts with a live drafter, 0 from its
                                                         loss until a restarted one is attached (speculating modes)
     ddtree_drafter_losses_total              Counter    drafter actors lost while the engine ran (each one's

@@ -1274,6 +1274,22 @@ def test_prompts_past_the_fold_limit_get_a_prefill_pass_of_their_own(workers):
     assert [finals[i] for i in ids] == [r.token_ids for r in reference]
 
 
+def test_a_request_whose_first_token_finishes_it_leaves_from_the_verify_pass(workers):
+    """A prompt taken in by a verify pass whose first token is its last (max_tokens=1) finishes in that step and
+    frees its KV, as after a prefill pass of its own."""
+    engine = make_llm(workers, speculation="ddtree", budget=4).engine
+    reference = make_llm(workers, speculation="off").generate(["12 + 7 ="], greedy(1))[0]
+    engine.add_request("hello world", greedy(12))
+    engine.step()
+    used = engine.target.num_kv_bytes_used
+    rid = engine.add_request("12 + 7 =", greedy(1))
+    finished = [o for o in engine.step() if o.finished]
+    assert [(o.request_id, o.token_ids, o.finish_reason) for o in finished] == [(rid, reference.token_ids, "length")]
+    assert engine.timings.num_prompts_in_verify == 1 and engine.target.num_kv_bytes_used == used
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
 def engine_tokens(workers, prompt: str) -> list[int]:
     return make_llm(workers, speculation="off").engine.validate(prompt, greedy(1))[0]
 
