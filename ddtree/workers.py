@@ -228,15 +228,15 @@ class TargetWorker:
         in_trees = packed.head(num_trees) if prompts else packed
         on_demand = in_trees.num_tokens >= self.lm_head_on_demand_min_tokens
         prompt_rows = [(packed.query_starts[r], packed.query_starts[r + 1]) for r in range(num_trees, len(seq_ids))]
+        last_rows = [end - 1 for _, end in prompt_rows]
         logits_rows = None
         if prompts and not on_demand:  # every tree row, then each prompt's last row
-            logits_rows = torch.tensor(list(range(in_trees.num_tokens)) + [end - 1 for _, end in prompt_rows])
+            logits_rows = torch.tensor(list(range(in_trees.num_tokens)) + last_rows)
         out, features = self.model.verify(
             seq_ids, packed, logits_rows, hidden_only=on_demand, num_prompts=len(prompts)
         )  # [N, H] or [M, V]; [N, F]
         wait_for_device(self.model.device)  # the forward's time, not its launches' (the walk's sync would add it)
         t1 = time.perf_counter()
-        last_rows = [end - 1 for _, end in prompt_rows]
         if on_demand:  # (the prompts' last rows go with the walk's first LM head call: one read of the head)
             result, logits, tokens, logit_rows, last_logits = self._accept_on_demand(
                 request_ids, in_trees, out, last_rows
