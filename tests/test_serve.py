@@ -795,12 +795,31 @@ def test_engine_reports_timings_and_metrics_without_errors(served):
 # ---- two request groups in flight on the worker actors ----------------------------------------------------------
 
 
+ACTOR_PROMPTS = ["hello world", "the cat sat on", "12 + 7 =", "why is the sky blue?", "a"]
+
+
+def _engine_on_actors(actors, pipeline: bool):
+    """An engine (ddtree, budget 8, 4 seats, a fixed cost model) on the worker actors' proxies."""
+    from ddtree.cost import CostModel
+    from ddtree.engine import Engine, EngineConfig
+
+    config = EngineConfig(speculation="ddtree", budget=8, max_budget=16, max_num_seqs=4, pipeline=pipeline)
+    cost = CostModel([(1, 0.010), (64, 0.012), (1024, 0.05)], [(1, 0.002), (16, 0.003)])
+    return Engine(config, actors.target_proxy, actors.drafter_proxy, actors.target_proxy.tokenizer, cost=cost)
+
+
+def _offline_off(checkpoints, params) -> list[list[int]]:
+    """ACTOR_PROMPTS' token ids from the offline engine with speculation off (float64, as the actors load)."""
+    from ddtree import LLM
+
+    llm = LLM(str(checkpoints["target"]), str(checkpoints["drafter"]), dtype="float64", speculation="off")
+    return [o.token_ids for o in llm.generate(ACTOR_PROMPTS, params)]
+
+
 def test_pipelined_engine_on_worker_actors_equals_offline_off(served, app_args, checkpoints):
     """pipeline=True through the actor proxies (draft_async / verify_async as calls in flight on the two workers'
     channels, features sent target -> drafter): T=0 outputs equal the offline engine with speculation off."""
     from ddtree import LLM, SamplingParams
-    from ddtree.cost import CostModel
-    from ddtree.engine import Engine, EngineConfig
     from deployments.actors import start_worker_actors
     from deployments.config import ActorPlace, WorkerSpec, parse_args
 
@@ -809,16 +828,10 @@ def test_pipelined_engine_on_worker_actors_equals_offline_off(served, app_args, 
     place_target, place_drafter = ActorPlace(0, 0.0, 0.0), ActorPlace(0, 0.0, 0.0)  # the app holds the CPUs
     actors = start_worker_actors(WorkerSpec.from_args(args), place_target, place_drafter)
     try:
-        config = EngineConfig(speculation="ddtree", budget=8, max_budget=16, max_num_seqs=4, pipeline=True)
-        cost = CostModel([(1, 0.010), (64, 0.012), (1024, 0.05)], [(1, 0.002), (16, 0.003)])
-        engine = Engine(config, actors.target_proxy, actors.drafter_proxy, actors.target_proxy.tokenizer, cost=cost)
-        prompts = ["hello world", "the cat sat on", "12 + 7 =", "why is the sky blue?", "a"]
+        engine = _engine_on_actors(actors, pipeline=True)
         params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-        outputs = LLM.from_engine(engine).generate(prompts, params)
-        reference = LLM(
-            str(checkpoints["target"]), str(checkpoints["drafter"]), dtype="float64", speculation="off"
-        ).generate(prompts, params)
-        assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
+        outputs = LLM.from_engine(engine).generate(ACTOR_PROMPTS, params)
+        assert [o.token_ids for o in outputs] == _offline_off(checkpoints, params)
         assert engine.timings.num_draft_calls > 0 and actors.hops.num_calls > engine.timings.num_draft_calls
         # Each worker's OpenMP threads spin briefly between a forward's parallel regions before they sleep
         # (deployments/config.py: WORKER_OPENMP_ENV), whatever the replica's own waits; one thread by default, the
@@ -835,31 +848,24 @@ def test_pipelined_engine_on_worker_actors_equals_offline_off(served, app_args, 
 def test_prompts_joining_the_verify_pass_on_worker_actors_equal_offline_off(served, app_args, checkpoints):
     """Requests arriving while others run, through the actor proxies: their prompts go into the round's verify pass
     (one call), and T=0 outputs equal the offline engine with speculation off."""
-    from ddtree import LLM, SamplingParams
-    from ddtree.cost import CostModel
-    from ddtree.engine import Engine, EngineConfig
+    from ddtree import SamplingParams
     from deployments.actors import start_worker_actors
     from deployments.config import ActorPlace, WorkerSpec, parse_args
 
     place = ActorPlace(0, 0.0, 0.0)  # the app holds the CPUs
     actors = start_worker_actors(WorkerSpec.from_args(parse_args(app_args)), place, place)
     try:
-        config = EngineConfig(speculation="ddtree", budget=8, max_budget=16, max_num_seqs=4, pipeline=False)
-        cost = CostModel([(1, 0.010), (64, 0.012), (1024, 0.05)], [(1, 0.002), (16, 0.003)])
-        engine = Engine(config, actors.target_proxy, actors.drafter_proxy, actors.target_proxy.tokenizer, cost=cost)
-        prompts = ["hello world", "the cat sat on", "12 + 7 =", "why is the sky blue?", "a"]
+        engine = _engine_on_actors(actors, pipeline=False)
         params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-        ids, finals, pending = {}, {}, list(prompts)
+        ids, finals, pending = {}, {}, list(ACTOR_PROMPTS)
         while pending or engine.has_unfinished_requests():
             if pending:
                 prompt = pending.pop(0)
                 ids[engine.add_request(prompt, params)] = prompt
             finals.update({ids[o.request_id]: o.token_ids for o in engine.step() if o.finished})
-        reference = LLM(
-            str(checkpoints["target"]), str(checkpoints["drafter"]), dtype="float64", speculation="off"
-        ).generate(prompts, params)
-        assert [finals[p] for p in prompts] == [r.token_ids for r in reference]
-        assert engine.timings.num_prefill_calls == 1 and engine.timings.num_prompts_in_verify == len(prompts) - 1
+        assert [finals[p] for p in ACTOR_PROMPTS] == _offline_off(checkpoints, params)
+        n = len(ACTOR_PROMPTS)
+        assert engine.timings.num_prefill_calls == 1 and engine.timings.num_prompts_in_verify == n - 1
         assert engine.timings.num_draft_calls > 0
     finally:
         actors.kill()
