@@ -314,8 +314,7 @@ class Engine(WorkerRecovery):
         started_at = time.perf_counter()
         arm = self.guard.choose(len(running)) if self.guard is not None else POLICY
         roots = {rid: self.requests[rid].root_token_id for rid in running}
-        num_prompt_tokens = sum(len(self.requests[r].prompt_token_ids) for r in prompt_ids)
-        prompts = {"prompt_ids": list(prompt_ids), "num_prompt_tokens": num_prompt_tokens}
+        prompts = {"prompt_ids": list(prompt_ids), "prompts": [self.requests[r].prompt_token_ids for r in prompt_ids]}
         if arm == POLICY:
             plan = self._plan(running)
             resumes = self._drafter_behind and bool(plan.speculative_ids)
@@ -400,8 +399,7 @@ class Engine(WorkerRecovery):
         trees = [e.tree for e in batch.entries]
         if not batch.prompt_ids:
             return self.target.verify_async(batch.request_ids, trees, roots)
-        prompts = [self.requests[r].prompt_token_ids for r in batch.prompt_ids]
-        return self.target.verify_async(batch.request_ids, trees, roots, batch.prompt_ids, prompts)
+        return self.target.verify_async(batch.request_ids, trees, roots, batch.prompt_ids, batch.prompts)
 
     def _collect_verify(self, batch: RoundBatch, pending: Pending) -> None:
         result = pending.result()

@@ -54,7 +54,7 @@ class RoundBatch:
     num_verified_tokens: int = 0  # packed tokens of the verify pass, prompts included
     # Newly admitted requests whose prompts the verify pass takes in whole, and what it answered: their first tokens
     prompt_ids: list[str] = field(default_factory=list)
-    num_prompt_tokens: int = 0
+    prompts: list[list[int]] = field(default_factory=list)  # their token ids, in the order of `prompt_ids`
     first_token_ids: list[int] = field(default_factory=list)
     first_logprobs: list[RawLogprobs | None] = field(default_factory=list)
 
@@ -83,7 +83,7 @@ class RoundBatch:
         """What the closed entries and the prompts put into the verify pass: tokens, and tokens they are expected to
         commit (a prompt commits its first token)."""
         closed = [e for e in self.entries if not e.is_open]
-        num_tokens = sum(e.num_tokens for e in closed) + self.num_prompt_tokens
+        num_tokens = sum(e.num_tokens for e in closed) + sum(len(p) for p in self.prompts)
         return num_tokens, sum(1 + e.predicted for e in closed) + len(self.prompt_ids)
 
     def close(self) -> None:

@@ -219,7 +219,8 @@ class TargetWorker:
             raise ValueError("verify needs at least one request to verify (a prompt alone is a prefill)")
         t0 = time.perf_counter()
         num_trees = len(request_ids)
-        seq_ids = [self._seq_ids[r] for r in request_ids + list(prompt_ids)]
+        all_ids = list(request_ids) + list(prompt_ids)  # the trees' requests, then the prompts'
+        seq_ids = [self._seq_ids[r] for r in all_ids]
         packed = self._pack(
             seq_ids,
             list(trees) + [DraftTree.chain(p[1:]) for p in prompts],
@@ -246,7 +247,7 @@ class TargetWorker:
             result, logits, tokens, logit_rows = self._accept(request_ids, in_trees, out)
         prefilled = self._first_tokens(list(prompt_ids), list(prompts), last_logits) if prompts else None
         kept = result.accepted_packed + [list(range(start, end)) for start, end in prompt_rows]  # prompts: whole
-        self._commit(request_ids + list(prompt_ids), seq_ids, packed, kept, features)
+        self._commit(all_ids, seq_ids, packed, kept, features)
         logprobs = raw_logprobs(logits, tokens, logit_rows, [self._params[rid].logprobs for rid in request_ids])
         t2 = time.perf_counter()
         return VerifyResult(
