@@ -9,8 +9,9 @@ reads, no Ray task per call), and the target reaches the drafter through one mor
                    <──Reply──
 
 The operations and their wire formats are deployments/worker_ops.py; the proxies the Engine calls,
-deployments/proxies.py. A round costs two calls (draft, verify), each a few process wake-ups; plain Ray actor calls
-remain for what is not on the round's path: loading, the health check's ping, the KV usage metric.
+deployments/proxies.py. A round costs two calls (draft, verify), each a few process wake-ups, and frees are sent
+without waiting; plain Ray actor calls remain for what is not on the round's path: loading, the health check's ping,
+`info()`.
 
 Target features go from the target to the drafter directly, never through the engine replica: after a verify (the
 requests that drafted: they draft again next) the target pushes them as a numbered `FeatureBatch`, and its reply
@@ -184,7 +185,7 @@ class TargetActor:
             with self._drafter_lock:
                 if self._to_drafter is not None:
                     self._send_features(feature_ids)
-        return Reply(result, time.perf_counter() - t0, self._num_batches, t0)
+        return Reply(result, time.perf_counter() - t0, self._num_batches, t0, w.num_kv_bytes_used)
 
     def _send_features(self, request_ids: list[str]) -> None:
         taken = self.worker.take_features(request_ids)

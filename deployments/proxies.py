@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import ray
 import torch
 
 from deployments.channel import ChannelClient, ChannelClosedError
@@ -67,8 +67,11 @@ class PendingCall:
     waits for it. The hop time booked is the wall time from submission to result minus the time inside the
     worker, so it is an upper bound when the caller reads the result late."""
 
-    def __init__(self, channel: ChannelClient, hops: HopTimes, op, convert=None, on_reply=None) -> None:
+    def __init__(
+        self, channel: ChannelClient, hops: HopTimes, op, convert=None, on_reply=None, books_hops: bool = True
+    ) -> None:
         self.hops = hops
+        self.books_hops = books_hops  # (an unawaited call books its send where it is sent: `_Unawaited`)
         self.convert = convert  # applied to the worker's result (e.g. numpy arrays back into tensors)
         self.on_reply = on_reply  # called with the Reply (the target proxy reads its feature batch number)
         self.op_name = type(op).__name__
@@ -85,12 +88,39 @@ class PendingCall:
             reply = self.channel.receive(self.ticket)
             self.wall_seconds = time.perf_counter() - self.start
             self.seconds = reply.seconds
-            self.hops.add(self.wall_seconds, reply.seconds, reply.started_at - self.start, self.op_name)
+            if self.books_hops:
+                self.hops.add(self.wall_seconds, reply.seconds, reply.started_at - self.start, self.op_name)
             if self.on_reply is not None:
                 self.on_reply(reply)
             self._value = reply.result if self.convert is None else self.convert(reply.result)
             self._is_done = True
         return self._value
+
+
+MAX_UNAWAITED_FREES = 32  # a drafter's frees whose replies wait for a later call's before they are read
+
+
+class _Unawaited:
+    """Calls whose replies the engine does not wait for (frees: they answer nothing it needs), so each costs the
+    round only its send. Their replies are read after a later call's reply on the same channel, which they precede
+    there: reading them then never waits. A failure one carries is raised there (a channel that closed is raised by
+    the later call itself)."""
+
+    def __init__(self, hops: HopTimes) -> None:
+        self.hops = hops
+        self.calls: list[PendingCall] = []
+
+    def send(self, submit: Callable[[], PendingCall]) -> None:
+        t0 = time.perf_counter()
+        call = submit()
+        sent = time.perf_counter() - t0
+        self.hops.add(sent, 0.0, sent, call.op_name)
+        self.calls.append(call)
+
+    def settle(self) -> None:
+        calls, self.calls = self.calls, []
+        for call in calls:
+            call.result()
 
 
 class TargetProxy:
@@ -116,12 +146,19 @@ class TargetProxy:
         # Requests whose features went to the connected drafter: it holds a context cache for them
         self._known_to_drafter: set[str] = set()
         self.drafter_connected = self.keeps_features  # (False between a loss of the drafter and its restart)
+        self.kv_bytes_used = 0  # as of the target's last reply
+        self._unawaited = _Unawaited(hops)
 
     def _on_reply(self, reply: Reply) -> None:
         self.num_feature_batches = max(self.num_feature_batches, reply.feature_batch)
+        self.kv_bytes_used = reply.kv_bytes_used
+
+    def _after_reply(self, reply: Reply) -> None:
+        self._unawaited.settle()  # (replies of calls sent before this one: read first, as they came first)
+        self._on_reply(reply)
 
     def _submit(self, op: TargetOp) -> PendingCall:
-        return PendingCall(self.channel, self.hops, op, on_reply=self._on_reply)
+        return PendingCall(self.channel, self.hops, op, on_reply=self._after_reply)
 
     def allocate(self, request_id, capacity, params):
         return self._submit(Allocate(request_id, capacity, params)).result()
@@ -166,9 +203,13 @@ class TargetProxy:
         return True
 
     def free(self, request_id):
+        """Sent without waiting: the target frees the request's KV as soon as it reads the call, before any later
+        call (an admission's allocation included)."""
         self._drafting.discard(request_id)
         self._waiting_in_actor.discard(request_id)
-        return self._submit(Free(request_id)).result()
+        self._unawaited.send(
+            lambda: PendingCall(self.channel, self.hops, Free(request_id), on_reply=self._on_reply, books_hops=False)
+        )
 
     def measure_verify_cost(self, token_counts):
         return self._submit(MeasureVerifyCost(list(token_counts))).result()
@@ -188,7 +229,8 @@ class TargetProxy:
         self.drafter_connected = True
 
     def kv_cache_stats(self) -> dict:
-        return ray.get(self.actor.kv_cache_stats.remote())
+        """As of the target's last reply (every reply carries it): no call."""
+        return {"bytes_used": self.kv_bytes_used}
 
 
 class DrafterProxy:
@@ -204,6 +246,7 @@ class DrafterProxy:
         self.block_len = info["block_len"]
         self.pid = info["pid"]  # the actor's process
         self.can_overlap = can_overlap
+        self._unawaited = _Unawaited(hops)
 
     def draft(self, request_ids, roots, features, max_k):
         return self.draft_async(request_ids, roots, features, max_k).result()
@@ -214,19 +257,34 @@ class DrafterProxy:
         return self._submit(op, convert=_draft_from_wire)
 
     def free(self, request_id):
-        """Drop the request's context; no call for a request the drafter never heard of (it never drafted)."""
+        """Drop the request's context; no call for a request the drafter never heard of (it never drafted).
+        Sent without waiting; where no draft follows for a long while, the replies are read once
+        `MAX_UNAWAITED_FREES` have gathered (long answered then, but the last)."""
         if not self.target.drafter_forgets(request_id):
             return None
-        return self._submit(FreeDraft(request_id, self.target.num_feature_batches)).result()
+        if len(self._unawaited.calls) >= MAX_UNAWAITED_FREES:
+            self._unawaited.settle()
+        op = FreeDraft(request_id, self.target.num_feature_batches)
+        self._unawaited.send(lambda: self._submit(op, books_hops=False, settles=False))
+        return None
 
     def measure_draft_cost(self, batch_sizes, max_k):
         return self._submit(MeasureDraftCost(list(batch_sizes), max_k)).result()
 
-    def _submit(self, op: DrafterOp, convert=None) -> PendingCall:
+    def _submit(self, op: DrafterOp, convert=None, books_hops: bool = True, settles: bool = True) -> PendingCall:
         """A call whose ChannelClosedError (the drafter actor died: the engine then decodes on without it) first
-        tells the target to keep the features it would have sent."""
+        tells the target to keep the features it would have sent. Its reply settles the frees sent before it."""
+        on_reply = (lambda reply: self._unawaited.settle()) if settles else None
         try:
-            return _DrafterCall(self.channel, self.hops, op, convert=convert, on_lost=self.target.drafter_lost)
+            return _DrafterCall(
+                self.channel,
+                self.hops,
+                op,
+                convert=convert,
+                on_reply=on_reply,
+                books_hops=books_hops,
+                on_lost=self.target.drafter_lost,
+            )
         except ChannelClosedError:
             self.target.drafter_lost()
             raise

@@ -165,6 +165,7 @@ class Reply:
     seconds: float  # inside the worker
     feature_batch: int = 0  # (target) the last FeatureBatch sent so far
     started_at: float = 0.0  # time.perf_counter() in the worker when the operation began (one clock per node)
+    kv_bytes_used: int = 0  # (target) its KV cache's bytes in use after the operation
 
 
 # ---- the wire ---------------------------------------------------------------------------------------------------
@@ -219,6 +220,7 @@ class WireCodec:
             body = [
                 r.accepted_token_ids, r.bonus_token_ids, r.num_tokens, r.forward_seconds, r.accept_seconds,
                 _logprobs_out(r.logprobs), prefilled, message.seconds, message.feature_batch, message.started_at,
+                message.kv_bytes_used,
             ]  # fmt: skip
             return bytes([_VERIFY_REPLY]) + msgpack.packb(body)
         if kind is Reply and type(message.result) is DraftTopK:
@@ -241,11 +243,11 @@ class WireCodec:
         if tag == _DRAFT:
             return Draft(*fields)
         if tag == _VERIFY_REPLY:
-            *result, logprobs, prefilled, seconds, feature_batch, started_at = fields
+            *result, logprobs, prefilled, seconds, feature_batch, started_at, kv_bytes_used = fields
             if prefilled is not None:
                 prefilled = PrefillResult(prefilled[0], _logprobs_in(prefilled[1]))
             result = VerifyResult(*result, _logprobs_in(logprobs), prefilled)
-            return Reply(result, seconds, feature_batch, started_at)
+            return Reply(result, seconds, feature_batch, started_at, kv_bytes_used)
         lp, lp_dtype, ids, ids_dtype, seconds, started_at = fields  # _DRAFT_REPLY
         return Reply(DraftTopK((_array_in(lp), lp_dtype), (_array_in(ids), ids_dtype)), seconds, 0, started_at)
 

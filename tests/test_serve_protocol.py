@@ -633,11 +633,11 @@ def test_the_worker_codec_carries_a_rounds_messages_exactly_and_pickles_the_rest
 
     logprobs = [RawLogprobs([-0.5, -1.25], [[3, 4], [5, 6]], [[-0.5, -2.0], [-1.25, -1.5]]), None]
     result = VerifyResult([[11, 12], []], [13, 14], 9, 0.02, 0.001, logprobs)
-    tag, got = through(Reply(result, 0.025, 3, 123.5))
-    assert tag != 0 and got == Reply(result, 0.025, 3, 123.5)
+    tag, got = through(Reply(result, 0.025, 3, 123.5, 4096))
+    assert tag != 0 and got == Reply(result, 0.025, 3, 123.5, 4096)
     result.prefilled = PrefillResult([21, 22], [None, RawLogprobs([-0.1], [[21, 2]], [[-0.1, -3.0]])])
-    tag, got = through(Reply(result, 0.025, 3, 123.5))
-    assert tag != 0 and got == Reply(result, 0.025, 3, 123.5)
+    tag, got = through(Reply(result, 0.025, 3, 123.5, 4096))
+    assert tag != 0 and got == Reply(result, 0.025, 3, 123.5, 4096)
 
     topk = torch.randn(2, 8, 4, generator=gen).bfloat16(), torch.randint(0, 50, (2, 8, 4), generator=gen)
     tag, got = through(Reply(DraftTopK(*(tensor_to_wire(t) for t in topk)), 0.009, 0, 99.0))
