@@ -43,6 +43,10 @@ class Target(Protocol):
     def allocate(self, request_id: str, max_tokens: int, params: SamplingParams) -> bool:
         """Reserve KV for a request; False when it does not fit now (the request waits)."""
 
+    def allocate_many(self, requests: list[tuple[str, int, SamplingParams]]) -> int:
+        """`allocate` for each (request_id, max_tokens, params) in order, stopping at the first that does not fit;
+        how many got their KV (one call for a round's admissions)."""
+
     def prefill(self, request_ids: list[str], prompts: list[list[int]]) -> PrefillResult: ...
 
     def verify_async(

@@ -254,11 +254,11 @@ class Engine(WorkerRecovery):
     def _admit(self) -> list[str]:
         """Waiting requests that fit join (their KV reserved), in arrival order; nothing of theirs computed yet."""
 
-        def try_allocate(rid: str) -> bool:
-            req = self.requests[rid]
-            return self.target.allocate(rid, self._kv_capacity(req), req.output.params)
+        def allocate(request_ids: list[str]) -> int:
+            requests = [self.requests[r] for r in request_ids]
+            return self.target.allocate_many([(r.request_id, self._kv_capacity(r), r.output.params) for r in requests])
 
-        return self.scheduler.admit(try_allocate)
+        return self.scheduler.admit(allocate)
 
     def _prompts_in_verify(self, admitted: list[str], running: list[str]) -> list[str]:
         """The admitted requests whose prompts join the round's verify pass: all of them where a round runs anyway

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,19 +32,20 @@ class Scheduler:
             )
         self.waiting.append(request_id)
 
-    def admit(self, try_allocate: Callable[[str], bool]) -> list[str]:
+    def admit(self, allocate: Callable[[list[str]], int]) -> list[str]:
         """Move waiting requests to running, first come first served, while seats and KV memory last.
 
-        `try_allocate` reserves a request's KV cache and answers False when it does not fit; the queue then waits
-        (no request overtakes the head of the queue, so a long prompt cannot starve)."""
-        admitted = []
-        while self.waiting and len(self.running) < self.max_num_seqs:
-            request_id = self.waiting[0]
-            if not try_allocate(request_id):
-                break
-            self.waiting.popleft()
-            self.running.append(request_id)
-            admitted.append(request_id)
+        `allocate` gets the head of the queue, as many as there are free seats, reserves their KV caches in order and
+        answers how many fit; the rest wait (no request overtakes the head of the queue, so a long prompt cannot
+        starve)."""
+        candidates = list(itertools.islice(self.waiting, max(0, self.max_num_seqs - len(self.running))))
+        if not candidates:
+            return []
+        num_fit = allocate(candidates)
+        if not 0 <= num_fit <= len(candidates):
+            raise ValueError(f"allocate answered {num_fit} for {len(candidates)} requests")
+        admitted = [self.waiting.popleft() for _ in range(num_fit)]
+        self.running.extend(admitted)
         return admitted
 
     def remove(self, request_id: str) -> None:

@@ -174,6 +174,12 @@ class TargetWorker:
         self._pending_features[request_id] = []
         return True
 
+    def allocate_many(self, requests: list[tuple[str, int, SamplingParams]]) -> int:
+        for i, (request_id, max_tokens, params) in enumerate(requests):
+            if not self.allocate(request_id, max_tokens, params):
+                return i
+        return len(requests)
+
     def seq_id(self, request_id: str) -> int:
         """The request's sequence id in the model's KV cache (`model.kv.handle(seq_id)`)."""
         return self._seq_ids[request_id]

@@ -164,7 +164,7 @@ class TargetActor:
         t0 = time.perf_counter()
         result, feature_ids = None, []
         if isinstance(op, Allocate):
-            result = w.allocate(op.request_id, op.capacity, op.params)
+            result = w.allocate_many(list(zip(op.request_ids, op.capacities, op.params)))
         elif isinstance(op, Prefill):  # (its features wait here until the request drafts: `SendFeatures`)
             result = w.prefill(op.request_ids, op.prompts)
         elif isinstance(op, Verify):

@@ -161,7 +161,13 @@ class TargetProxy:
         return PendingCall(self.channel, self.hops, op, on_reply=self._after_reply)
 
     def allocate(self, request_id, capacity, params):
-        return self._submit(Allocate(request_id, capacity, params)).result()
+        return self.allocate_many([(request_id, capacity, params)]) == 1
+
+    def allocate_many(self, requests):
+        if not requests:
+            return 0
+        request_ids, capacities, params = (list(column) for column in zip(*requests))
+        return self._submit(Allocate(request_ids, capacities, params)).result()
 
     def prefill(self, request_ids, prompts):
         # (the prompt's features wait in the target actor until the request first drafts: one that decodes plain

@@ -73,9 +73,11 @@ def trees_from_wire(wire: tuple[list[int], np.ndarray, np.ndarray]) -> list:
 
 @dataclass(frozen=True)
 class Allocate:
-    request_id: str
-    capacity: int
-    params: object  # SamplingParams
+    """Reserve KV for each request in order, stopping at the first that does not fit: how many did."""
+
+    request_ids: list[str]
+    capacities: list[int]
+    params: list[object]  # SamplingParams
 
 
 @dataclass(frozen=True)

@@ -1053,6 +1053,9 @@ class _DyingTarget(_DyingWorker):
     def allocate(self, *args):
         return self._call("allocate", *args)
 
+    def allocate_many(self, *args):
+        return self._call("allocate_many", *args)
+
     def prefill(self, *args):
         return self._call("prefill", *args)
 
@@ -1211,6 +1214,41 @@ def test_requests_admitted_together_share_one_prefill_pass(workers):
             engine.step()
         assert engine.timings.num_prefill_calls == num_prefills
         assert engine.timings.num_prompts_in_verify == 2 - num_prefills
+
+
+def test_admission_takes_the_head_of_the_queue_up_to_the_free_seats_and_waits_where_kv_runs_out():
+    from ddtree.scheduler import Scheduler
+
+    scheduler = Scheduler(max_num_seqs=3, max_waiting=8)
+    for rid in "abcde":
+        scheduler.add(rid)
+    asked = []
+    assert scheduler.admit(lambda ids: asked.append(ids) or 2) == ["a", "b"]  # c did not fit: it and all after wait
+    assert scheduler.admit(lambda ids: asked.append(ids) or 1) == ["c"]
+    assert scheduler.admit(lambda ids: pytest.fail("no free seat: nothing to allocate")) == []
+    assert asked == [["a", "b", "c"], ["c"]] and list(scheduler.waiting) == ["d", "e"]
+    scheduler.remove("a")
+    with pytest.raises(ValueError, match="answered 2 for 1"):
+        scheduler.admit(lambda ids: 2)
+
+
+def test_a_rounds_admissions_reserve_their_kv_in_one_target_call(workers, monkeypatch):
+    """Requests admitted together cost one allocation call (a worker actor's round trip each, before), and those
+    admitted into a running batch one more, in arrival order."""
+    engine = make_llm(workers, speculation="off").engine
+    calls = []
+    allocate_many = engine.target.allocate_many
+    monkeypatch.setattr(
+        engine.target,
+        "allocate_many",
+        lambda requests: calls.append([r for r, _, _ in requests]) or allocate_many(requests),
+    )
+    first = [engine.add_request(p, greedy(6)) for p in PROMPTS[:3]]
+    engine.step()
+    later = [engine.add_request(p, greedy(6)) for p in PROMPTS[3:5]]
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert calls == [first, later]
 
 
 def _staggered(engine, params: list[SamplingParams]) -> tuple[list[list[int]], list]:

@@ -31,8 +31,8 @@ class ScriptedTarget:
         self.ops.append(op)
         result = None
         if isinstance(op, Allocate):
-            self.capacity[op.request_id] = op.capacity
-            result = True
+            self.capacity.update(zip(op.request_ids, op.capacities))
+            result = len(op.request_ids)
         elif isinstance(op, Free):
             if op.request_id == self.blocked:
                 assert self.release.wait(10)
