@@ -13,8 +13,9 @@ in U+FFFD. Decoding the whole output every round instead would cost time linear 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from ddtree.outputs import RequestOutput
 from ddtree.sampling_params import SamplingParams
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decode shows for a multi-byte character whose bytes are not all there yet
@@ -65,8 +66,10 @@ class Detokenizer:
                 return piece.replace("\u2581", " ").encode()
         return self.decode([token_id]).encode()
 
-    def append(self, state: OutputState, new_token_ids: list[int]) -> list[int]:
-        """Add tokens until one of them finishes the request; returns the tokens actually kept."""
+    def append_tokens(self, state: OutputState, new_token_ids: list[int]) -> list[int]:
+        """Add tokens until one of them finishes the request (EOS, a stop token, the length: the stops that need no
+        text); returns the tokens actually kept. The text is left alone: `append` decodes it, or a `TextDecoder`
+        does later (an output without stop strings)."""
         if state.finish_reason is not None:
             return []
         params = state.params
@@ -80,9 +83,16 @@ class Detokenizer:
             if len(state.token_ids) >= state.max_new_tokens:
                 state.finish_reason = state.max_new_tokens_reason
                 break
-        text_tokens = state.token_ids
-        if state.finish_reason == "stop" and text_tokens and text_tokens[-1] in params.stop_token_ids:
-            text_tokens = text_tokens[:-1]  # a stop token is not part of the text (EOS is special anyway)
+        return kept
+
+    def append(self, state: OutputState, new_token_ids: list[int]) -> list[int]:
+        """Add tokens until one of them finishes the request, stop strings included, and decode their text; returns
+        the tokens actually kept."""
+        if state.finish_reason is not None:
+            return []
+        params = state.params
+        kept = self.append_tokens(state, new_token_ids)
+        text_tokens = _text_tokens(state)
         new_text = self._new_text(state, text_tokens)
         text = state.text + new_text
         if params.stop:
@@ -177,3 +187,46 @@ def _byte_level_alphabet() -> dict[str, int]:
     ]
     others = [b for b in range(256) if b not in printable]
     return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
+
+
+def _text_tokens(state: OutputState) -> list[int]:
+    """The output's tokens that make its text: a stop token is not part of it (EOS is special anyway)."""
+    tokens = state.token_ids
+    if state.finish_reason == "stop" and tokens and tokens[-1] in state.params.stop_token_ids:
+        return tokens[:-1]
+    return tokens
+
+
+class TextDecoder:
+    """One output's text, decoded incrementally from tokens the engine has already cut at every stop (an output
+    without stop strings, which the engine leaves undecoded: `RequestOutput.text_pending`), so that its consumer
+    decodes it off the engine's loop. The text equals what `Detokenizer.append` gives."""
+
+    def __init__(self, detokenizer: Detokenizer, params: SamplingParams) -> None:
+        if params.stop:
+            raise ValueError("an output with stop strings is decoded by the engine, which must find them")
+        self.detokenizer = detokenizer
+        self.state = OutputState(params, frozenset(), max_new_tokens=0)
+
+    @property
+    def text(self) -> str:
+        return self.state.text
+
+    def add(self, token_ids: list[int], finish_reason: str | None) -> str:
+        """The text that `token_ids` (the output's next tokens) add; `finish_reason` once the output has finished.
+        An aborted output's text ends where it was (its held-back bytes are never completed), as the engine's."""
+        state = self.state
+        if state.finish_reason is not None:
+            raise ValueError("the output has finished already")
+        state.token_ids.extend(token_ids)
+        state.finish_reason = finish_reason
+        if finish_reason == "abort" and not token_ids:
+            return ""
+        new_text = self.detokenizer._new_text(state, _text_tokens(state))
+        state.text += new_text
+        return new_text
+
+    def fill(self, output: RequestOutput) -> RequestOutput:
+        """The engine's next output of this request, `text_pending`, with its text."""
+        new_text = self.add(output.new_token_ids, output.finish_reason if output.finished else None)
+        return replace(output, text=self.text, new_text=new_text, text_pending=False)

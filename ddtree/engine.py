@@ -87,13 +87,18 @@ class Engine(WorkerRecovery):
         drafter: Drafter | None,
         tokenizer,
         cost: CostModel | None = None,
+        detokenize: bool = True,
     ) -> None:
+        """`detokenize=False` leaves the text of an output that needs no engine decision on it (no stop strings, no
+        log-probabilities) to the consumer (`RequestOutput.text_pending`, `ddtree.detokenizer.TextDecoder`), off the
+        round's path: a served engine's streams decode it on their own thread."""
         if config.speculation != "off" and drafter is None:
             raise ValueError(f"speculation={config.speculation!r} needs a drafter")
         self.config = config
         self.target = target
         self.drafter = drafter if config.speculation != "off" else None
         self.tokenizer = tokenizer
+        self.detokenize = detokenize
         self.writer = OutputWriter(tokenizer)
         self.eos_token_ids = frozenset(target.eos_token_ids)
         self.block_len = drafter.block_len if self.drafter is not None else 0
@@ -168,7 +173,11 @@ class Engine(WorkerRecovery):
         output = OutputState(params, self.eos_token_ids, max_new_tokens=max_new)
         self.scheduler.add(request_id)
         self.requests[request_id] = Request(
-            request_id, prompt_token_ids, output, RequestStats(arrival_time=time.perf_counter())
+            request_id,
+            prompt_token_ids,
+            output,
+            RequestStats(arrival_time=time.perf_counter()),
+            decodes_text=self.detokenize or bool(params.stop) or params.logprobs is not None,
         )
         return request_id
 

@@ -71,6 +71,9 @@ class RequestOutput:
     # with SamplingParams.logprobs: one per token of `token_ids` / `new_token_ids`; None otherwise
     logprobs: list[TokenLogprobs] | None = None
     new_logprobs: list[TokenLogprobs] | None = None
+    # the engine left the text to its consumer (`Engine(detokenize=False)`): `text` and `new_text` are empty until
+    # a `ddtree.detokenizer.TextDecoder` fills them (`TextDecoder.fill`)
+    text_pending: bool = False
 
     @property
     def acceptance_lengths(self) -> list[int]:
@@ -103,4 +106,5 @@ class RequestOutput:
             self.finish_reason,
             RequestStats(),
             new_logprobs=self.new_logprobs,
+            text_pending=self.text_pending,
         )

@@ -33,6 +33,8 @@ class Request:
     ngrams: NgramIndex | None = None  # prompt + committed tokens (auto mode with ngram_tokens > 0)
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # per committed token (SamplingParams.logprobs)
     text_started: bool = False  # a committed token decoded to something (special tokens do not): logprobs' bytes
+    # the engine decodes the text (else its consumer does, `TextDecoder`: no stop string, no log-probabilities)
+    decodes_text: bool = True
 
     @property
     def tokens_left(self) -> int:
@@ -54,6 +56,7 @@ class Request:
             stats=self.stats,
             logprobs=list(self.logprobs) if asked_logprobs else None,
             new_logprobs=list(new_logprobs or []) if asked_logprobs else None,
+            text_pending=not self.decodes_text,
         )
 
 
@@ -77,6 +80,12 @@ class OutputWriter:
         self._token_bytes = functools.lru_cache(maxsize=1 << 16)(self.detokenizer.token_bytes)
 
     def commit(self, req: Request, tokens: list[int], logprobs: RawLogprobs | None = None) -> Committed:
+        if not req.decodes_text:
+            kept = self.detokenizer.append_tokens(req.output, tokens)
+            if req.ngrams is not None:
+                req.ngrams.extend(kept)
+            req.root_token_id = kept[-1] if kept else req.root_token_id
+            return Committed(kept, "", None)
         kept = self.detokenizer.append(req.output, tokens)
         if req.ngrams is not None:
             req.ngrams.extend(kept)

@@ -17,6 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from ddtree.detokenizer import Detokenizer, TextDecoder
 from ddtree.outputs import RequestOutput
 from ddtree.sampling_params import SamplingParams
 
@@ -79,6 +80,9 @@ class EngineLoop:
     engine: object  # ddtree.engine.Engine
     on_round: Callable[[RoundReport], None] | None = None
     on_idle: Callable[[], None] | None = None  # called every `idle_every_s` while no round runs (idle, or target lost)
+    # decodes the outputs the engine leaves undecoded (`Engine(detokenize=False)`), on each stream's event loop: with
+    # a tokenizer of its own, as the loop thread decodes stop strings' outputs at the same time
+    detokenizer: Detokenizer | None = None
     idle_every_s: float = 1.0
     _inbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     _streams: dict[str, _Stream] = field(default_factory=dict)
@@ -139,6 +143,7 @@ class EngineLoop:
         add = _Add(prompt, params, request_id, loop, loop.create_future(), asyncio.Queue())
         self._put(add)
         finished = False
+        decoder: TextDecoder | None = None
         held: RequestOutput | None = None  # merged outputs not sent yet
         next_send = 0.0  # loop.time() from which the next output may go
         try:
@@ -154,6 +159,12 @@ class EngineLoop:
                 if isinstance(item, BaseException):
                     raise item
                 if item is not None:
+                    if item.text_pending:
+                        if decoder is None:
+                            if self.detokenizer is None:
+                                raise RuntimeError("the engine left the text undecoded and the loop has no detokenizer")
+                            decoder = TextDecoder(self.detokenizer, params)
+                        item = decoder.fill(item)
                     held = item if held is None else item.following(held)
                     finished = item.finished
                 if held is not None and (finished or loop.time() >= next_send):

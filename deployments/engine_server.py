@@ -15,6 +15,7 @@ import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
+from ddtree.detokenizer import Detokenizer
 from deployments.config import AppArgs, WorkerSpec, parse_args
 from deployments.engine_request import EngineRequest
 from deployments.errors import (
@@ -42,7 +43,8 @@ class DDTreeEngine:
         self.actors = start_worker_actors(WorkerSpec.from_args(self.args), layout.target, layout.drafter)
         config = self.args.engine_config()
         target = self.actors.target_proxy
-        self.engine = Engine(config, target, self.actors.drafter_proxy, target.tokenizer)
+        # Texts without stop strings are decoded by their streams, on the event loop, off the round's path
+        self.engine = Engine(config, target, self.actors.drafter_proxy, target.tokenizer, detokenize=False)
         self.metrics = EngineMetrics(
             self.engine, self.actors.hops, kv_cache_stats=lambda: self.actors.target_proxy.kv_cache_stats()
         )
@@ -53,7 +55,12 @@ class DDTreeEngine:
         self._prompt_pool = ThreadPoolExecutor(1, thread_name_prefix="ddtree-prompts")
         # A prompt of more characters than the window holds tokens of the longest token is refused untokenized.
         self._max_prompt_chars = self.engine.max_model_len * longest_token_chars(self._prompt_tokenizer)
-        self.loop = EngineLoop(self.engine, on_round=self.metrics.on_round, on_idle=self.metrics.on_idle)
+        self.loop = EngineLoop(
+            self.engine,
+            on_round=self.metrics.on_round,
+            on_idle=self.metrics.on_idle,
+            detokenizer=Detokenizer(copy.deepcopy(target.tokenizer)),
+        )
         self.loop.start()
         self._drafter_restart: asyncio.Task | None = None  # a new drafter actor loading
         self._next_drafter_restart = 0.0  # (monotonic) after a failed restart: when to try again

@@ -179,3 +179,56 @@ def test_an_output_ending_inside_a_character_drops_that_character():
     d, s = Detokenizer(byte_tok), state(byte_tok, max_new=4)
     assert d.append(s, tokens) == tokens[:4] and s.finish_reason == "length"
     assert s.text == "ab" and Detokenizer.take_new_text(s) == "ab"
+
+
+@pytest.mark.parametrize("make", [make_byte_tokenizer, make_char_tokenizer, _byte_fallback_tokenizer])
+@pytest.mark.parametrize("ending", ["length", "eos", "stop_token", "abort"])
+def test_text_decoded_by_the_consumer_equals_the_engines(make, ending):
+    """An output without stop strings may leave the engine undecoded (`append_tokens`) and be decoded by its
+    consumer (`TextDecoder`): the same pieces, round by round, and the same text, whatever cuts the output (a
+    length inside a character, EOS, a stop token) or aborts it."""
+    import random
+
+    from ddtree.detokenizer import TextDecoder
+
+    tok = make()
+    text = {
+        make_byte_tokenizer: "héllo wörld, 12 ✓ café 🎉 naïve! 東京",
+        make_char_tokenizer: "hello world, 12 cafe naive!",
+        _byte_fallback_tokenizer: "hello w\u00e9rld \u6771\U0001f389 hello",
+    }[make]
+    tokens = ids(tok, text)
+    eos = tok.eos_token_id if tok.eos_token_id is not None else 0  # (SentencePiece's: <unk>)
+    kw, max_new = {}, len(tokens) + 5
+    if ending == "length":
+        max_new = len(tokens) - 2  # (the byte tokenizers: inside the last character)
+    elif ending == "eos":
+        tokens = [*tokens[:-3], eos, *tokens[-3:]]
+    elif ending == "stop_token":
+        kw["stop_token_ids"] = [tokens[len(tokens) // 2]]
+    rng = random.Random(1)
+    for _ in range(10):
+        d = Detokenizer(tok)
+        engine, undecoded = (OutputState(SamplingParams(**kw), frozenset({eos}), max_new) for _ in range(2))
+        decoder = TextDecoder(Detokenizer(tok), undecoded.params)
+        rest, pieces, decoded = list(tokens), [], []
+        while rest and engine.finish_reason is None:
+            n = rng.randint(1, 4)
+            if ending == "abort" and len(rest) <= len(tokens) // 2:
+                engine.finish_reason = undecoded.finish_reason = "abort"
+                pieces.append("")
+                decoded.append(decoder.add([], "abort"))
+                break
+            d.append(engine, rest[:n])
+            pieces.append(Detokenizer.take_new_text(engine))
+            kept = d.append_tokens(undecoded, rest[:n])
+            decoded.append(decoder.add(kept, undecoded.finish_reason))
+            rest = rest[n:]
+        assert decoded == pieces and decoder.text == engine.text and undecoded.token_ids == engine.token_ids
+        assert (
+            engine.finish_reason == undecoded.finish_reason == {"eos": "stop", "stop_token": "stop"}.get(ending, ending)
+        )
+    with pytest.raises(ValueError, match="finished already"):
+        decoder.add([1], None)
+    with pytest.raises(ValueError, match="stop strings"):
+        TextDecoder(Detokenizer(tok), SamplingParams(stop=["x"]))

@@ -1216,6 +1216,43 @@ def test_requests_admitted_together_share_one_prefill_pass(workers):
         assert engine.timings.num_prompts_in_verify == 2 - num_prefills
 
 
+def test_an_engine_that_leaves_the_text_to_its_consumer_gives_the_same_outputs(workers):
+    """`detokenize=False`: outputs that need no text in the engine (no stop strings, no log-probabilities) come
+    undecoded, and a `TextDecoder` per request gives the same texts, piece by piece, as the decoding engine;
+    the others are decoded by the engine as before."""
+    from ddtree.detokenizer import Detokenizer, TextDecoder
+
+    target, drafter, tok = workers
+    params = [
+        greedy(20),
+        SamplingParams(temperature=0.9, seed=3, max_tokens=20, ignore_eos=True),
+        greedy(20, stop=["e"]),
+        greedy(12, logprobs=2),
+        greedy(3),
+    ]
+
+    def run(detokenize: bool):
+        engine = Engine(EngineConfig(speculation="ddtree", budget=4), target, drafter, tok, detokenize=detokenize)
+        index = {engine.add_request(p, sp): i for i, (p, sp) in enumerate(zip(PROMPTS, params))}
+        decoders = {rid: TextDecoder(Detokenizer(tok), params[i]) for rid, i in index.items() if not params[i].stop}
+        pieces, finals, pending = [[] for _ in PROMPTS], [None] * len(PROMPTS), set()
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                i = index[out.request_id]
+                if out.text_pending:
+                    pending.add(i)
+                    out = decoders[out.request_id].fill(out)
+                assert not out.text_pending
+                pieces[i].append((out.new_text, out.new_token_ids))
+                if out.finished:
+                    finals[i] = (out.text, out.token_ids, out.finish_reason, out.logprobs)
+        return pieces, finals, pending
+
+    decoded, undecoded = run(True), run(False)
+    assert decoded[:2] == undecoded[:2] and all(final[0] for final in decoded[1])  # (texts to compare)
+    assert decoded[2] == set() and undecoded[2] == {0, 1, 4}  # stop strings and log-probabilities: the engine's
+
+
 def test_admission_takes_the_head_of_the_queue_up_to_the_free_seats_and_waits_where_kv_runs_out():
     from ddtree.scheduler import Scheduler
 

@@ -26,11 +26,10 @@ def workers(tmp_path_factory):
     return build_workers(str(target), str(drafter), dtype="float64")
 
 
-def make_engine(workers, **config) -> Engine:
+def make_engine(workers, detokenize: bool = True, **config) -> Engine:
     target, drafter, tokenizer = workers
-    return Engine(
-        EngineConfig(**{"max_num_seqs": 2, "budget": 8, **config}), target, drafter, tokenizer, cost=FLAT_COST
-    )
+    config = EngineConfig(**{"max_num_seqs": 2, "budget": 8, **config})
+    return Engine(config, target, drafter, tokenizer, cost=FLAT_COST, detokenize=detokenize)
 
 
 def run_loop(engine: Engine, body, **loop_kw):
@@ -68,6 +67,36 @@ def test_stream_is_incremental_and_complete(workers):
     assert len(outputs) > 1 and outputs[-1].finished and not any(o.finished for o in outputs[:-1])
     assert [t for o in outputs for t in o.new_token_ids] == outputs[-1].token_ids
     assert "".join(o.new_text for o in outputs) == outputs[-1].text
+
+
+def test_streams_decode_the_text_an_engine_leaves_undecoded(workers):
+    """A served engine leaves texts without stop strings undecoded (`detokenize=False`): each stream decodes its own,
+    merged rounds included, and gets the decoding engine's pieces and text. Without a detokenizer the stream fails
+    rather than answer empty texts."""
+    from ddtree.detokenizer import Detokenizer
+
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    tokenizer = workers[2]
+
+    async def body(loop):
+        every = [out async for out in loop.stream("hello world", params)]
+        merged = [out async for out in loop.stream("the cat sat on", params, interval_s=10.0)]
+        return every, merged
+
+    decoded = run_loop(make_engine(workers), body)
+    undecoded_engine = make_engine(workers, detokenize=False)
+    undecoded = run_loop(undecoded_engine, body, detokenizer=Detokenizer(tokenizer))
+    pieces = [[(o.new_text, o.new_token_ids, o.text if o.finished else None) for o in outs] for outs in decoded]
+    assert pieces == [
+        [(o.new_text, o.new_token_ids, o.text if o.finished else None) for o in outs] for outs in undecoded
+    ]
+    assert decoded[0][-1].text and not any(o.text_pending for outs in undecoded for o in outs)
+
+    async def without_detokenizer(loop):
+        return [out async for out in loop.stream("hello world", params)]
+
+    with pytest.raises(RuntimeError, match="no detokenizer"):
+        run_loop(undecoded_engine, without_detokenizer)
 
 
 def test_a_stream_interval_merges_rounds_but_never_holds_the_first_or_last(workers):
