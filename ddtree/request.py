@@ -80,16 +80,15 @@ class OutputWriter:
         self._token_bytes = functools.lru_cache(maxsize=1 << 16)(self.detokenizer.token_bytes)
 
     def commit(self, req: Request, tokens: list[int], logprobs: RawLogprobs | None = None) -> Committed:
-        if not req.decodes_text:
+        if req.decodes_text:
+            kept = self.detokenizer.append(req.output, tokens)
+        else:  # (its consumer decodes the text: `TextDecoder`)
             kept = self.detokenizer.append_tokens(req.output, tokens)
-            if req.ngrams is not None:
-                req.ngrams.extend(kept)
-            req.root_token_id = kept[-1] if kept else req.root_token_id
-            return Committed(kept, "", None)
-        kept = self.detokenizer.append(req.output, tokens)
         if req.ngrams is not None:
             req.ngrams.extend(kept)
         req.root_token_id = kept[-1] if kept else req.root_token_id
+        if not req.decodes_text:
+            return Committed(kept, "", None)
         new_logprobs = None
         if req.output.params.logprobs is not None:
             new_logprobs = self.token_logprobs(kept, logprobs, at_text_start=not req.text_started)
