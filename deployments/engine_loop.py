@@ -160,10 +160,7 @@ class EngineLoop:
                     raise item
                 if item is not None:
                     if item.text_pending:
-                        if decoder is None:
-                            if self.detokenizer is None:
-                                raise RuntimeError("the engine left the text undecoded and the loop has no detokenizer")
-                            decoder = TextDecoder(self.detokenizer, params)
+                        decoder = decoder or self._text_decoder(params)
                         item = decoder.fill(item)
                     held = item if held is None else item.following(held)
                     finished = item.finished
@@ -177,6 +174,11 @@ class EngineLoop:
             rejected = add.admitted.done() and not add.admitted.cancelled() and add.admitted.exception() is not None
             if not finished and not rejected:
                 self._inbox.put(_Abort(request_id, add.outputs))
+
+    def _text_decoder(self, params: SamplingParams) -> TextDecoder:
+        if self.detokenizer is None:
+            raise RuntimeError("the engine left the text undecoded and the loop has no detokenizer")
+        return TextDecoder(self.detokenizer, params)
 
     async def generate(self, prompt: object, params: SamplingParams, request_id: str | None = None) -> RequestOutput:
         final = None
