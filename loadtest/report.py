@@ -170,6 +170,12 @@ def _fmt(value, digits: int = 1) -> str:
     return str(value)
 
 
+def _starts(stagger_s: float | None) -> str:
+    if stagger_s is None:  # (results written before the setting existed)
+        return ""
+    return f", users started {stagger_s:g} s apart" if stagger_s > 0 else ", users started at once"
+
+
 def markdown(results: dict) -> str:
     settings = results["settings"]
     slo = settings["slo"]
@@ -179,6 +185,7 @@ def markdown(results: dict) -> str:
         "",
         f"{settings['max_tokens']} new tokens at T=0, {settings['num_prompts']} prompts, "
         f"{settings['duration_s']:g} s per run (at most {settings['max_requests']} requests)"
+        + _starts(settings.get("stagger_s"))
         + (
             f", {passes} passes in A B B A order (tokens/s: mean and range; latencies: means; counts: sums)"
             if passes > 1

@@ -223,7 +223,7 @@ def plot(samples: list[dict], under_load: tuple[float, float], path: Path) -> No
 
 
 def run(args: argparse.Namespace) -> int:
-    from loadtest.sweep import Progress, check_outputs, default_prompts, parse_sets, run_locust
+    from loadtest.sweep import DEFAULT_STAGGER_S, Progress, check_outputs, default_prompts, parse_sets, run_locust
 
     if args.users < 1 or args.duration <= 0 or args.sample_every <= 0 or args.max_tokens < 1:
         raise ValueError("--users, --duration, --sample-every and --max-tokens must be positive")
@@ -235,7 +235,7 @@ def run(args: argparse.Namespace) -> int:
     prompts_path.write_text("".join(json.dumps(p) + "\n" for p in prompts))
     checks = prompts[: args.check_prompts]
     # run_locust's settings: the soak is one long run, ended by time only
-    args.max_requests, args.slo_ttft_ms, args.slo_tpot_ms = 10**9, 2000.0, 100.0
+    args.max_requests, args.slo_ttft_ms, args.slo_tpot_ms, args.stagger = 10**9, 2000.0, 100.0, DEFAULT_STAGGER_S
     settings = {
         "server": args.server,
         "users": args.users,

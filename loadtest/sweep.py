@@ -39,6 +39,7 @@ from loadtest.servers import DEFAULT_VLLM_ARGS, DEFAULT_VLLM_VENV, REPO, Server,
 LOCUSTFILE = Path(__file__).resolve().parent / "locustfile.py"
 DEFAULT_SERVERS = "auto,off,hf,vllm"
 DEFAULT_CONCURRENCY = "1,4,16,32"
+DEFAULT_STAGGER_S = 0.25
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -58,6 +59,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--duration", type=float, default=None, help="seconds of load per run (default 60; --quick: 15)"
     )
     parser.add_argument("--max-requests", type=int, default=500, help="a run ends after this many requests too")
+    parser.add_argument(
+        "--stagger",
+        type=float,
+        default=DEFAULT_STAGGER_S,
+        help=f"seconds between two users' starts in a run (default {DEFAULT_STAGGER_S:g}; 0: all at once); the run's "
+        "--duration includes the ramp",
+    )
     parser.add_argument(
         "--drain-timeout",
         type=float,
@@ -154,6 +162,11 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(
             "--duration, --max-requests, --max-tokens and --passes must be positive, --drain-timeout not negative"
         )
+    if not 0 <= args.stagger * (max(concurrency) - 1) < args.duration:
+        raise ValueError(
+            f"--stagger {args.stagger:g}: the last of {max(concurrency)} users must start within --duration "
+            f"({args.duration:g} s), and it is not negative"
+        )
     sets = parse_sets(args.set)
     folder = Path(args.out or REPO / "work" / "loadtest" / datetime.now().strftime("sweep-%Y%m%d-%H%M%S"))
     folder.mkdir(parents=True, exist_ok=True)
@@ -176,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
         "concurrency": concurrency,
         "duration_s": args.duration,
         "max_requests": args.max_requests,
+        "stagger_s": args.stagger,
         "max_tokens": args.max_tokens,
         "passes": args.passes,
         "temperature": 0.0,
@@ -259,6 +273,16 @@ def check_outputs(server: Server, prompts: list[dict], max_tokens: int) -> list[
         return list(pool.map(one, prompts))
 
 
+def spawn_rate(users: int, stagger_s: float) -> float:
+    """Locust's users started per second: one every `stagger_s` seconds, or all at once (0).
+
+    Users that all start in the same instant, asking for answers of one length, stay in step on a server that
+    decodes every request at the same pace: their requests finish together and are replaced together, so the server
+    batches their prompts into one prefill while nothing decodes, and works in cycles of one request's latency. Real
+    traffic does not arrive in step, so by default the users start a few rounds apart."""
+    return 1.0 / stagger_s if stagger_s > 0 else float(users)
+
+
 def run_locust(
     server: Server, users: int, args, prompts_path: Path, folder: Path, progress: Progress, number: int = 0
 ) -> dict:
@@ -276,7 +300,7 @@ def run_locust(
         "-u",
         str(users),
         "-r",
-        str(users),
+        f"{spawn_rate(users, args.stagger):g}",
         "-t",
         f"{args.duration:g}s",
         # requests in flight at the end get to finish (a slow server's whole batch may take minutes)

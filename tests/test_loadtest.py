@@ -4,6 +4,7 @@ runner."""
 
 from __future__ import annotations
 
+import argparse
 import csv
 import json
 import os
@@ -17,9 +18,10 @@ from pathlib import Path
 import pytest
 
 from loadtest import report
+from loadtest import sweep as sweep_cli
 from loadtest.metrics import PromptOrder, RequestMetrics, Summary, load_prompts
 from loadtest.servers import Server, ServerSpec, ddtree_config, kill_session, session_processes
-from loadtest.sweep import parse_concurrency, parse_sets
+from loadtest.sweep import add_arguments, parse_concurrency, parse_sets, spawn_rate
 from tests.factories import make_tiny_drafter, make_tiny_target
 
 REPO = Path(__file__).resolve().parent.parent
@@ -46,6 +48,18 @@ def test_server_specs_parse_and_refuse_what_they_do_not_know():
     }
     with pytest.raises(ValueError):
         parse_sets(["max_num_seqs"])
+
+
+def test_users_start_apart_within_the_run():
+    assert spawn_rate(16, 0.0) == 16.0  # all within locust's first second
+    assert spawn_rate(16, 0.25) == 4.0
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args([]).stagger == 0.25
+    for stagger in ("2", "-1"):  # the 32nd user would start after the run
+        args = parser.parse_args(["--concurrency", "4,32", "--duration", "60", "--stagger", stagger, "--out", "x"])
+        with pytest.raises(ValueError, match="--stagger"):
+            sweep_cli.run(args)
 
 
 def test_ddtree_config_is_ray_config_with_the_mode_and_port():
@@ -237,6 +251,8 @@ def test_sweep_runs_modes_and_the_hf_baseline_and_stops_them(tiny_pair, tmp_path
         str(out),
         "--ready-timeout",
         "300",
+        "--stagger",
+        "2",
     ]
     for key, value in sets.items():
         command += ["--set", f"{key}={value}"]
@@ -262,12 +278,14 @@ def test_sweep_runs_modes_and_the_hf_baseline_and_stops_them(tiny_pair, tmp_path
         assert (out / f"{run['server']}_c{run['concurrency']}_stats.csv").is_file()
         if run["server"].startswith("ddtree"):
             assert summary["speculation"]["output_tokens_per_round"] >= 1.0
+        assert " -r 0.5 " in run["command"]  # a user every 2 s (--stagger)
     agreement = results["agreement"]
     assert agreement["reference"] == "ddtree-off"
     assert agreement["servers"]["ddtree-auto"] == {"compared": 3, "equal": 3, "differ": [], "failed": 0}
     assert agreement["servers"]["hf"]["compared"] == 3  # (float32 against float64: texts may differ)
     table = (out / "table.md").read_text()
     assert "| ddtree-auto | 2 |" in table and "ddtree-auto >= 0.98x ddtree-off" in table
+    assert "users started 2 s apart" in table
     for name in ("table.csv", "throughput.png", "latency.png", "ddtree-off.serve.yaml", "hf.outputs.json"):
         assert (out / name).is_file()
     # started as `make serve` starts it: one readiness line, once /health answered
