@@ -163,6 +163,14 @@ class AppArgs(BaseModel):
         "engine replica, the ingress and Serve's proxy, a few ms of CPU each (docs/serving.md): fewer chunks leave "
         "that CPU to the model. 0: a chunk every round.",
     )
+    max_stream_chunks_per_s: float | None = Field(
+        None,
+        gt=0,
+        description="All of a replica's streams together get at most about this many chunks per second: with "
+        "more open streams than this times stream_interval_ms / 1000, each stream's interval grows to their number "
+        "over this. For replicas whose proxy and event loop share the model's cores (CPU serving), where every "
+        "chunk's wake-ups slow the model's threads. None: no bound.",
+    )
     max_round_seconds: float = Field(
         600.0,
         gt=0,

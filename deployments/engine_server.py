@@ -130,7 +130,11 @@ class DDTreeEngine:
         try:
             prompt_token_ids = await self._prompt_token_ids(request)
             async for output in self.loop.stream(
-                prompt_token_ids, request.params, request.request_id, interval_s=self.args.stream_interval_ms / 1000
+                prompt_token_ids,
+                request.params,
+                request.request_id,
+                interval_s=self.args.stream_interval_ms / 1000,
+                max_chunks_per_s=self.args.max_stream_chunks_per_s,
             ):
                 if output.finish_reason == "queue_timeout":  # (its only output: it was never admitted)
                     yield queue_timeout(

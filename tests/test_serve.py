@@ -196,6 +196,11 @@ def test_ray_config_yaml_builds_the_app(app_args):
     assert build_app(app["args"])._bound_deployment.name == SERVER_DEPLOYMENT
     with pytest.raises(ValueError):
         build_app({**app_args, "max_budgt": 8})
+    assert parse_args(app["args"]).max_stream_chunks_per_s is None
+    assert parse_args(app_args | {"max_stream_chunks_per_s": 40}).max_stream_chunks_per_s == 40
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match="max_stream_chunks_per_s"):
+            parse_args({**app_args, "max_stream_chunks_per_s": bad})
 
 
 def test_replicas_drain_on_shutdown_and_a_dead_engine_is_replaced_soon(app_args):

@@ -122,6 +122,27 @@ def test_a_stream_interval_merges_rounds_but_never_holds_the_first_or_last(worke
     assert [lp.token_id for lp in first.new_logprobs + last.new_logprobs] == final.token_ids
 
 
+def test_a_bound_on_chunks_per_second_lengthens_every_streams_interval(workers):
+    """max_chunks_per_s: the open streams together get at most about that many outputs per second, so each waits
+    their number over it (never less than interval_s); merged as an interval merges them."""
+    loop = EngineLoop(make_engine(workers))
+    assert loop.stream_interval(0.1, None) == 0.1
+    loop._streams.update({f"r{i}": None for i in range(16)})  # (the open streams are all the bound reads)
+    assert loop.stream_interval(0.1, 40.0) == pytest.approx(0.4)
+    assert loop.stream_interval(0.5, 40.0) == 0.5
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+
+    async def body(loop):
+        every = [out async for out in loop.stream("hello world", params)]
+        bounded = [out async for out in loop.stream("hello world", params, max_chunks_per_s=0.1)]  # one stream: 10 s
+        return every, bounded
+
+    every, bounded = run_loop(make_engine(workers), body)
+    assert len(every) > 3 and len(bounded) == 2  # the first round's output, then the rest with the last
+    assert bounded[0].new_token_ids + bounded[1].new_token_ids == every[-1].token_ids
+    assert bounded[0].new_text + bounded[1].new_text == every[-1].text
+
+
 def test_admission_errors_reach_the_caller(workers):
     engine = make_engine(workers, max_num_seqs=1, max_waiting=1)
     long_params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
