@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(
             "--duration, --max-requests, --max-tokens and --passes must be positive, --drain-timeout not negative"
         )
-    if not 0 <= args.stagger * (max(concurrency) - 1) < args.duration:
+    if args.stagger < 0 or args.stagger * (max(concurrency) - 1) >= args.duration:
         raise ValueError(
             f"--stagger {args.stagger:g}: the last of {max(concurrency)} users must start within --duration "
             f"({args.duration:g} s), and it is not negative"

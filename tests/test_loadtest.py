@@ -56,8 +56,8 @@ def test_users_start_apart_within_the_run():
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     assert parser.parse_args([]).stagger == 0.25
-    for stagger in ("2", "-1"):  # the 32nd user would start after the run
-        args = parser.parse_args(["--concurrency", "4,32", "--duration", "60", "--stagger", stagger, "--out", "x"])
+    for concurrency, stagger in (("4,32", "2"), ("1", "-1")):  # the 32nd user would start after the run; negative
+        args = parser.parse_args(["--concurrency", concurrency, "--duration", "60", "--stagger", stagger, "--out", "x"])
         with pytest.raises(ValueError, match="--stagger"):
             sweep_cli.run(args)
 
