@@ -84,6 +84,8 @@ class EngineLoop:
     # a tokenizer of its own, as the loop thread decodes stop strings' outputs at the same time
     detokenizer: Detokenizer | None = None
     idle_every_s: float = 1.0
+    # all streams together get about this many outputs per second at most (`stream_interval`); None: no bound
+    max_chunks_per_s: float | None = None
     _inbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     _streams: dict[str, _Stream] = field(default_factory=dict)
     _thread: threading.Thread | None = None
@@ -136,15 +138,13 @@ class EngineLoop:
         params: SamplingParams,
         request_id: str | None = None,
         interval_s: float = 0.0,
-        max_chunks_per_s: float | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """The request's incremental outputs, the last one `finished`. Raises the engine's admission error (ValueError,
         PromptTooLongError, EngineFullError) before the first output. Leaving early aborts the request.
 
         With `interval_s`, outputs come at most that often: the steps' outputs in between are merged into one
-        (`RequestOutput.following`). With `max_chunks_per_s`, the loop's streams together get at most about that
-        many outputs per second: each waits `stream_interval` after each output. The first output and the last are
-        never held back."""
+        (`RequestOutput.following`); where the loop bounds its streams' outputs per second, each waits
+        `stream_interval` instead. The first output and the last are never held back."""
         loop = asyncio.get_running_loop()
         request_id = request_id or f"loop-{next(self._ids)}"
         add = _Add(prompt, params, request_id, loop, loop.create_future(), asyncio.Queue())
@@ -173,7 +173,7 @@ class EngineLoop:
                     finished = item.finished
                 if held is not None and (finished or loop.time() >= next_send):
                     output, held = held, None
-                    next_send = loop.time() + self.stream_interval(interval_s, max_chunks_per_s)
+                    next_send = loop.time() + self.stream_interval(interval_s)
                     yield output
                 if finished:
                     return
@@ -182,13 +182,13 @@ class EngineLoop:
             if not finished and not rejected:
                 self._inbox.put(_Abort(request_id, add.outputs))
 
-    def stream_interval(self, interval_s: float, max_chunks_per_s: float | None) -> float:
+    def stream_interval(self, interval_s: float) -> float:
         """A stream's wait after an output: `interval_s`, or longer where the open streams would otherwise get more
         than `max_chunks_per_s` outputs per second together (each output wakes the replica's event loop and, over
         HTTP, Serve's proxy: on a CPU shared with the model, every wake-up takes a core from its threads)."""
-        if not max_chunks_per_s:
+        if not self.max_chunks_per_s:
             return interval_s
-        return max(interval_s, len(self._streams) / max_chunks_per_s)
+        return max(interval_s, len(self._streams) / self.max_chunks_per_s)
 
     def _text_decoder(self, params: SamplingParams) -> TextDecoder:
         if self.detokenizer is None:

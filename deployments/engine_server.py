@@ -60,6 +60,7 @@ class DDTreeEngine:
             on_round=self.metrics.on_round,
             on_idle=self.metrics.on_idle,
             detokenizer=Detokenizer(copy.deepcopy(target.tokenizer)),
+            max_chunks_per_s=self.args.max_stream_chunks_per_s,
         )
         self.loop.start()
         self._drafter_restart: asyncio.Task | None = None  # a new drafter actor loading
@@ -130,11 +131,7 @@ class DDTreeEngine:
         try:
             prompt_token_ids = await self._prompt_token_ids(request)
             async for output in self.loop.stream(
-                prompt_token_ids,
-                request.params,
-                request.request_id,
-                interval_s=self.args.stream_interval_ms / 1000,
-                max_chunks_per_s=self.args.max_stream_chunks_per_s,
+                prompt_token_ids, request.params, request.request_id, interval_s=self.args.stream_interval_ms / 1000
             ):
                 if output.finish_reason == "queue_timeout":  # (its only output: it was never admitted)
                     yield queue_timeout(

@@ -125,16 +125,18 @@ def test_a_stream_interval_merges_rounds_but_never_holds_the_first_or_last(worke
 def test_a_bound_on_chunks_per_second_lengthens_every_streams_interval(workers):
     """max_chunks_per_s: the open streams together get at most about that many outputs per second, so each waits
     their number over it (never less than interval_s); merged as an interval merges them."""
-    loop = EngineLoop(make_engine(workers))
-    assert loop.stream_interval(0.1, None) == 0.1
-    loop._streams.update({f"r{i}": None for i in range(16)})  # (the open streams are all the bound reads)
-    assert loop.stream_interval(0.1, 40.0) == pytest.approx(0.4)
-    assert loop.stream_interval(0.5, 40.0) == 0.5
+    unbounded, loop = EngineLoop(make_engine(workers)), EngineLoop(make_engine(workers), max_chunks_per_s=40.0)
+    for each in (unbounded, loop):
+        each._streams.update({f"r{i}": None for i in range(16)})  # (the open streams are all the bound reads)
+    assert unbounded.stream_interval(0.1) == 0.1
+    assert loop.stream_interval(0.1) == pytest.approx(0.4)
+    assert loop.stream_interval(0.5) == 0.5
     params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
 
     async def body(loop):
         every = [out async for out in loop.stream("hello world", params)]
-        bounded = [out async for out in loop.stream("hello world", params, max_chunks_per_s=0.1)]  # one stream: 10 s
+        loop.max_chunks_per_s = 0.1  # one stream: 10 s
+        bounded = [out async for out in loop.stream("hello world", params)]
         return every, bounded
 
     every, bounded = run_loop(make_engine(workers), body)

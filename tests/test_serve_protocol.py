@@ -705,7 +705,7 @@ def test_a_request_that_timed_out_in_the_queue_is_a_retriable_503():
     from deployments.engine_server import DDTreeEngine
 
     class Loop:
-        async def stream(self, prompt, params, request_id, interval_s, max_chunks_per_s=None):
+        async def stream(self, prompt, params, request_id, interval_s):
             yield RequestOutput(
                 request_id="r",
                 prompt_token_ids=[1],
