@@ -41,9 +41,12 @@ sys.path.insert(0, str(REPO))
 
 # The in-process engine's OpenMP threads wait as the worker actors' do (set before torch loads OpenMP).
 from deployments.config import use_worker_openmp_env  # noqa: E402
+from deployments.run import direct_ingress_env  # noqa: E402
 
 use_worker_openmp_env()
 
+PROXY_PORT = 8123  # Serve's proxy
+DIRECT_INGRESS_PORT = 8124  # the apps' replicas, one port each from here (Serve's direct ingress)
 MODES = {
     "off": {"speculation": "off"},
     "auto": {"speculation": "ddtree", "budget": "auto"},
@@ -99,6 +102,12 @@ def parse(argv=None):
         "an offline run in this process); the offline columns are '-', and T=0 texts are compared with the first "
         "mode's served texts",
     )
+    p.add_argument(
+        "--serve-proxy",
+        action="store_true",
+        help="send the requests through Serve's proxy, not to the apps' replicas directly (Serve's direct ingress, "
+        "as `make serve` serves)",
+    )
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     args.modes = args.modes.split(",")
@@ -120,6 +129,18 @@ def parse(argv=None):
     if args.warmup < 0:
         p.error(f"--warmup must be >= 0, got {args.warmup}")
     return args
+
+
+def app_url(mode: str, ports) -> str:
+    """The URL of the app of `mode` (route prefix /mode): the first of `ports` where its /health answers 200 (with
+    direct ingress, each app's replica took one port of the range, in no set order; others answer 404)."""
+    from deployments.run import is_healthy
+
+    for port in ports:
+        url = f"http://127.0.0.1:{port}/{mode}"
+        if is_healthy(url):
+            return url
+    raise RuntimeError(f"no port of {list(ports)} serves /{mode}/health")
 
 
 def load_messages(num_prompts: int) -> list[list[dict]]:
@@ -207,6 +228,8 @@ async def run_served(
 
 def main(argv=None) -> int:
     args = parse(argv)
+    if not args.serve_proxy:  # before Ray starts: its processes take this environment
+        os.environ.update(direct_ingress_env({}, DIRECT_INGRESS_PORT, len(args.modes)))
     import ray
     import yaml
     from ray import serve
@@ -262,11 +285,14 @@ def main(argv=None) -> int:
         layout = parse_args({**base_args, **MODES[mode]}).worker_layout()
         num_cpus += sum(b.get("CPU", 0.0) for b in layout.bundles)
     ray.init(num_cpus=int(num_cpus) + 2, include_dashboard=False, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": 8123})
+    serve.start(http_options={"host": "127.0.0.1", "port": PROXY_PORT})
+    urls = {}
     for mode in args.modes:
         mode_args = {**base_args, **MODES[mode], "max_num_seqs": max(max_c, base_args.get("max_num_seqs") or 1)}
         serve.run(build_app(mode_args), name=mode, route_prefix=f"/{mode}")
-        print(f"served {mode} at /{mode}", flush=True)
+        ports = [PROXY_PORT] if args.serve_proxy else range(DIRECT_INGRESS_PORT, DIRECT_INGRESS_PORT + len(args.modes))
+        urls[mode] = app_url(mode, ports)
+        print(f"served {mode} at {urls[mode]}", flush=True)
     model_name = parsed.model_name
 
     results: dict[tuple[str, str, int], Run] = {}
@@ -276,7 +302,7 @@ def main(argv=None) -> int:
                 for mode in args.modes:
                     if not args.served_only:
                         run_offline(engines[mode], prompts, params, c)
-                    asyncio.run(run_served(f"http://127.0.0.1:8123/{mode}", model_name, messages, args.max_tokens, c))
+                    asyncio.run(run_served(urls[mode], model_name, messages, args.max_tokens, c))
             for p in range(args.passes):
                 # ABBA: the order flips every pass, so that no mode always runs right after another's served run
                 for mode in args.modes if p % 2 == 0 else args.modes[::-1]:
@@ -297,7 +323,7 @@ def main(argv=None) -> int:
                     before = handle.info.remote().result()
                     cpu_before, t0 = cpu_snapshot(), time.perf_counter()
                     rate, outs, ttfts, num_tokens = asyncio.run(
-                        run_served(f"http://127.0.0.1:8123/{mode}", model_name, messages, args.max_tokens, c)
+                        run_served(urls[mode], model_name, messages, args.max_tokens, c)
                     )
                     wall = time.perf_counter() - t0
                     _add_cpu(served_run, cpu_before, cpu_snapshot(), wall)

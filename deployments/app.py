@@ -85,3 +85,8 @@ def _max_engine_replicas(args: AppArgs) -> int:
     if args.autoscaling_config is not None:
         return int(args.autoscaling_config.get("max_replicas", 1))
     return args.num_replicas or 1
+
+
+def max_ingress_replicas(args: AppArgs) -> int:
+    """The most replicas that serve the app's HTTP at once: the engine's with the API inside it, else the API's."""
+    return _max_engine_replicas(args) if args.ingress == "engine" else args.num_ingress_replicas

@@ -9,14 +9,26 @@ and can answer (`DDTreeServer.check_health`); then it prints the line above. Bef
 the application's routes with an error (404 or 503), never with a 200 that would make the first request wait.
 SIGINT or SIGTERM goes on to `serve run` as its Ctrl-C, which shuts the applications down (a second one stops it
 at once); the exit status is its own.
+
+Where `serve run` starts a Ray instance of its own (no `RAY_ADDRESS`) for one application with one ingress replica
+(as ray_config.yaml), that replica serves HTTP itself on the config's port (Serve's direct ingress), and Serve's
+proxy, which Serve still starts, listens on a free port instead. A streamed chunk then goes from the replica to the
+client, not through the proxy's actor as well: on a CPU, whose cores the model shares with every serving process,
+that hop slowed the model far more than its own CPU time (docs/serving.md, "Served against offline").
+`RAY_SERVE_ENABLE_DIRECT_INGRESS=0` keeps Serve's proxy on the config's port; a config of several applications or
+replicas keeps it too (one port cannot reach several replicas: Serve's HAProxy mode does that, cluster/README.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import os
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -35,6 +47,55 @@ def health_url(config: dict) -> str:
     port = int(http.get("port") or 8000)
     prefix = ((config.get("applications") or [{}])[0].get("route_prefix") or "/").rstrip("/")
     return f"http://{host}:{port}{prefix}"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def serves_directly(config: dict, environ: dict) -> bool:
+    """Whether the runner serves `config` by direct ingress (see the module's docstring): a Ray of its own, one
+    application of this project with at most one ingress replica, and no choice of the user's in `environ`."""
+    if environ.get("RAY_ADDRESS") or "RAY_SERVE_ENABLE_DIRECT_INGRESS" in environ:
+        return False
+    applications = config.get("applications") or []
+    if len(applications) != 1 or applications[0].get("import_path") != "deployments.app:build_app":
+        return False
+    from deployments.app import max_ingress_replicas
+    from deployments.config import parse_args
+
+    try:
+        return max_ingress_replicas(parse_args(applications[0].get("args") or {})) == 1
+    except (ValueError, TypeError):  # bad args: serve run reports them, as it would without this runner
+        return False
+
+
+def direct_ingress_env(environ: dict, first_port: int, num_ports: int = 1) -> dict[str, str]:
+    """`environ` for a Ray instance whose ingress replicas serve HTTP themselves (Serve's direct ingress) on ports
+    first_port .. first_port + num_ports - 1, each released at once when its replica stops (Serve holds ports back,
+    and drains an ingress replica for 30 s, for external load balancers: none runs here)."""
+    return {
+        **environ,
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(first_port),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(first_port + num_ports),  # (Serve's range leaves it out)
+        "RAY_SERVE_PORT_QUARANTINE_S": "0",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "0",
+    }
+
+
+def direct_ingress(config: dict, environ: dict, proxy_port: int) -> tuple[dict, dict[str, str]]:
+    """The config and environment of `serve run` for direct ingress: Serve's proxy moved to `proxy_port`, the
+    replica on the config's port, the only one it may take (a replica that replaces it waits for the port, so the
+    address never moves)."""
+    served = copy.deepcopy(config)
+    http = dict(served.get("http_options") or {})
+    port = int(http.get("port") or 8000)
+    http["port"] = proxy_port
+    served["http_options"] = http
+    return served, direct_ingress_env(environ, port)
 
 
 def is_healthy(base_url: str, timeout_s: float = 2.0) -> bool:
@@ -64,8 +125,17 @@ def main(argv=None) -> int:
     # A process group of its own: a terminal's Ctrl-C reaches this process only, which passes it on once (two would
     # make serve run stop without shutting the applications down). Its SIGINT is reset to the default, since a
     # process started in the background inherits it ignored.
+    config_path, env, folder = args.config, None, None
+    if serves_directly(config, os.environ):
+        proxy_port = free_port()
+        served, env = direct_ingress(config, dict(os.environ), proxy_port)
+        folder = tempfile.TemporaryDirectory(prefix="ddtree-serve-")
+        config_path = str(Path(folder.name) / Path(args.config).name)
+        Path(config_path).write_text(yaml.safe_dump(served, sort_keys=False))
+        print(f"direct ingress: the application serves {base_url} itself; Serve's proxy listens on :{proxy_port}")
     child = subprocess.Popen(
-        [str(serve) if serve.exists() else "serve", "run", args.config],
+        [str(serve) if serve.exists() else "serve", "run", config_path],
+        env=env,
         process_group=0,
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
@@ -85,11 +155,15 @@ def main(argv=None) -> int:
             print(f"ready: {base_url} (engine loaded in {time.monotonic() - t0:.0f} s)", flush=True)
             break
         time.sleep(args.poll_s)
-    while True:
-        try:
-            return child.wait()
-        except KeyboardInterrupt:  # (a second Ctrl-C while serve run shuts down: it goes on to the child too)
-            continue
+    try:
+        while True:
+            try:
+                return child.wait()
+            except KeyboardInterrupt:  # (a second Ctrl-C while serve run shuts down: it goes on to the child too)
+                continue
+    finally:
+        if folder is not None:
+            folder.cleanup()
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ from __future__ import annotations
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -26,6 +25,8 @@ from pathlib import Path
 
 import requests
 import yaml
+
+from deployments.run import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 DDTREE_MODES = {
@@ -65,12 +66,6 @@ class ServerSpec:
         if text in ("hf", "vllm"):
             return cls(text, text)
         raise ValueError(f"unknown server {text!r}: auto, off, dflash, b<N> (a fixed budget), hf, vllm or NAME=URL")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def ddtree_config(args: dict, port: int, base: Path = REPO / "ray_config.yaml") -> dict:

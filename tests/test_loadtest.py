@@ -291,6 +291,8 @@ def test_sweep_runs_modes_and_the_hf_baseline_and_stops_them(tiny_pair, tmp_path
     # started as `make serve` starts it: one readiness line, once /health answered
     log = (out / "ddtree-auto.server.log").read_text(errors="replace")
     assert re.search(r"^ready: http://127\.0\.0\.1:\d+ \(engine loaded in \d+ s\)$", log, re.M), log[-2000:]
+    # on its own Ray with one replica: the replica serves the HTTP port itself, Serve's proxy another one
+    assert re.search(r"^direct ingress: the application serves http://127\.0\.0\.1:\d+ itself", log, re.M), log[-2000:]
     assert set(_ray_processes()) <= before
 
 

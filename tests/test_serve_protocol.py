@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import pickle
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -10,6 +12,8 @@ from pydantic import ValidationError
 from deployments.config import WorkerSpec, parse_args
 from deployments.errors import APIError
 from deployments.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+
+REPO = Path(__file__).resolve().parents[1]
 
 # ---- app args --------------------------------------------------------------------------------------------------
 
@@ -898,6 +902,50 @@ def test_the_serve_runner_polls_the_first_apps_health_and_refuses_a_bad_config(t
     bad.write_text("applications: []\n")
     assert main([str(bad)]) == 2 and "has no applications" in capsys.readouterr().err
     assert main([str(tmp_path / "missing.yaml")]) == 2 and "cannot read" in capsys.readouterr().err
+
+
+def test_the_serve_runner_serves_one_replica_by_direct_ingress_on_the_configs_port():
+    """`make serve`'s runner hands HTTP to the replica itself (Serve's direct ingress) where one application of one
+    ingress replica runs on a Ray of its own, and leaves Serve's proxy in front wherever that would not hold: a
+    cluster's Ray, the user's own choice, several applications or replicas, a config that is not this project's."""
+    import yaml
+
+    from deployments.run import direct_ingress, serves_directly
+
+    config = yaml.safe_load((REPO / "ray_config.yaml").read_text())
+    assert serves_directly(config, {})
+    served, env = direct_ingress(config, {"PATH": "/bin"}, proxy_port=43210)
+    assert served["http_options"] == {"host": "0.0.0.0", "port": 43210}  # Serve's proxy moves off the port
+    assert config["http_options"]["port"] == 8000  # (the user's config is left as it is)
+    assert served["applications"] == config["applications"]
+    assert env["PATH"] == "/bin" and env["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "1"
+    # the replica may take the config's port only (Serve's range leaves its maximum out), freed at once
+    assert (env["RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT"], env["RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT"]) == (
+        "8000",
+        "8001",
+    )
+    assert env["RAY_SERVE_PORT_QUARANTINE_S"] == "0" and env["RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S"] == "0"
+
+    assert not serves_directly(config, {"RAY_ADDRESS": "10.0.0.1:6379"})
+    assert not serves_directly(config, {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "0"})
+    assert not serves_directly(config, {"RAY_SERVE_ENABLE_DIRECT_INGRESS": "1"})  # the user's own settings: as set
+
+    def with_args(**args):
+        changed = copy.deepcopy(config)
+        changed["applications"][0]["args"].update(args)
+        return changed
+
+    assert serves_directly(with_args(ingress="separate"), {})
+    assert not serves_directly(with_args(num_replicas=2), {})
+    assert not serves_directly(with_args(autoscaling_config={"min_replicas": 1, "max_replicas": 3}), {})
+    assert not serves_directly(with_args(ingress="separate", num_ingress_replicas=2), {})
+    assert not serves_directly(with_args(speculation="sometimes"), {})  # serve run reports the bad arg
+    two = copy.deepcopy(config)
+    two["applications"].append({**config["applications"][0], "name": "other", "route_prefix": "/other"})
+    assert not serves_directly(two, {})
+    other = copy.deepcopy(config)
+    other["applications"][0]["import_path"] = "loadtest.hf_baseline:build_app"
+    assert not serves_directly(other, {})
 
 
 def test_the_api_key_is_compared_in_constant_time(monkeypatch):
