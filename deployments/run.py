@@ -14,7 +14,7 @@ Where `serve run` starts a Ray instance of its own (no `RAY_ADDRESS`) for one ap
 (as ray_config.yaml), that replica serves HTTP itself on the config's port (Serve's direct ingress), and Serve's
 proxy, which Serve still starts, listens on a free port instead. A streamed chunk then goes from the replica to the
 client, not through the proxy's actor as well: on a CPU, whose cores the model shares with every serving process,
-that hop slowed the model far more than its own CPU time (docs/serving.md, "Served against offline").
+that hop slowed the model by more than its own CPU time (docs/serving.md, "Direct ingress").
 `RAY_SERVE_ENABLE_DIRECT_INGRESS=0` keeps Serve's proxy on the config's port; a config of several applications or
 replicas keeps it too (one port cannot reach several replicas: Serve's HAProxy mode does that, cluster/README.md).
 """
@@ -122,9 +122,6 @@ def main(argv=None) -> int:
     base_url = health_url(config)
     serve = Path(sys.executable).parent / "serve"
     t0 = time.monotonic()
-    # A process group of its own: a terminal's Ctrl-C reaches this process only, which passes it on once (two would
-    # make serve run stop without shutting the applications down). Its SIGINT is reset to the default, since a
-    # process started in the background inherits it ignored.
     config_path, env, folder = args.config, None, None
     if serves_directly(config, os.environ):
         proxy_port = free_port()
@@ -132,7 +129,13 @@ def main(argv=None) -> int:
         folder = tempfile.TemporaryDirectory(prefix="ddtree-serve-")
         config_path = str(Path(folder.name) / Path(args.config).name)
         Path(config_path).write_text(yaml.safe_dump(served, sort_keys=False))
-        print(f"direct ingress: the application serves {base_url} itself; Serve's proxy listens on :{proxy_port}")
+        print(
+            f"direct ingress: the application serves {base_url} itself; Serve's proxy listens on :{proxy_port}",
+            flush=True,
+        )
+    # A process group of its own: a terminal's Ctrl-C reaches this process only, which passes it on once (two would
+    # make serve run stop without shutting the applications down). Its SIGINT is reset to the default, since a
+    # process started in the background inherits it ignored.
     child = subprocess.Popen(
         [str(serve) if serve.exists() else "serve", "run", config_path],
         env=env,
