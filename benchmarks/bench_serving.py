@@ -264,6 +264,10 @@ def main(argv=None) -> int:
         for m in messages
     ]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    # `off` offline on a target that keeps no features for a drafter, as its served app's target (ddtree bench)
+    plain_target = target
+    if drafter is not None and any(MODES[m]["speculation"] == "off" for m in args.modes):
+        plain_target, _, _ = build_workers(parsed.model, None, device="cpu", dtype=parsed.dtype, need_drafter=False)
     engines = {}
     for mode in args.modes:
         mode_args = parse_args({**base_args, **MODES[mode], "max_num_seqs": max(max_c, parsed.max_num_seqs)})
@@ -276,7 +280,8 @@ def main(argv=None) -> int:
             pipeline=False,
             max_explore_share=mode_args.max_explore_share,
         )
-        engines[mode] = Engine(config, target, drafter if mode_args.speculation != "off" else None, tokenizer)
+        is_plain = mode_args.speculation == "off"
+        engines[mode] = Engine(config, plain_target if is_plain else target, None if is_plain else drafter, tokenizer)
 
     # Served: every mode's app at once (Ray's logical CPUs sized so that all their placement groups fit; each
     # replica's threads follow its own placement, not this count).
