@@ -133,11 +133,7 @@ class EngineLoop:
     # asyncio side
 
     async def stream(
-        self,
-        prompt: object,
-        params: SamplingParams,
-        request_id: str | None = None,
-        interval_s: float = 0.0,
+        self, prompt: object, params: SamplingParams, request_id: str | None = None, interval_s: float = 0.0
     ) -> AsyncIterator[RequestOutput]:
         """The request's incremental outputs, the last one `finished`. Raises the engine's admission error (ValueError,
         PromptTooLongError, EngineFullError) before the first output. Leaving early aborts the request.
