@@ -222,6 +222,22 @@ def plot(samples: list[dict], under_load: tuple[float, float], path: Path) -> No
     plt.close(fig)
 
 
+def soak_settings(args: argparse.Namespace, sets: dict) -> dict:
+    """What soak.json records of how the run was made: enough to repeat it (the users' stagger included, which
+    changes how requests line up in the engine's rounds)."""
+    return {
+        "server": args.server,
+        "users": args.users,
+        "stagger_s": args.stagger,
+        "duration_s": args.duration,
+        "sample_every_s": args.sample_every,
+        "max_tokens": args.max_tokens,
+        "set": sets,
+        "command": " ".join(["python -m loadtest soak", *getattr(args, "argv", [])]),
+        "started": datetime.now().isoformat(),
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     from loadtest.sweep import DEFAULT_STAGGER_S, Progress, check_outputs, default_prompts, parse_sets, run_locust
 
@@ -236,16 +252,7 @@ def run(args: argparse.Namespace) -> int:
     checks = prompts[: args.check_prompts]
     # run_locust's settings: the soak is one long run, ended by time only
     args.max_requests, args.slo_ttft_ms, args.slo_tpot_ms, args.stagger = 10**9, 2000.0, 100.0, DEFAULT_STAGGER_S
-    settings = {
-        "server": args.server,
-        "users": args.users,
-        "duration_s": args.duration,
-        "sample_every_s": args.sample_every,
-        "max_tokens": args.max_tokens,
-        "set": sets,
-        "command": " ".join(["python -m loadtest soak", *getattr(args, "argv", [])]),
-        "started": datetime.now().isoformat(),
-    }
+    settings = soak_settings(args, sets)
     server = Server(ServerSpec.parse(args.server), folder, sets, ready_timeout_s=args.ready_timeout)
     progress = Progress(1)
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)

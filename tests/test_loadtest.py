@@ -367,3 +367,17 @@ def test_soak_memory_summary_and_failures_by_status(tmp_path):
         writer.writerow(["POST", "chat", "ConnectionResetError(104, 'reset')", "1", "", ""])
     assert failures_by_status(path) == {"HTTP 429": 32, "HTTP 503": 4, "ConnectionResetError": 1}
     assert failures_by_status(tmp_path / "missing.csv") == {}
+
+
+def test_soak_settings_record_the_users_stagger():
+    import argparse
+
+    from loadtest.soak import add_arguments, soak_settings
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--server", "off", "--users", "4", "--duration", "30"])
+    args.stagger = 0.5
+    settings = soak_settings(args, {"max_num_seqs": 8})
+    assert settings["stagger_s"] == 0.5 and settings["users"] == 4 and settings["server"] == "off"
+    assert settings["set"] == {"max_num_seqs": 8} and settings["duration_s"] == 30.0
