@@ -264,7 +264,7 @@ def main(argv=None) -> int:
         for m in messages
     ]
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    # `off` offline on a target that keeps no features for a drafter, as its served app's target (ddtree bench)
+    # `off` offline on a target loaded as its served app loads it (no drafter, no features)
     plain_target = target
     if drafter is not None and any(MODES[m]["speculation"] == "off" for m in args.modes):
         plain_target, _, _ = build_workers(parsed.model, None, device="cpu", dtype=parsed.dtype, need_drafter=False)

@@ -266,11 +266,9 @@ def run(args) -> int:
         dtype=args.dtype,
         need_drafter=any(m in SPECULATIVE_MODES for m in modes),
     )
-    # `off` on a target of its own that computes and keeps no features for a drafter, as `speculation="off"` serves
-    # (features cost a plain round ~2% at 8 requests: on the drafter's target `off` would run slow)
-    plain_target = target
-    if "off" in modes and drafter is not None:
-        plain_target, _, _ = build_workers(args.model, None, device=args.device, dtype=args.dtype, need_drafter=False)
+    # Every mode, `off` included, runs on this one load of the target: two loads of the same weights differ in speed
+    # by up to a few percent (where their memory lands; benchmarks/bench_target_instances.py), more than computing
+    # and keeping the drafter's features costs `off`, so modes on different loads would compare placements.
     drafters = [("", drafter)]
     if args.compare_drafter:
         path = resolve_drafter_path(args.model, args.compare_drafter)
@@ -320,7 +318,7 @@ def run(args) -> int:
                     name + suffix,
                     Engine(
                         copy.deepcopy(config),
-                        plain_target if name == "off" else target,
+                        target,
                         worker,
                         tokenizer,
                         cost=copy.deepcopy(cost) if worker is None else None,
