@@ -444,3 +444,19 @@ def test_a_closed_output_pipe_ends_quietly(monkeypatch, capsys):
     monkeypatch.setattr(cli, "main", reader_went_away)
     assert cli.console_main() == 1
     assert capsys.readouterr().err == ""
+
+
+def test_bench_target_instances_refuses_bad_arguments_clearly(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_target_instances.py"
+    spec = importlib.util.spec_from_file_location("bench_target_instances", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    args = module.parse([])
+    assert (args.concurrency, args.temperature, args.passes, args.num_prompts) == (8, 1.0, 4, 11)
+    for bad, says in ((["--concurrency", "40"], "needs at least that many prompts"), (["--passes", "0"], ">= 1")):
+        with pytest.raises(SystemExit):
+            module.parse(bad)
+        assert says in capsys.readouterr().err
