@@ -98,6 +98,31 @@ def direct_ingress(config: dict, environ: dict, proxy_port: int) -> tuple[dict, 
     return served, direct_ingress_env(environ, port)
 
 
+PORT_WAIT_S = 65.0  # Linux keeps a closed connection's port in TIME_WAIT for 60 s
+
+
+def wait_for_port(host: str, port: int, timeout_s: float, on_wait=None, poll_s: float = 1.0) -> bool:
+    """Whether `host:port` can be bound without SO_REUSEADDR, as Serve's direct-ingress replica binds it, within
+    `timeout_s`; `on_wait()` is called once if it has to wait. A server stopped moments before leaves its answered
+    connections in TIME_WAIT, and a replica that cannot bind its only port is stopped and the port blocked: the app
+    would never start."""
+    deadline = time.monotonic() + timeout_s
+    waited = False
+    while True:
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+                return True
+            except OSError:
+                pass
+        if time.monotonic() >= deadline:
+            return False
+        if not waited and on_wait is not None:
+            on_wait()
+        waited = True
+        time.sleep(poll_s)
+
+
 def is_healthy(base_url: str, timeout_s: float = 2.0) -> bool:
     try:
         with urllib.request.urlopen(f"{base_url}/health", timeout=timeout_s) as response:
@@ -123,7 +148,18 @@ def main(argv=None) -> int:
     serve = Path(sys.executable).parent / "serve"
     t0 = time.monotonic()
     config_path, env, folder = args.config, None, None
-    if serves_directly(config, os.environ):
+    http = config.get("http_options") or {}
+    host, port = http.get("host") or "127.0.0.1", int(http.get("port") or 8000)
+    direct = serves_directly(config, os.environ)
+    if direct and not wait_for_port(
+        host,
+        port,
+        PORT_WAIT_S,
+        lambda: print(f"port {port} is still held (a server stopped moments ago?): waiting for it", flush=True),
+    ):
+        print(f"port {port} is in use: Serve's proxy serves the application instead of direct ingress", flush=True)
+        direct = False
+    if direct:
         proxy_port = free_port()
         served, env = direct_ingress(config, dict(os.environ), proxy_port)
         folder = tempfile.TemporaryDirectory(prefix="ddtree-serve-")

@@ -1007,3 +1007,23 @@ def test_the_engine_settings_have_one_source():
     assert parse_args({}).engine_config() == EngineConfig(**SERVE_DEFAULTS)
     args = parse_args({"speculation": "off", "max_waiting": 3, "pipeline": False, "max_queue_seconds": None})
     assert args.engine_config() == EngineConfig(speculation="off", max_waiting=3, pipeline=False)
+
+
+def test_the_serve_runner_waits_for_a_port_still_held_before_direct_ingress():
+    """A direct-ingress replica binds its one port without SO_REUSEADDR, and one that cannot is stopped with the port
+    blocked, so the app would never start: the runner first waits for the port (a server stopped moments before
+    leaves it in TIME_WAIT for up to 60 s), saying so once, and gives up after the timeout."""
+    import socket
+
+    from deployments.run import wait_for_port
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    waits = []
+    assert not wait_for_port("127.0.0.1", port, 0.3, lambda: waits.append(1), poll_s=0.05)
+    assert waits == [1]
+    holder.close()
+    assert wait_for_port("127.0.0.1", port, 0.3, lambda: waits.append(2), poll_s=0.05)
+    assert waits == [1]  # free at once: no wait announced
