@@ -39,12 +39,16 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 
 
+def http_address(config: dict) -> tuple[str, int]:
+    """The host and port the config's HTTP server binds (Serve's defaults where it names none)."""
+    http = config.get("http_options") or {}
+    return http.get("host") or "127.0.0.1", int(http.get("port") or 8000)
+
+
 def health_url(config: dict) -> str:
     """The first application's /health on the config's HTTP host and port (0.0.0.0: this machine's loopback)."""
-    http = config.get("http_options") or {}
-    host = http.get("host") or "127.0.0.1"
+    host, port = http_address(config)
     host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-    port = int(http.get("port") or 8000)
     prefix = ((config.get("applications") or [{}])[0].get("route_prefix") or "/").rstrip("/")
     return f"http://{host}:{port}{prefix}"
 
@@ -91,11 +95,8 @@ def direct_ingress(config: dict, environ: dict, proxy_port: int) -> tuple[dict, 
     replica on the config's port, the only one it may take (a replica that replaces it waits for the port, so the
     address never moves)."""
     served = copy.deepcopy(config)
-    http = dict(served.get("http_options") or {})
-    port = int(http.get("port") or 8000)
-    http["port"] = proxy_port
-    served["http_options"] = http
-    return served, direct_ingress_env(environ, port)
+    served["http_options"] = {**(served.get("http_options") or {}), "port": proxy_port}
+    return served, direct_ingress_env(environ, http_address(config)[1])
 
 
 PORT_WAIT_S = 65.0  # Linux keeps a closed connection's port in TIME_WAIT for 60 s
@@ -148,8 +149,7 @@ def main(argv=None) -> int:
     serve = Path(sys.executable).parent / "serve"
     t0 = time.monotonic()
     config_path, env, folder = args.config, None, None
-    http = config.get("http_options") or {}
-    host, port = http.get("host") or "127.0.0.1", int(http.get("port") or 8000)
+    host, port = http_address(config)
     direct = serves_directly(config, os.environ)
     if direct and not wait_for_port(
         host,
