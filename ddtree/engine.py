@@ -477,7 +477,9 @@ class Engine(WorkerRecovery):
         num_tokens = sum(1 + len(e.accepted) for e in batch.entries)
         seconds = time.perf_counter() - batch.started_at
         measured = not (batch.resumes_drafting or batch.prompt_ids)
-        self.guard.observe(len(batch.entries), batch.arm, num_tokens, seconds, measured=measured)
+        self.guard.observe(
+            len(batch.entries), batch.arm, num_tokens, seconds, measured=measured, speculated=batch.speculates
+        )
 
     def _append_tokens(
         self, req: Request, tokens: list[int], logprobs: RawLogprobs | None = None

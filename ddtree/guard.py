@@ -20,6 +20,8 @@ asymmetrically: the running policy gives way to plain decoding only where it mea
 policy faster (`_decide`). Two kinds of round are not measured (`observe(measured=False)`): the policy's first
 drafting round after plain ones, whose draft also takes in the features of the plain rounds (a cost of switching,
 not of the arm's rounds), and a round whose verify pass also took in newly admitted prompts (work of neither arm).
+A round of the policy's arm that speculated nothing (its requests resting in the policy's own fallback) was plain
+decoding, and is measured as such.
 
 The other arm is explored in windows of `window_rounds` consecutive rounds, each measuring it afresh (its old token
 estimate is dropped), and only while the time spent on the arm measured slower stays within `max_explore_share` of
@@ -189,27 +191,43 @@ class ThroughputGuard:
         bucket.window_arm, bucket.is_exploring = arm, is_exploring
         bucket.reference_seconds = other.recent_seconds if other.recent else None
 
-    def observe(self, num_requests: int, arm: str, num_tokens: int, seconds: float, measured: bool = True) -> None:
+    def observe(
+        self,
+        num_requests: int,
+        arm: str,
+        num_tokens: int,
+        seconds: float,
+        measured: bool = True,
+        speculated: bool = True,
+    ) -> None:
         """A round of `num_requests` requests ran on `arm`, committing `num_tokens` tokens in `seconds`. A round not
         `measured` counts in the time spent but not in the arm's measure: one that switches arms (the policy's
         first drafting round after plain ones: its draft also takes in the features of the plain rounds), whose
         extra cost is paid once per exploring window and would price every later round of the arm, and one whose
-        verify pass also took in new prompts, work of neither arm."""
+        verify pass also took in new prompts, work of neither arm.
+
+        A policy round that did not speculate (`speculated` false: every request resting in the policy's own
+        fallback, no n-gram chain) was plain decoding, and is measured on the plain arm. Counted as the policy's,
+        it would price the policy at exactly one token per round with no spread, the guard would turn speculation
+        off on that alone, and its later exploring windows, whose requests still rest, would keep it off."""
         if seconds <= 0 or num_requests <= 0:
             return
         bucket = self._bucket(num_requests)
-        is_window = bucket.window_arm == arm
-        if (is_window and bucket.is_exploring) or min(a.num_rounds for a in bucket.arms.values()) >= self.window_rounds:
+        ran = arm if speculated else PLAIN  # what the round did, where `arm` is what was chosen
+        if (bucket.window_arm == arm and bucket.is_exploring) or min(
+            a.num_rounds for a in bucket.arms.values()
+        ) >= self.window_rounds:
             bucket.seconds += seconds
-            if arm != self.best(num_requests):
+            best = self.best(num_requests)
+            if arm != best and ran != best:  # (a window of the policy whose requests rest costs plain decoding)
                 bucket.explored_seconds += seconds
         bucket.num_rounds += 1
         if not measured:
             return
-        measured = bucket.arms[arm]
+        measured = bucket.arms[ran]
         measured.observe(num_tokens / num_requests, seconds, self.weight)
-        if is_window and measured.num_rounds >= self.window_rounds:
-            self._end_window(bucket, arm)
+        if bucket.window_arm == ran and measured.num_rounds >= self.window_rounds:
+            self._end_window(bucket, ran)
         if bucket.window_arm is None:
             self._decide(bucket, num_requests)
 

@@ -71,6 +71,11 @@ class RoundBatch:
     def drafting(self) -> list[RoundEntry]:
         return [e for e in self.entries if e.drafts]
 
+    @property
+    def speculates(self) -> bool:
+        """Whether the round did anything plain decoding does not: a drafter call, or nodes beyond a root."""
+        return bool(self.drafting) or any(e.tree is not None and e.tree.num_nodes > 0 for e in self.entries)
+
     def open_plan(self) -> RoundPlan:
         """The open entries as the budget policy plans them: drafting ones, then chain candidates."""
         drafting = [e for e in self.entries if e.is_open and e.drafts]

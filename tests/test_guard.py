@@ -133,6 +133,35 @@ def test_speculation_that_pays_a_little_is_not_left_off_for_long():
     assert before < 0.6
 
 
+def test_rounds_the_policy_plans_plain_are_measured_as_plain_decoding():
+    """A stretch of rounds in which the policy rests every request in its own fallback (no draft, no chain) is plain
+    decoding. Counted as the policy's rounds, it priced the policy at one token per round with no spread, in 1.0x
+    a plain round's time against the 1.4x its drafting rounds had paired at: the guard turned speculation off, and
+    kept it off after the policy drafted again, until an exploring window measured it afresh. Measured as plain
+    decoding, the stretch leaves the policy's estimate as it was and its next drafting round runs."""
+
+    def stretch(speculated_flag: bool | None) -> list[str]:
+        guard = ThroughputGuard(max_explore_share=0.03)
+        rng = random.Random(0)
+        chosen = []
+        for i in range(600):
+            arm = guard.choose(1)
+            resting = 200 <= i < 300  # the policy rests its request (e.g. after failed probes)
+            speculates = arm == POLICY and not resting
+            tokens = 2 if speculates else 1
+            seconds = 0.010 * (1.4 if speculates else 1.0) * rng.uniform(0.95, 1.05)
+            flag = speculates if speculated_flag is None else speculated_flag
+            guard.observe(1, arm, tokens, seconds, speculated=flag)
+            chosen.append(arm)
+        return chosen
+
+    honest = stretch(None)
+    assert honest[200:300].count(PLAIN) <= 8  # the policy's arm runs on through the stretch (exploring aside)
+    assert honest[300:350].count(POLICY) >= 45  # and its request drafts as soon as it may again
+    as_policy = stretch(True)  # every round of the policy's arm counted as its own
+    assert as_policy[300:340].count(POLICY) < 20
+
+
 def run_arm(rates, arm: str, num_rounds: int, num_requests: int = 8, seed: int = 0) -> float:
     """`run` with every round on `arm`."""
 
@@ -221,7 +250,7 @@ def run_policy(
         round_seconds = true_seconds(len(spec), num_tokens) * rng.uniform(0.8, 1.2)
         round_tokens = num_requests + sum(accepted)
         if guard is not None:
-            guard.observe(num_requests, arm, round_tokens, round_seconds)
+            guard.observe(num_requests, arm, round_tokens, round_seconds, speculated=bool(spec))
         tokens += round_tokens
         seconds += round_seconds
     return tokens / seconds, num_requests / true_seconds(0, num_requests)
@@ -321,9 +350,9 @@ def test_the_first_drafting_round_after_plain_rounds_is_marked_a_switch(workers)
     observed = []
     original = engine.guard.observe
 
-    def observe(num_requests, arm, num_tokens, seconds, measured=True):
+    def observe(num_requests, arm, num_tokens, seconds, measured=True, speculated=True):
         observed.append((arm, not measured))
-        original(num_requests, arm, num_tokens, seconds, measured)
+        original(num_requests, arm, num_tokens, seconds, measured, speculated)
 
     engine.guard.observe = observe
     draft_samples = []
@@ -341,3 +370,36 @@ def test_the_first_drafting_round_after_plain_rounds_is_marked_a_switch(workers)
     assert all(num_draft_calls[i] == num_draft_calls[7] for i in range(3, first))
     assert first not in draft_samples  # (the index the round's draft would be observed at, before its guard call)
     assert any(i > first for i in draft_samples) and any(i < 3 for i in draft_samples)
+
+
+def test_the_engine_tells_the_guard_which_rounds_of_the_policy_were_plain(workers):
+    """A round of the policy's arm in which the request rests in the policy's fallback (no draft; no n-gram chain
+    here) reaches the guard as not speculated; a drafting round as speculated."""
+    from ddtree import SamplingParams
+    from ddtree.budget import RoundPlan
+
+    engine = _engine(workers, max_num_seqs=1, ngram_tokens=0)
+    engine.guard.choose = lambda num_requests: POLICY
+    observed = []
+    original = engine.guard.observe
+
+    def observe(num_requests, arm, num_tokens, seconds, measured=True, speculated=True):
+        observed.append((engine.timings.num_draft_calls, speculated))
+        original(num_requests, arm, num_tokens, seconds, measured, speculated)
+
+    engine.guard.observe = observe
+    plan = engine.budget.plan
+    engine.budget.plan = lambda request_ids: RoundPlan([], list(request_ids), [])  # every request resting
+    engine.add_request("a b a b a b a b", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert observed and not any(speculated for _, speculated in observed)
+    assert engine.timings.num_draft_calls == 0
+
+    engine.budget.plan = plan
+    observed.clear()
+    engine.add_request("a b a b a b a b", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+    while engine.has_unfinished_requests():
+        engine.step()
+    drafted = [speculated for calls, speculated in observed]
+    assert engine.timings.num_draft_calls > 0 and any(drafted)
