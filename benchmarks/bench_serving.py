@@ -51,6 +51,9 @@ MODES = {
     "off": {"speculation": "off"},
     "auto": {"speculation": "ddtree", "budget": "auto"},
     "dflash": {"speculation": "dflash"},
+    # auto's parts, as `ddtree bench` names them: without n-gram chains, and the budget policy without the closed loop
+    "auto-no-ngram": {"speculation": "ddtree", "budget": "auto", "ngram_tokens": 0},
+    "auto-no-loop": {"speculation": "ddtree", "budget": "auto", "max_explore_share": 0.0},
 }
 
 

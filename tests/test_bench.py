@@ -460,3 +460,30 @@ def test_bench_target_instances_refuses_bad_arguments_clearly(capsys):
         with pytest.raises(SystemExit):
             module.parse(bad)
         assert says in capsys.readouterr().err
+
+
+def test_bench_serving_modes_are_valid_app_args_and_unknown_ones_are_refused():
+    """Every mode of benchmarks/bench_serving.py is a valid set of app args (checked by the app's own validation,
+    as `build_app` checks them), and an unknown mode is refused with the list of modes. In a subprocess: the
+    script sets OpenMP's environment for its in-process engine when it is imported."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    check = (
+        "import sys; sys.path.insert(0, 'benchmarks'); import bench_serving as b; "
+        "from deployments.config import parse_args; "
+        "print(sorted(m for m in b.MODES if parse_args(dict(b.MODES[m]))))"
+    )
+    done = subprocess.run([sys.executable, "-c", check], cwd=repo, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "'auto-no-loop'" in done.stdout and "'auto-no-ngram'" in done.stdout
+    bad = subprocess.run(
+        [sys.executable, "benchmarks/bench_serving.py", "--modes", "off,fast"],
+        cwd=repo,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert bad.returncode == 2 and "unknown fast; choose from off, auto, dflash, auto-no-ngram" in bad.stderr
