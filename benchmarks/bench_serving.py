@@ -147,13 +147,9 @@ def app_url(mode: str, ports) -> str:
 
 
 def load_messages(num_prompts: int) -> list[list[dict]]:
-    from ddtree.training.prompts import load_eval_prompts
+    from ddtree.training.prompts import load_eval_conversations
 
-    return [
-        [{"role": "user", "content": text}]
-        for category in ("code", "math", "chat")
-        for text in load_eval_prompts(category)[:num_prompts]
-    ]
+    return load_eval_conversations(num_prompts)
 
 
 def run_offline(engine, prompts: list[list[int]], params, concurrency: int) -> tuple[float, dict[int, str], int]:

@@ -41,17 +41,13 @@ def main(argv=None) -> int:
     from ddtree.engine import Engine, EngineConfig
     from ddtree.loaders import build_workers
     from ddtree.sampling_params import SamplingParams
-    from ddtree.training.prompts import load_eval_prompts
+    from ddtree.training.prompts import load_eval_conversations
 
     with_features, _, tokenizer = build_workers(None, None, device="cpu", dtype=None, need_drafter=True)
     targets = {"features": with_features}
     for name in ("plain A", "plain B"):
         targets[name] = build_workers(None, None, device="cpu", dtype=None, need_drafter=False)[0]
-    messages = [
-        [{"role": "user", "content": text}]
-        for category in ("code", "math", "chat")
-        for text in load_eval_prompts(category)[: args.num_prompts]
-    ]
+    messages = load_eval_conversations(args.num_prompts)
     prompts = [
         list(tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False))
         for m in messages

@@ -129,3 +129,12 @@ def test_written_prompts_replace_their_category_only():
     mixed = make_training_prompts(5, seed=3, written={"chat": pairs + pairs[:1]})
     assert [p for p in mixed if p.category != "chat"] == [p for p in plain if p.category != "chat"]
     assert [(p.source, p.text) for p in mixed if p.category == "chat"] == pairs  # repeats dropped
+
+
+def test_eval_conversations_take_each_set_in_order_as_one_user_turn():
+    from ddtree.training.prompts import load_eval_conversations
+
+    conversations = load_eval_conversations(2)
+    expected = [text for category in ("code", "math", "chat") for text in load_eval_prompts(category)[:2]]
+    assert [c[0]["content"] for c in conversations] == expected
+    assert all(len(c) == 1 and c[0]["role"] == "user" for c in conversations)

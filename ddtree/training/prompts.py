@@ -789,6 +789,16 @@ def load_eval_prompts(category: str) -> list[str]:
     return [p.text for p in load_eval_prompt_records(category)]
 
 
+def load_eval_conversations(per_category: int) -> list[list[dict]]:
+    """The first `per_category` prompts of each evaluation set (code, math, chat, in that order), each as a one-turn
+    chat conversation."""
+    return [
+        [{"role": "user", "content": text}]
+        for category in CATEGORIES
+        for text in load_eval_prompts(category)[:per_category]
+    ]
+
+
 def _word_ngrams(text: str, n: int) -> set[tuple[str, ...]]:
     words = re.findall(r"\w+", text.lower())
     return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
