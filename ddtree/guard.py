@@ -224,9 +224,9 @@ class ThroughputGuard:
         bucket.num_rounds += 1
         if not measured:
             return
-        measured = bucket.arms[ran]
-        measured.observe(num_tokens / num_requests, seconds, self.weight)
-        if bucket.window_arm == ran and measured.num_rounds >= self.window_rounds:
+        arm_ran = bucket.arms[ran]
+        arm_ran.observe(num_tokens / num_requests, seconds, self.weight)
+        if bucket.window_arm == ran and arm_ran.num_rounds >= self.window_rounds:
             self._end_window(bucket, ran)
         if bucket.window_arm is None:
             self._decide(bucket, num_requests)
