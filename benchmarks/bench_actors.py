@@ -31,11 +31,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# The in-process engine's OpenMP threads wait as the worker actors' do (set before torch loads OpenMP).
+# The in-process engine's OpenMP threads wait, and its memory takes pages, as the worker actors' do (before torch).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from deployments.config import use_worker_openmp_env  # noqa: E402
+from deployments.config import use_worker_env  # noqa: E402
 
-use_worker_openmp_env()
+use_worker_env()
 
 # Engine stages (RoundTimings): draft is timed around the drafter call (hops included), verify and accept inside the
 # target worker (hops excluded).

@@ -27,11 +27,11 @@ import statistics
 import sys
 from pathlib import Path
 
-# The in-process engine's OpenMP threads wait as the worker actors' do (set before torch loads OpenMP).
+# The in-process engine's OpenMP threads wait, and its memory takes pages, as the worker actors' do (before torch).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from deployments.config import use_worker_openmp_env  # noqa: E402
+from deployments.config import use_worker_env  # noqa: E402
 
-use_worker_openmp_env()
+use_worker_env()
 
 from benchmarks.bench_actors import Result, make_random_drafter, run_engine  # noqa: E402
 

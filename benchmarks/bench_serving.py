@@ -39,11 +39,11 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-# The in-process engine's OpenMP threads wait as the worker actors' do (set before torch loads OpenMP).
-from deployments.config import use_worker_openmp_env  # noqa: E402
+# The in-process engine's OpenMP threads wait, and its memory takes pages, as the worker actors' do (before torch).
+from deployments.config import use_worker_env  # noqa: E402
 from deployments.run import direct_ingress_env  # noqa: E402
 
-use_worker_openmp_env()
+use_worker_env()
 
 PROXY_PORT = 8123  # Serve's proxy
 DIRECT_INGRESS_PORT = 8124  # the apps' replicas, one port each from here (Serve's direct ingress)
@@ -54,6 +54,10 @@ MODES = {
     # auto's parts, as `ddtree bench` names them: without n-gram chains, and the budget policy without the closed loop
     "auto-no-ngram": {"speculation": "ddtree", "budget": "auto", "ngram_tokens": 0},
     "auto-no-loop": {"speculation": "ddtree", "budget": "auto", "max_explore_share": 0.0},
+    # the served workers' memory on 4 KB pages instead of 2 MB ones (`worker_env`; their offline runs are as the
+    # mode's without the suffix: the benchmark's own process keeps the workers' default)
+    "off-4k-pages": {"speculation": "off", "worker_env": {"THP_MEM_ALLOC_ENABLE": "0"}},
+    "auto-4k-pages": {"speculation": "ddtree", "budget": "auto", "worker_env": {"THP_MEM_ALLOC_ENABLE": "0"}},
 }
 
 

@@ -40,7 +40,7 @@ import ray
 import torch
 
 from deployments.channel import ChannelAddress, ChannelClient, ChannelClosedError, ChannelServer
-from deployments.config import WORKER_OPENMP_ENV, ActorPlace, WorkerSpec
+from deployments.config import WORKER_MEMORY_ENV, WORKER_OPENMP_ENV, ActorPlace, WorkerSpec
 from deployments.proxies import DrafterProxy, HopTimes, TargetProxy
 from deployments.worker_ops import (
     WIRE,
@@ -76,15 +76,16 @@ def _set_torch_threads(spec: WorkerSpec) -> None:
         torch.set_num_threads(_thread_state.threads)
 
 
-def worker_env() -> dict[str, str]:
+def worker_env(overrides: dict[str, str] | None = None) -> dict[str, str]:
     """A worker actor's environment: OpenMP waits that spin briefly, then sleep (each variable the replica sets,
-    so that the actor inherits none of the replica's waits), and one OpenMP thread by default. The worker computes
+    so that the actor inherits none of the replica's waits), one OpenMP thread by default, and 2 MB pages for its
+    weights and KV cache (`WORKER_MEMORY_ENV`); then the app's `worker_env` (`overrides`). The worker computes
     on its channel's thread alone, which takes the spec's count (`_set_torch_threads`); the actor's own thread
     loads the model and answers Ray calls on one thread, so it never starts an OpenMP team. libgomp counts the
     threads of every team in the process against its cores, and past them every wait between two parallel regions
     sleeps at once: with the model loaded on a team of its own, each region of a forward paid for a wake-up
     (docs/serving.md, "Threads")."""
-    return {**WORKER_OPENMP_ENV, "OMP_NUM_THREADS": "1"}
+    return {**WORKER_OPENMP_ENV, **WORKER_MEMORY_ENV, "OMP_NUM_THREADS": "1", **(overrides or {})}
 
 
 # ---- the actors -------------------------------------------------------------------------------------------------
@@ -386,7 +387,7 @@ def _actor_options(spec: WorkerSpec, place: ActorPlace, pg) -> dict:
         "num_cpus": place.num_cpus,
         "num_gpus": place.num_gpus,
         "max_restarts": 0,
-        "runtime_env": {"env_vars": worker_env()},
+        "runtime_env": {"env_vars": worker_env(spec.env)},
     }
     if pg is not None:
         opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(

@@ -19,7 +19,7 @@ devices of their own (`gpu-per-worker`). On GPUs each worker's CPU threads are i
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, SecretStr, field_validator, model_validator
@@ -39,11 +39,20 @@ _ENGINE = EngineConfig(**SERVE_DEFAULTS)
 WORKER_OPENMP_ENV = {"GOMP_SPINCOUNT": "30000", "KMP_BLOCKTIME": "1"}
 REPLICA_OPENMP_ENV = {"GOMP_SPINCOUNT": "0", "KMP_BLOCKTIME": "0"}
 
+# The workers' weights and KV cache on 2 MB pages: with THP_MEM_ALLOC_ENABLE set, PyTorch's CPU allocator aligns every
+# allocation of 2 MB or more to 2 MB and asks the kernel for transparent huge pages (madvise; the kernel's
+# /sys/kernel/mm/transparent_hugepage/enabled must not be `never`). A decode step streams every weight: on 4 KB pages
+# the embedded target's ~540 MB cross ~130,000 pages per forward, and each new page can miss the TLB; on 2 MB pages,
+# ~270. Read at torch's first allocation, so it goes in the process's environment. `worker_env` overrides it.
+WORKER_MEMORY_ENV = {"THP_MEM_ALLOC_ENABLE": "1"}
 
-def use_worker_openmp_env() -> None:
-    """This process's OpenMP threads wait as the worker actors' do (values already in the environment win): for a
-    benchmark's in-process engine, compared with engines on worker actors. Call before torch loads OpenMP."""
-    os.environ.update({key: os.environ.get(key, value) for key, value in WORKER_OPENMP_ENV.items()})
+
+def use_worker_env() -> None:
+    """This process's OpenMP threads wait, and its allocations use pages, as the worker actors' do (values already in
+    the environment win): for a benchmark's in-process engine, compared with engines on worker actors. Call before
+    torch is imported."""
+    defaults = {**WORKER_OPENMP_ENV, **WORKER_MEMORY_ENV}
+    os.environ.update({key: os.environ.get(key, value) for key, value in defaults.items()})
 
 
 PLACEMENTS = ("cpu", "gpu-per-worker", "shared-gpu")
@@ -193,6 +202,13 @@ class AppArgs(BaseModel):
         "CPU the replica holds (engine + workers, rounded down; the target and the drafter take turns on them), on "
         "GPUs its own bundle's CPUs. Capped at the cores the actor's process may use.",
     )
+    worker_env: dict[str, str] = Field(
+        default_factory=dict,
+        description="Environment variables of the worker actors, set over their defaults (deployments/config.py: "
+        "OpenMP waits, 2 MB pages for the weights), e.g. {THP_MEM_ALLOC_ENABLE: '0'} keeps their memory on 4 KB "
+        "pages. A worker actor also inherits the replica's environment (the application's runtime_env), except "
+        "for the variables it sets itself.",
+    )
     channel_poll_ms: float = Field(
         0.0,
         ge=0,
@@ -246,6 +262,14 @@ class AppArgs(BaseModel):
         if dtype is not None and dtype not in ("float32", "bfloat16", "float16", "float64"):
             raise ValueError(f"dtype must be float32, bfloat16, float16 or float64, got {dtype!r}")
         return dtype
+
+    @field_validator("worker_env")
+    @classmethod
+    def _check_worker_env(cls, value: dict[str, str]) -> dict[str, str]:
+        for key, item in value.items():
+            if not key or "=" in key or "\0" in key or "\0" in item:
+                raise ValueError(f"worker_env: {key!r}={item!r} is not an environment variable")
+        return value
 
     @field_validator("autoscaling_config")
     @classmethod
@@ -394,6 +418,7 @@ class WorkerSpec:
     torch_threads: int
     workers_overlap: bool = False  # the two workers have cores or devices of their own
     channel_poll_seconds: float = 0.0  # how long a channel end polls before it blocks (deployments/channel.py)
+    env: dict[str, str] = field(default_factory=dict)  # environment variables over the workers' defaults
 
     @classmethod
     def from_args(cls, args: AppArgs) -> WorkerSpec:
@@ -408,6 +433,7 @@ class WorkerSpec:
             args.worker_threads,
             args.workers_overlap,
             args.channel_poll_ms / 1000,
+            dict(args.worker_env),
         )
 
 

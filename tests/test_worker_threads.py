@@ -75,3 +75,66 @@ def test_a_worker_actor_inherits_none_of_the_replicas_openmp_waits():
     assert set(REPLICA_OPENMP_ENV) <= set(WORKER_OPENMP_ENV)
     env = worker_env()
     assert {key: env[key] for key in WORKER_OPENMP_ENV} == WORKER_OPENMP_ENV and env["OMP_NUM_THREADS"] == "1"
+
+
+_HUGE_PAGES_PROCESS = """
+import json, torch
+x = torch.empty(64 << 20, dtype=torch.uint8)  # a weight-sized allocation
+x.fill_(1)  # (pages are given on first touch)
+address = x.data_ptr()
+huge_kb, inside = 0, False
+for line in open("/proc/self/smaps"):
+    head = line.split()[0]
+    if "-" in head and not head.endswith(":"):  # a mapping's first line: "start-end perms ..."
+        start, end = (int(a, 16) for a in head.split("-"))
+        inside = start <= address < end
+    elif inside and head == "AnonHugePages:":
+        huge_kb = int(line.split()[1])
+print(json.dumps({"huge_kb": huge_kb}))
+"""
+
+
+def _transparent_huge_pages() -> str | None:
+    """The kernel's THP mode (always, madvise or never), None where it cannot be read."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    return text[text.index("[") + 1 : text.index("]")] if "[" in text else None
+
+
+def _huge_kb(env: dict[str, str]) -> int:
+    out = subprocess.run(
+        [sys.executable, "-c", _HUGE_PAGES_PROCESS],
+        env={**os.environ, **env, "PYTHONPATH": str(REPO)},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])["huge_kb"]
+
+
+def test_a_worker_actors_weights_are_on_huge_pages_and_the_app_can_keep_them_off():
+    """With a worker actor's environment, a weight-sized tensor lands on 2 MB pages; with the app's `worker_env`
+    setting THP_MEM_ALLOC_ENABLE=0 it does not (where the kernel gives huge pages only on request)."""
+    mode = _transparent_huge_pages()
+    if mode not in ("always", "madvise"):
+        pytest.skip(f"the kernel gives no transparent huge pages here (mode {mode})")
+    assert _huge_kb(worker_env()) >= 2048
+    if mode == "madvise":  # ("always": every large mapping gets them, asked or not)
+        assert _huge_kb(worker_env({"THP_MEM_ALLOC_ENABLE": "0"})) == 0
+
+
+def test_the_apps_worker_env_reaches_the_worker_actors_environment():
+    from deployments.config import WORKER_MEMORY_ENV, AppArgs, WorkerSpec
+
+    args = AppArgs(worker_env={"THP_MEM_ALLOC_ENABLE": "0", "MALLOC_ARENA_MAX": "2"})
+    spec = WorkerSpec.from_args(args)
+    env = worker_env(spec.env)
+    assert env["THP_MEM_ALLOC_ENABLE"] == "0" and env["MALLOC_ARENA_MAX"] == "2" and env["OMP_NUM_THREADS"] == "1"
+    assert worker_env()["THP_MEM_ALLOC_ENABLE"] == WORKER_MEMORY_ENV["THP_MEM_ALLOC_ENABLE"] == "1"
+    for bad in ({"": "1"}, {"A=B": "1"}, {"A": 1}):
+        with pytest.raises(ValueError, match="worker_env"):
+            AppArgs(worker_env=bad)
