@@ -237,7 +237,7 @@ def main(argv=None) -> int:
     import yaml
     from ray import serve
 
-    from ddtree.engine import Engine, EngineConfig
+    from ddtree.engine import Engine
     from ddtree.loaders import build_workers
     from ddtree.sampling_params import SamplingParams
     from deployments.app import build_app
@@ -274,15 +274,8 @@ def main(argv=None) -> int:
     engines = {}
     for mode in args.modes:
         mode_args = parse_args({**base_args, **MODES[mode], "max_num_seqs": max(max_c, parsed.max_num_seqs)})
-        config = EngineConfig(
-            speculation=mode_args.speculation,
-            budget=mode_args.budget,
-            max_budget=mode_args.max_budget,
-            max_num_seqs=mode_args.max_num_seqs,
-            ngram_tokens=mode_args.ngram_tokens,
-            pipeline=False,
-            max_explore_share=mode_args.max_explore_share,
-        )
+        # the served app's engine settings (in one process `pipeline: auto` never pipelines, as on `cpu` served)
+        config = mode_args.engine_config()
         is_plain = mode_args.speculation == "off"
         engines[mode] = Engine(config, plain_target if is_plain else target, None if is_plain else drafter, tokenizer)
 
