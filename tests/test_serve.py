@@ -840,12 +840,13 @@ def test_pipelined_engine_on_worker_actors_equals_offline_off(served, app_args, 
         assert engine.timings.num_draft_calls > 0 and actors.hops.num_calls > engine.timings.num_draft_calls
         # Each worker's OpenMP threads spin briefly between a forward's parallel regions before they sleep
         # (deployments/config.py: WORKER_OPENMP_ENV), whatever the replica's own waits; one thread by default, the
-        # channel thread taking the spec's count (tests/test_worker_threads.py)
+        # channel thread taking the spec's count (tests/test_worker_threads.py); its memory on 2 MB pages
         for pid in (actors.target_proxy.pid, actors.drafter_proxy.pid):
             environ = dict(
                 item.split("=", 1) for item in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in item
             )
             assert environ["GOMP_SPINCOUNT"] == "30000" and environ["OMP_NUM_THREADS"] == "1"
+            assert environ["THP_MEM_ALLOC_ENABLE"] == "1"
     finally:
         actors.kill()
 
