@@ -22,19 +22,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from bench_serving import load_messages  # noqa: E402
-
-from ddtree.engine import Engine, EngineConfig  # noqa: E402
-from ddtree.loaders import build_workers  # noqa: E402
-from ddtree.sampling_params import SamplingParams  # noqa: E402
+from ddtree.engine import Engine, EngineConfig
+from ddtree.loaders import build_workers
+from ddtree.sampling_params import SamplingParams
+from ddtree.training.prompts import load_eval_conversations
 
 
 def run(engine: Engine, prompts: list[list[int]], args, staggered: bool) -> tuple[float, int, int]:
@@ -96,7 +91,7 @@ def main() -> None:
     target, drafter, tokenizer = build_workers(need_drafter="auto" in modes)
     prompts = [
         list(tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=True, return_dict=False))
-        for m in load_messages(16)
+        for m in load_eval_conversations(16)
     ]
     engines = {}
     for mode in modes:

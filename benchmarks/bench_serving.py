@@ -150,12 +150,6 @@ def app_url(mode: str, ports) -> str:
     raise RuntimeError(f"no port of {list(ports)} serves /{mode}/health")
 
 
-def load_messages(num_prompts: int) -> list[list[dict]]:
-    from ddtree.training.prompts import load_eval_conversations
-
-    return load_eval_conversations(num_prompts)
-
-
 def run_offline(engine, prompts: list[list[int]], params, concurrency: int) -> tuple[float, dict[int, str], int]:
     """Closed loop in the engine: `concurrency` requests in flight, a finished one replaced at once; returns
     tokens/s, text per prompt, output tokens."""
@@ -240,6 +234,7 @@ def main(argv=None) -> int:
     from ddtree.engine import Engine
     from ddtree.loaders import build_workers
     from ddtree.sampling_params import SamplingParams
+    from ddtree.training.prompts import load_eval_conversations
     from deployments.app import build_app
     from deployments.config import parse_args
 
@@ -250,7 +245,7 @@ def main(argv=None) -> int:
         if not sep:
             raise SystemExit(f"--set {item!r}: expected KEY=VALUE")
         base_args[key] = yaml.safe_load(value)
-    messages = load_messages(args.num_prompts)
+    messages = load_eval_conversations(args.num_prompts)
     max_c = max(args.concurrency)
 
     # Offline: one set of workers in this process, an engine per mode (as `ddtree bench`).

@@ -74,7 +74,7 @@ class RoundBatch:
     @property
     def speculates(self) -> bool:
         """Whether the round did anything plain decoding does not: a drafter call, or nodes beyond a root."""
-        return bool(self.drafting) or any(e.tree is not None and e.tree.num_nodes > 0 for e in self.entries)
+        return any(e.drafts or (e.tree is not None and e.tree.num_nodes > 0) for e in self.entries)
 
     def open_plan(self) -> RoundPlan:
         """The open entries as the budget policy plans them: drafting ones, then chain candidates."""

@@ -465,7 +465,7 @@ def test_bench_target_instances_refuses_bad_arguments_clearly(capsys):
 def test_bench_serving_modes_are_valid_app_args_and_unknown_ones_are_refused():
     """Every mode of benchmarks/bench_serving.py is a valid set of app args (checked by the app's own validation,
     as `build_app` checks them), and an unknown mode is refused with the list of modes. In a subprocess: the
-    script sets OpenMP's environment for its in-process engine when it is imported."""
+    script sets the workers' environment (OpenMP, memory pages) for its in-process engine when it is imported."""
     import subprocess
     import sys
     from pathlib import Path
