@@ -346,3 +346,33 @@ def test_a_drafter_grown_by_layers_computes_what_it_grew_from():
         grow_drafter(make_model(tiny_config(num_hidden_layers=1)), small, "small")
     with pytest.raises(ValueError, match="does not match the drafter being trained: intermediate_size"):
         grow_drafter(make_model(tiny_config(num_hidden_layers=4, intermediate_size=64)), small, "small")
+
+
+def test_a_drafter_grown_by_target_layers_computes_what_it_grew_from():
+    """Conditioned on more target layers (init's among them, in another order of the features), the grown drafter's
+    context is init's on init's layers whatever the new layers hold, and it learns from them (fc's new columns get
+    a gradient)."""
+    from ddtree.training.train import grow_drafter
+
+    small = make_model(tiny_config(target_layer_ids=[1, 3, 4]), seed=0)
+    grown = make_model(tiny_config(target_layer_ids=[0, 1, 2, 3, 4, 5], num_hidden_layers=3), seed=5)
+    grow_drafter(grown, small, "small")
+    torch.manual_seed(2)
+    c, s, h = 6, 4, small.config.hidden_size
+    per_layer = torch.randn(1, c, 6, h, dtype=torch.float64)  # the target's hidden states at layers 0..5
+    small_feats = per_layer[:, :, [1, 3, 4]].flatten(2)
+    grown_feats = per_layer.flatten(2)
+    block = torch.randn(1, s, h, dtype=torch.float64)
+    args = (torch.arange(c, c + s).unsqueeze(0), torch.arange(c).unsqueeze(0), None)
+    with torch.no_grad():
+        expected = small(block, small.project_context(small_feats), *args)
+        got = grown(block, grown.project_context(grown_feats), *args)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)  # (fc sums more terms, zeros among them)
+    grown.train()
+    grown(block, grown.project_context(grown_feats), *args).square().sum().backward()
+    new_columns = torch.cat([grown.fc.weight.grad[:, j * h : (j + 1) * h] for j in (0, 2, 5)], dim=1)
+    assert new_columns.abs().sum() > 0
+    with pytest.raises(ValueError, match="must condition on all of them"):
+        grow_drafter(make_model(tiny_config(target_layer_ids=[0, 1, 3])), small, "small")
+    with pytest.raises(ValueError, match=r"being trained: dflash_config \{'mask_token_id': 63\} there"):
+        grow_drafter(make_model(tiny_config(target_layer_ids=[1, 2, 3, 4], mask_token_id=5)), small, "small")

@@ -250,23 +250,51 @@ def weights_sha256(drafter_dir: Path) -> str:
 
 
 def grow_drafter(drafter: DFlashDraftModel, init: DFlashDraftModel, name: str) -> None:
-    """`drafter` starts as `init`: the same weights, and, when `drafter` has more layers, the extra layers (after
-    init's) with zero output projections (o_proj, down_proj), so that they add nothing to the residual stream: the
-    grown drafter computes exactly what `init` does, and training starts from there ("--num-draft-layers 3
-    --init-from <a 2-layer drafter>"). The block size may differ (the weights do not depend on it)."""
-    init_keys, own_keys = init.config.to_dict() | _DEPTH_KEYS, drafter.config.to_dict() | _DEPTH_KEYS
+    """`drafter` starts as `init`: the same weights, and where `drafter` is larger, new parts that add nothing yet,
+    so that the grown drafter computes exactly what `init` does and training starts from there. The block size may
+    differ (the weights do not depend on it). Two ways to grow, alone or together:
+    - more layers ("--num-draft-layers 3 --init-from <a 2-layer drafter>"): the extra layers (after init's) get zero
+      output projections (o_proj, down_proj), so they add nothing to the residual stream;
+    - more target layers to condition on ("--target-layer-ids 1 4 8 14 20 27 --init-from <a drafter on 1 14 27>";
+      init's target layers must all be among them): `fc` takes init's columns for init's layers, wherever they now
+      sit in the concatenated features, and zero columns for the new ones, so the context projection is unchanged."""
+    init_ids = list(init.config.target_layer_ids)
+    own_ids = list(drafter.config.target_layer_ids)
+    if init_ids != own_ids and not set(init_ids) < set(own_ids):
+        raise ValueError(
+            f"{name} is conditioned on target layers {init_ids}: a drafter grown from it must condition on all of "
+            f"them (and may add others), not on {own_ids}"
+        )
+    init_keys, own_keys = _shape_keys(init.config), _shape_keys(drafter.config)
     if init_keys != own_keys:
         raise ValueError(f"{name} does not match the drafter being trained: {_differences(init_keys, own_keys)}")
     num_init, num_layers = init.config.num_hidden_layers, drafter.config.num_hidden_layers
     if num_init > num_layers:
         raise ValueError(f"{name} has {num_init} layers, more than the {num_layers} of the drafter being trained")
-    missing, unexpected = drafter.load_state_dict(init.state_dict(), strict=False)
-    if unexpected or any(not k.startswith("layers.") or int(k.split(".")[1]) < num_init for k in missing):
+    init_state = dict(init.state_dict())
+    init_fc = init_state.pop("fc.weight")  # [H, len(init_ids) * H]
+    missing, unexpected = drafter.load_state_dict(init_state, strict=False)
+    if unexpected or any(
+        k != "fc.weight" and (not k.startswith("layers.") or int(k.split(".")[1]) < num_init) for k in missing
+    ):
         raise ValueError(f"{name}: weights do not match the drafter being trained ({missing}, {unexpected})")
+    hidden = drafter.config.hidden_size
     with torch.no_grad():
+        drafter.fc.weight.zero_()
+        for i, layer_id in enumerate(init_ids):
+            j = own_ids.index(layer_id)
+            drafter.fc.weight[:, j * hidden : (j + 1) * hidden] = init_fc[:, i * hidden : (i + 1) * hidden]
         for layer in drafter.layers[num_init:]:
             layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
+
+
+def _shape_keys(config: DFlashConfig) -> dict:
+    """A drafter's config without what `grow_drafter` may change (its depth, block size and target layers)."""
+    keys = config.to_dict() | _DEPTH_KEYS
+    dflash = dict(keys.get("dflash_config") or {})
+    dflash.pop("target_layer_ids", None)
+    return keys | {"dflash_config": dflash}
 
 
 def train(
