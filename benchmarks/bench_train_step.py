@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
             args.max_anchors,
             rng,
             default_gamma(config.block_size),
-        )
+        )[:2]  # (features, blocks)
         for i in range(args.steps)
     ]
 

@@ -69,6 +69,47 @@ def test_full_and_restricted_softmax_loss_and_accuracy(setup):
     head.restrict_softmax(None)
 
 
+@torch.no_grad()
+def test_the_soft_target_term_is_the_cross_entropy_against_the_targets_top_k(setup):
+    """loss = label CE + w x soft CE (both position-weighted); the soft CE is against the stored top-k
+    distribution, renormalised over the tokens the step's softmax holds; the logged loss is the label CE alone. A
+    one-hot target distribution on the label makes the soft term the label CE itself."""
+    drafter, head, features, batch, sequences = setup
+    weights = batch.loss_weights.reshape(-1)[batch.labelled_rows]
+    labels = batch.labels.reshape(-1)[batch.labelled_rows]
+    num_rows, k = labels.numel(), 4
+    gen = torch.Generator().manual_seed(3)
+    others = torch.randint(2, head.vocab_size, (num_rows, k - 1), generator=gen)
+    top_ids = torch.cat([labels.unsqueeze(1), others], dim=1)  # the label first, as the greedy token is
+    top_logprobs = torch.log_softmax(torch.randn(num_rows, k, generator=gen), dim=-1)
+    response_tokens = torch.tensor(sorted({t for s in sequences for t in s[3:]}))
+    for columns in (torch.arange(head.vocab_size), response_tokens):
+        head.restrict_softmax(None if columns.numel() == head.vocab_size else columns, num_negatives=0)
+        label_loss, _, _ = _expected(drafter, head, features, batch, columns)
+        loss, stats = block_loss(drafter, head, features, batch, (top_ids, top_logprobs), 0.5)
+        hidden = drafter(
+            head.embed(batch.block_token_ids),
+            drafter.project_context(features),
+            batch.block_positions,
+            batch.context_positions,
+            batch.attention_mask,
+        ).flatten(0, 1)[batch.labelled_rows]
+        log_q = torch.log_softmax(hidden @ head.lm_head_weight[columns].T, dim=-1)  # [M, V']
+        soft = torch.zeros(num_rows)
+        for m in range(num_rows):
+            kept = [j for j in range(k) if int(top_ids[m, j]) in set(columns.tolist())]
+            p = torch.softmax(top_logprobs[m, kept], dim=-1)
+            cols = torch.searchsorted(columns, top_ids[m, kept])
+            soft[m] = -(p * log_q[m, cols]).sum()
+        torch.testing.assert_close(loss, label_loss + 0.5 * (soft * weights).sum() / weights.sum())
+        torch.testing.assert_close(stats["loss"], label_loss)
+        one_hot = torch.full((num_rows, k), -30.0)
+        one_hot[:, 0] = 0.0
+        loss, _ = block_loss(drafter, head, features, batch, (top_ids, one_hot), 1.0)
+        torch.testing.assert_close(loss, 2 * label_loss)
+    head.restrict_softmax(None)
+
+
 def test_a_label_outside_the_restricted_vocabulary_is_an_error(setup):
     _, head, _, _, _ = setup
     head.restrict_softmax(torch.tensor([5, 6, 7]), num_negatives=4)

@@ -3,6 +3,7 @@ any Llama-family folder, both generation engines agree, and training/evaluation 
 
 import importlib.util
 import json
+import math
 
 import pytest
 import torch
@@ -56,6 +57,91 @@ def test_runner_and_hf_generation_give_the_same_tokens_and_features(tiny_target,
         assert r["prompt_ids"] == r_hf["prompt_ids"] and r["response_ids"] == r_hf["response_ids"]
         assert features.shape == (len(r["prompt_ids"]) + len(r["response_ids"]) - 1, len(layers), 64)
         torch.testing.assert_close(features.float(), features_hf.float(), rtol=0.02, atol=0.02)
+
+
+def test_soft_targets_are_the_targets_top_k_at_each_response_token_and_train(tiny_target, tmp_path):
+    """Both engines store, per response token, the target's top-k log-probabilities there: the greedy token first,
+    and the values of a forward over the whole sequence. Training takes them with --soft-target-weight, and refuses
+    it on data made without them; a data directory keeps one k."""
+    from ddtree.training.generate import soft_target_keys
+    from ddtree.training.target import load_target
+
+    prompts = [Prompt(f"p{i}", "chat", text, "test") for i, text in enumerate(["hello there", "what is 2 and 3?"])]
+    for name in ("runner", "hf"):
+        write_prompts(tmp_path / name, prompts)
+    generate_responses_continuous(
+        tmp_path / "runner",
+        str(tiny_target),
+        batch_size=2,
+        max_new_tokens=7,
+        stored_layer_ids=(0, 2),
+        soft_target_top_k=5,
+    )
+    generate_responses(
+        tmp_path / "hf", str(tiny_target), batch_size=2, max_new_tokens=7, stored_layer_ids=(0, 2), soft_target_top_k=5
+    )
+    model, _ = load_target(str(tiny_target), dtype=torch.float32)
+    for name in ("runner", "hf"):
+        for r in read_jsonl(tmp_path / name / "responses.jsonl"):
+            shard = load_file(str(tmp_path / name / "features" / r["shard"]))
+            ids_key, logprobs_key = soft_target_keys(r["prompt_id"])
+            ids, logprobs = shard[ids_key], shard[logprobs_key]
+            num_prompt, response = len(r["prompt_ids"]), r["response_ids"]
+            assert ids.shape == logprobs.shape == (len(response), 5) and ids.dtype == torch.int32
+            assert ids[:, 0].tolist() == response  # greedy: the most likely token is the one generated
+            with torch.no_grad():
+                logits = model(torch.tensor([r["prompt_ids"] + response])).logits[0, num_prompt - 1 : -1]
+            want_logprobs, want_ids = torch.log_softmax(logits.float(), -1).topk(5)
+            torch.testing.assert_close(logprobs.float(), want_logprobs, rtol=0, atol=2e-3)  # (float16)
+            assert ids.long().tolist() == want_ids.tolist()
+    common = ["train-drafter", "--target", str(tiny_target), "--num-threads", "1"]
+    shape = ["--num-draft-layers", "1", "--block-size", "4", "--target-layer-ids", "0", "2", "--mask-token-id", "1"]
+    short = ["--max-new-tokens", "6", "--batch-size", "4", "--stored-layer-ids", "0", "1", "2"]
+    with_soft, without = tmp_path / "with", tmp_path / "without"
+    for data_dir, top_k in ((with_soft, "4"), (without, "0")):
+        prompts_args = ["--num-prompts-per-category", "2", "--categories", "chat", "math"]
+        assert (
+            main(
+                [
+                    *common,
+                    "prompts",
+                    "generate",
+                    "--data-dir",
+                    str(data_dir),
+                    *prompts_args,
+                    *short,
+                    "--soft-target-top-k",
+                    top_k,
+                ]
+            )
+            == 0
+        )
+    assert json.loads((with_soft / "manifest.json").read_text())["soft_target_top_k"] == 4
+    with pytest.raises(ValueError, match="holds responses with 4 soft targets per token"):
+        main([*common, "generate", "--data-dir", str(with_soft), *short, "--soft-target-top-k", "8"])
+    train = [*common, "train", *shape, "--max-steps", "2", "--train-batch-size", "2", "--num-negatives", "8"]
+    with pytest.raises(ValueError, match="holds no soft targets"):
+        main([*train, "--data-dir", str(without), "--out-dir", str(tmp_path / "o1"), "--soft-target-weight", "0.5"])
+    assert (
+        main(
+            [
+                *train,
+                "--data-dir",
+                str(with_soft),
+                "--out-dir",
+                str(tmp_path / "o2"),
+                "--soft-target-weight",
+                "0.5",
+                "--gamma",
+                "1.5",
+            ]
+        )
+        == 0
+    )
+    config = json.loads((tmp_path / "o2" / "manifest.json").read_text())["train_config"]
+    assert config["soft_target_weight"] == 0.5 and config["gamma"] == 1.5
+    log = [json.loads(line) for line in (tmp_path / "o2" / "log.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in log] == [1, 2] and all(math.isfinite(r["loss"]) for r in log)
 
 
 def test_runner_generation_stops_on_time_and_resumes(tiny_target, tmp_path):
@@ -375,6 +461,9 @@ def test_prompts_step_with_chat_prompts_the_target_writes_itself(tmp_path):
         ["--block-size", "1"],
         ["--num-eval-prompts", "x"],
         ["--max-hours", "nan"],
+        ["--gamma", "0"],
+        ["--soft-target-weight", "-0.5"],
+        ["--soft-target-top-k", "-1"],
     ],
 )
 def test_bad_training_values_are_usage_errors_before_any_step(bad, capsys):

@@ -31,6 +31,7 @@ class BlockBatch:
     labels: torch.Tensor  # [B, S] token at a + k, IGNORE_INDEX at k = 0, past the sequence end and in padding
     loss_weights: torch.Tensor  # [B, S] exp(-(k - 1) / gamma) where labelled, else 0
     block_offsets: torch.Tensor  # [B, S] k, the position inside the block
+    label_positions: torch.Tensor  # [B, S] a + k, the label's position in its sequence, where labelled (else 0)
     # [M] flat indices (into B * S) of the labelled positions, found on the host when the batch is built: boolean
     # indexing on a GPU would wait for the device every step to learn M
     labelled_rows: torch.Tensor
@@ -78,6 +79,7 @@ def build_block_batch(
     block_positions = torch.zeros((num_seqs, s), dtype=torch.long)
     labels = torch.full((num_seqs, s), IGNORE_INDEX, dtype=torch.long)
     loss_weights = torch.zeros((num_seqs, s), dtype=torch.float32)
+    label_positions = torch.zeros((num_seqs, s), dtype=torch.long)
     attention_mask = torch.zeros((num_seqs, s, c + s), dtype=torch.bool)
     offsets = torch.arange(s) % block_size  # [S]
     position_weights = torch.tensor(
@@ -102,6 +104,7 @@ def build_block_batch(
             first = j * block_size + 1
             labels[b, first : first + num_labelled] = tokens[a + 1 : a + 1 + num_labelled]
             loss_weights[b, first : first + num_labelled] = position_weights[1 : 1 + num_labelled]
+            label_positions[b, first : first + num_labelled] = torch.arange(a + 1, a + 1 + num_labelled)
     context_positions = torch.arange(c).unsqueeze(0).expand(num_seqs, c).contiguous()  # [B, C]
     labelled_rows = (labels.view(-1) != IGNORE_INDEX).nonzero().squeeze(1)  # [M]
     return BlockBatch(
@@ -112,5 +115,6 @@ def build_block_batch(
         labels,
         loss_weights,
         offsets.unsqueeze(0).expand(num_seqs, s).contiguous(),
+        label_positions,
         labelled_rows,
     )

@@ -61,7 +61,7 @@ class FeatureReader:
         self.dtype = dtype
         self._open: OrderedDict[str, object] = OrderedDict()
 
-    def __call__(self, seq: Sequence) -> torch.Tensor:
+    def _shard(self, seq: Sequence):
         from safetensors import safe_open
 
         handle = self._open.get(seq.shard)
@@ -70,7 +70,23 @@ class FeatureReader:
             self._open[seq.shard] = handle
             if len(self._open) > self.max_open:
                 self._open.popitem(last=False)
-        stored = handle.get_tensor(seq.prompt_id)  # [N - 1, num_stored, H] bf16
+        return handle
+
+    def soft_targets(self, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's top-k at each response token: ids [R, K] int64 and log-probabilities [R, K] float32."""
+        from ddtree.training.generate import soft_target_keys
+
+        handle = self._shard(seq)
+        ids_key, logprobs_key = soft_target_keys(seq.prompt_id)
+        if ids_key not in handle.keys():
+            raise ValueError(f"{seq.shard} holds no soft targets for {seq.prompt_id}")
+        ids, logprobs = handle.get_tensor(ids_key), handle.get_tensor(logprobs_key)
+        if ids.shape[0] != len(seq.token_ids) - seq.prompt_length:
+            raise ValueError(f"soft targets of {seq.prompt_id} have {ids.shape[0]} rows for its response")
+        return ids.long(), logprobs.float()
+
+    def __call__(self, seq: Sequence) -> torch.Tensor:
+        stored = self._shard(seq).get_tensor(seq.prompt_id)  # [N - 1, num_stored, H] bf16
         if stored.shape[0] != len(seq.token_ids) - 1:
             raise ValueError(f"features of {seq.prompt_id} have {stored.shape[0]} rows for {len(seq.token_ids)} tokens")
         return stored.index_select(1, self.columns).flatten(1).to(self.dtype)  # [N - 1, F]

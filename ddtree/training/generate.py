@@ -4,12 +4,15 @@ Layout of a data directory:
   prompts.jsonl           the training prompts (`Prompt` records), made once by the `prompts` step
   responses.jsonl         one line per finished prompt: ids, shard name, number of tokens
   features/NNNNNN.safetensors  per batch: for each prompt id, the target's hidden states at the stored layers for
-                          every token of prompt + response except the last, [num_tokens - 1, num_layers, hidden]
+                          every token of prompt + response except the last, [num_tokens - 1, num_layers, hidden];
+                          with soft targets (`soft_target_top_k` K > 0), also "<id>/topk_ids" [R, K] int32 and
+                          "<id>/topk_logprobs" [R, K] float16: for each of the R response tokens, the K most
+                          likely tokens of the target's distribution there (log-softmax of the logits at T = 1)
   manifest.json           sources, counts, seeds, commands, dropped overlaps
 
 The hidden states come from the generation itself (forward hooks on the stored layers): the step that produces token t
-ran the target on token t-1, so its hidden state is exactly the drafter's context feature of position t-1. This saves a
-second target forward per sequence.
+ran the target on token t-1, so its hidden state is exactly the drafter's context feature of position t-1, and its
+logits are the target's distribution at token t (the soft targets). This saves a second target forward per sequence.
 
 Both engines run the target on `device` in `dtype` (on a GPU: bfloat16, as DFlash/SpecForge run it); the stored
 features are bfloat16 CPU tensors whatever the device, so data made on a GPU trains anywhere.
@@ -29,6 +32,20 @@ from ddtree.training.prompts import Prompt
 
 # Stored hidden_states indices are layer_id + 1 for these target layers; the drafter picks a subset.
 DEFAULT_STORED_LAYER_IDS = (1, 4, 8, 14, 20, 24, 27, 28)
+# Tokens of the target's distribution kept per response token (the drafter's auxiliary soft-target loss)
+DEFAULT_SOFT_TARGET_TOP_K = 32
+
+
+def soft_target_keys(prompt_id: str) -> tuple[str, str]:
+    """The shard keys of a response's soft targets: token ids [R, K] and their log-probabilities [R, K]."""
+    return f"{prompt_id}/topk_ids", f"{prompt_id}/topk_logprobs"
+
+
+def top_logprobs(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, V] logits -> the k most likely tokens' ids [N, k] int32 and log-probabilities [N, k] float16, on the
+    CPU (log-softmax in float32 over the whole vocabulary, so the values are the target's own at T = 1)."""
+    values, ids = torch.log_softmax(logits.float(), dim=-1).topk(min(k, logits.shape[-1]), dim=-1)
+    return ids.to(torch.int32).cpu(), values.to(torch.float16).cpu()
 
 
 def read_jsonl(path: Path) -> list[dict]:
@@ -108,9 +125,12 @@ def generate_responses(
     max_seconds: float | None = None,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
+    soft_target_top_k: int = 0,
 ) -> int:
-    """Generate greedy responses for the pending prompts; returns the number of responses written."""
+    """Generate greedy responses for the pending prompts; returns the number of responses written. With
+    `soft_target_top_k`, also each response token's top-k log-probabilities (the module docstring's layout)."""
     from safetensors.torch import save_file
+    from transformers import LogitsProcessor, LogitsProcessorList
 
     from ddtree.training.target import chat_prompt_ids, load_target, resolve_device
 
@@ -156,6 +176,13 @@ def generate_responses(
                 )
                 for i in stored_layer_ids
             ]
+            steps_top: list[tuple[torch.Tensor, torch.Tensor]] = []  # per generated token: ([B, K], [B, K])
+
+            class _KeepTop(LogitsProcessor):  # sees each step's raw logits (greedy: no other processor runs)
+                def __call__(self, input_ids, scores):
+                    steps_top.append(top_logprobs(scores, soft_target_top_k))
+                    return scores
+
             try:
                 sequences = model.generate(
                     input_ids=input_ids.to(device),
@@ -166,6 +193,7 @@ def generate_responses(
                     temperature=None,
                     top_p=None,
                     top_k=None,
+                    logits_processor=LogitsProcessorList([_KeepTop()] if soft_target_top_k else []),
                 )
             finally:
                 for hook in hooks:
@@ -189,6 +217,10 @@ def generate_responses(
                 num_tokens = len(prompt_ids[row]) + len(response)
                 pad = max_len - len(prompt_ids[row])
                 tensors[p.prompt_id] = all_features[row, pad : pad + num_tokens - 1].contiguous()
+                if soft_target_top_k:
+                    ids_key, logprobs_key = soft_target_keys(p.prompt_id)
+                    tensors[ids_key] = torch.stack([ids[row] for ids, _ in steps_top[: len(response)]])
+                    tensors[logprobs_key] = torch.stack([lp[row] for _, lp in steps_top[: len(response)]])
                 records.append(
                     {
                         "prompt_id": p.prompt_id,
@@ -242,6 +274,7 @@ def generate_responses_continuous(
     shard_size: int = 32,
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
+    soft_target_top_k: int = 0,
 ) -> int:
     """Like `generate_responses`, on the project's target runner with continuous batching: a finished request
     leaves the decode batch at once and a new prompt takes its place (HF `generate` keeps computing finished rows
@@ -290,6 +323,12 @@ def generate_responses_continuous(
             return
         shard_name = f"{shard_index:06d}.safetensors"
         tensors = {r["prompt_id"]: r.pop("features") for r in finished}
+        for r in finished:
+            top = r.pop("top")
+            if soft_target_top_k:
+                ids_key, logprobs_key = soft_target_keys(r["prompt_id"])
+                tensors[ids_key] = torch.cat([ids for ids, _ in top])  # [R, K]
+                tensors[logprobs_key] = torch.cat([lp for _, lp in top])
         save_file(tensors, str(features_dir / shard_name))
         append_jsonl(data_dir / "responses.jsonl", [{**r, "shard": shard_name} for r in finished])
         num_written += len(finished)
@@ -323,14 +362,16 @@ def generate_responses_continuous(
                 next_seq_id += 1
             if new_ids:
                 logits, prompt_features = model.prefill(new_ids, [ids for _, ids in new_prompts])
-                for seq_id, (p, ids), row, feats in zip(
-                    new_ids, new_prompts, logits.argmax(-1).tolist(), prompt_features
+                tops = _top_rows(logits, soft_target_top_k)
+                for seq_id, (p, ids), row, feats, top in zip(
+                    new_ids, new_prompts, logits.argmax(-1).tolist(), prompt_features, tops
                 ):
                     active[seq_id] = {
                         "prompt": p,
                         "prompt_ids": ids,
                         "response_ids": [row],
                         "features": [feats.to(torch.bfloat16).cpu()],
+                        "top": [top],
                     }
             # requests whose last token ends them leave before the decode step
             for seq_id in list(active):
@@ -348,6 +389,7 @@ def generate_responses_continuous(
                             "response_ids": a["response_ids"],
                             "is_finished": last in eos_ids,
                             "features": feats.contiguous(),
+                            "top": a["top"],
                         }
                     )
                     if len(finished) >= shard_size:
@@ -359,15 +401,26 @@ def generate_responses_continuous(
             seq_ids = list(active)
             logits, feats = model.decode(seq_ids, [active[s]["response_ids"][-1] for s in seq_ids])
             # the argmax already waits for the step: one small copy of all rows' features to the host joins it
-            for seq_id, token, f in zip(seq_ids, logits.argmax(-1).tolist(), feats.to(torch.bfloat16).cpu()):
+            tops = _top_rows(logits, soft_target_top_k)
+            for seq_id, token, f, top in zip(seq_ids, logits.argmax(-1).tolist(), feats.to(torch.bfloat16).cpu(), tops):
                 active[seq_id]["response_ids"].append(token)
                 # a copy of the row: a view would keep the whole batch's step tensor alive as long as this request
                 active[seq_id]["features"].append(f.clone().unsqueeze(0))
+                active[seq_id]["top"].append(top)
     except KeyboardInterrupt:  # Ctrl-C: the finished responses are kept (the unfinished are pending again)
         flush()
         raise
     flush()
     return num_written
+
+
+def _top_rows(logits: torch.Tensor, k: int) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+    """Per row of [R, V] logits, its top-k ids and log-probabilities as ([1, k], [1, k]) copies (a row must not
+    keep the step's tensor alive); [None] * R without soft targets."""
+    if not k:
+        return [None] * logits.shape[0]
+    ids, logprobs = top_logprobs(logits, k)
+    return [(i.clone().unsqueeze(0), lp.clone().unsqueeze(0)) for i, lp in zip(ids, logprobs)]
 
 
 def _runner_config(source: str):

@@ -44,6 +44,16 @@ def _at_least(minimum: int):
     return parse
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -132,6 +142,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="runner",
         help="runner: the project's target runner with continuous batching; hf: transformers generate",
     )
+    parser.add_argument(
+        "--soft-target-top-k",
+        type=non_negative_int,
+        default=None,
+        help="generate: store the target's top-k log-probabilities at each response token, for train's "
+        "--soft-target-weight (default 32 for new data; 0: none; fixed once a data directory holds responses)",
+    )
     # train
     parser.add_argument("--num-draft-layers", type=positive_int, default=2)
     parser.add_argument("--block-size", type=_at_least(2), default=8)
@@ -149,6 +166,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--checkpoint-every", type=positive_int, default=100)
     parser.add_argument("--full-softmax", action="store_true", help="train with the softmax over the whole vocab")
+    parser.add_argument(
+        "--gamma",
+        type=_positive_float,
+        default=None,
+        help="the loss weight of block position k is exp(-(k - 1) / gamma) (default: 7 (L - 1) / 15 for blocks of "
+        "L, DFlash's 7 at L = 16); smaller puts more of the loss on the first positions",
+    )
+    parser.add_argument(
+        "--soft-target-weight",
+        type=_non_negative_float,
+        default=0.0,
+        help="weight of an auxiliary loss term: cross-entropy against the target's own top-k distribution "
+        "(stored by generate), beside the main cross-entropy on the greedy labels (0: off)",
+    )
     parser.add_argument(
         "--num-negatives",
         type=positive_int,
@@ -232,6 +263,7 @@ def _generate(args: argparse.Namespace, data_dir: Path) -> None:
                 f"{' '.join(map(str, stored))} would store others (use a new --data-dir)"
             )
         stored = tuple(existing)
+    top_k = _soft_target_top_k(args, data_dir)
     settings = {
         "batch_size": args.batch_size,
         "greedy": True,
@@ -244,6 +276,7 @@ def _generate(args: argparse.Namespace, data_dir: Path) -> None:
         data_dir,
         {
             "stored_layer_ids": list(stored),
+            "soft_target_top_k": top_k,
             "generation": settings,
             "target": _read_manifest(data_dir).get("target", _target_key(args.target)),
         },
@@ -261,11 +294,29 @@ def _generate(args: argparse.Namespace, data_dir: Path) -> None:
         max_seconds=args.max_seconds,
         device=args.device,
         dtype=args.dtype,
+        soft_target_top_k=top_k,
     )
     # every run's settings: a data directory may mix them (`generation` holds the last run's)
     runs = _read_manifest(data_dir).get("generate_runs", [])
     runs.append({"command": " ".join(sys.argv), **settings, "started": started, "num_responses": num_new})
     _update_manifest(data_dir, {"generate_runs": runs})
+
+
+def _soft_target_top_k(args: argparse.Namespace, data_dir: Path) -> int:
+    """Soft targets per response token: what the data directory's responses hold once it has some (data made
+    before soft targets existed holds none), else --soft-target-top-k or the default."""
+    from ddtree.training.generate import DEFAULT_SOFT_TARGET_TOP_K
+
+    wanted = args.soft_target_top_k
+    if not any((data_dir / "features").glob("*.safetensors")):
+        return DEFAULT_SOFT_TARGET_TOP_K if wanted is None else wanted
+    existing = _read_manifest(data_dir).get("soft_target_top_k", 0)
+    if wanted is not None and wanted != existing:
+        raise ValueError(
+            f"{data_dir} holds responses with {existing} soft targets per token; --soft-target-top-k {wanted} "
+            f"would store {wanted} for the new ones (use a new --data-dir)"
+        )
+    return existing
 
 
 def _count_by_category_and_source(prompts: list) -> dict[str, dict[str, int]]:
@@ -439,6 +490,8 @@ def _train_config(args: argparse.Namespace):
         is_softmax_restricted=not args.full_softmax,
         num_negatives=args.num_negatives,
         init_from=None if args.init_from is None else str(args.init_from),
+        gamma=args.gamma,
+        soft_target_weight=args.soft_target_weight,
     )
 
 

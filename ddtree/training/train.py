@@ -2,7 +2,12 @@
 
 Per step: a few sequences, many random anchors each (all blocks of a sequence in one forward, see blocks.py),
 cross-entropy of the frozen target lm_head's logits against the token at each block position k >= 1, weighted
-exp(-(k - 1) / gamma) and normalised. AdamW, linear warmup then cosine decay, gradient clipping.
+exp(-(k - 1) / gamma) and normalised. With `soft_target_weight` w > 0, plus w times the cross-entropy against the
+target's own distribution there (its top-k tokens, stored by `generate`, renormalised over those the step's softmax
+holds), weighted alike: the greedy label stays the main term (it is what verification accepts), and the soft term
+tells the drafter which other tokens the target found likely, which a tree's second branches draft. AdamW, linear
+warmup then cosine decay, gradient clipping. The logged `loss` is the cross-entropy on the greedy labels alone, so
+runs with and without the soft term compare.
 
 Device and precision: the drafter, the frozen embedding / LM head and each batch live on `device`. Parameters,
 gradients and the AdamW state are float32; with `dtype` bfloat16 the forward runs under autocast (bf16 matmuls,
@@ -51,8 +56,9 @@ class TrainConfig:
     checkpoint_every: int = 100
     is_softmax_restricted: bool = True  # sampled softmax: data tokens + random negatives (see FrozenTargetHead)
     num_negatives: int = 8192
-    init_from: str | None = None  # a DFlash drafter to start from (same shape or fewer layers: grow_drafter)
+    init_from: str | None = None  # a DFlash drafter to start from (same shape or smaller: grow_drafter)
     seed: int = 0
+    soft_target_weight: float = 0.0  # the auxiliary soft-target term's weight (module docstring); 0: off
 
 
 def drafter_config_for(target_config, train_config: TrainConfig) -> DFlashConfig:
@@ -126,14 +132,22 @@ class FrozenTargetHead:
         """Full-vocabulary logits [..., V]."""
         return hidden @ self.lm_head_weight.T
 
+    def columns_of(self, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids [...] as columns of `training_logits` (a data token's column; clamped for the others) and
+        whether each is a data token [...] bool (under the full softmax: the ids themselves, all found). Other
+        tokens may be among a step's random negatives, but never at a known column."""
+        if self.data_token_ids is None:
+            return token_ids, torch.ones_like(token_ids, dtype=torch.bool)
+        columns = torch.searchsorted(self.data_token_ids, token_ids).clamp(max=self.data_token_ids.numel() - 1)
+        return columns, self.data_token_ids[columns] == token_ids
+
     def training_logits(self, hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits over this step's softmax vocabulary [M, V'] and the labels as columns of it [M]."""
         if self.data_token_ids is None:
             return hidden @ self.lm_head_weight.T, labels
         pick = torch.randperm(self.other_token_ids.numel(), device=self.device)[: self.num_negatives]
-        columns = torch.cat([self.data_token_ids, self.other_token_ids[pick]])  # [V']
-        label_columns = torch.searchsorted(self.data_token_ids, labels)
-        found = self.data_token_ids[label_columns.clamp(max=self.data_token_ids.numel() - 1)] == labels
+        columns = torch.cat([self.data_token_ids, self.other_token_ids[pick]])  # [V'] (data tokens first)
+        label_columns, found = self.columns_of(labels)
         if labels.device.type == "cpu":
             if not bool(found.all()):
                 raise ValueError("a label is outside the training data's vocabulary")
@@ -149,10 +163,17 @@ def label_is_top(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 
 def block_loss(
-    drafter: DFlashDraftModel, head: FrozenTargetHead, features: torch.Tensor, batch: BlockBatch
+    drafter: DFlashDraftModel,
+    head: FrozenTargetHead,
+    features: torch.Tensor,
+    batch: BlockBatch,
+    soft_targets: tuple[torch.Tensor, torch.Tensor] | None = None,
+    soft_target_weight: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Weighted cross-entropy over the labelled block positions, and accuracy statistics as 0-d tensors on the
-    batch's device (`loss`, `acc`, `acc_k1`: read them back together, once; nothing here waits for the device)."""
+    """Weighted cross-entropy over the labelled block positions (plus `soft_target_weight` x the soft-target term,
+    given `soft_targets`: the target's top-k ids and log-probabilities at each labelled row, [M, K] each), and
+    statistics as 0-d tensors on the batch's device (`loss`: the cross-entropy on the labels alone, `acc`, `acc_k1`:
+    read them back together, once; nothing here waits for the device)."""
     context = drafter.project_context(features)  # [B, C, H]
     hidden = drafter(
         head.embed(batch.block_token_ids), context, batch.block_positions, batch.context_positions, batch.attention_mask
@@ -164,16 +185,31 @@ def block_loss(
     )  # [M, V'], [M]
     weights = batch.loss_weights.reshape(-1).index_select(0, rows)  # [M]
     ce = F.cross_entropy(logits, labels, reduction="none")  # [M]
-    loss = (ce * weights).sum() / weights.sum()
+    label_loss = (ce * weights).sum() / weights.sum()
+    loss = label_loss
+    if soft_targets is not None and soft_target_weight > 0:
+        loss = loss + soft_target_weight * (soft_target_ce(logits, head, *soft_targets) * weights).sum() / weights.sum()
     with torch.no_grad():
         is_correct = label_is_top(logits, labels)  # [M]
         is_k1 = batch.block_offsets.reshape(-1).index_select(0, rows) == 1  # [M]
         stats = {
-            "loss": loss.detach().float(),
+            "loss": label_loss.detach().float(),
             "acc": is_correct.float().mean(),
             "acc_k1": (is_correct & is_k1).sum() / is_k1.sum().clamp(min=1),  # 0 when no block position 1
         }
     return loss, stats
+
+
+def soft_target_ce(
+    logits: torch.Tensor, head: FrozenTargetHead, top_ids: torch.Tensor, top_logprobs: torch.Tensor
+) -> torch.Tensor:
+    """[M] cross-entropy of the drafter's softmax (`logits` [M, V'] over the step's columns) against the target's
+    distribution, known at its top-k tokens (`top_ids`, `top_logprobs` [M, K]) and renormalised over those the
+    softmax holds. The greedy label is the target's top token and always a data token, so no row is left empty."""
+    columns, found = head.columns_of(top_ids)  # [M, K]
+    target = torch.softmax(top_logprobs.masked_fill(~found, float("-inf")), dim=-1)  # [M, K]
+    log_q = torch.log_softmax(logits.float(), dim=-1).gather(1, columns)  # [M, K]
+    return -(target * log_q.masked_fill(~found, 0.0)).sum(-1)
 
 
 def make_batch(
@@ -183,11 +219,24 @@ def make_batch(
     max_anchors: int,
     rng: random.Random,
     gamma: float | None,
-) -> tuple[torch.Tensor, BlockBatch]:
+    with_soft_targets: bool = False,
+) -> tuple[torch.Tensor, BlockBatch, tuple[torch.Tensor, torch.Tensor] | None]:
+    """Features [B, C, F], the blocks, and (`with_soft_targets`) the target's top-k at each labelled row, in the
+    order of `batch.labelled_rows` ([M, K] ids, [M, K] log-probabilities)."""
     anchors = [sample_anchors(s.prompt_length, len(s.token_ids), max_anchors, rng) for s in sequences]
     features = pad_features([reader(s) for s in sequences])  # [B, C, F]
     batch = build_block_batch([s.token_ids for s in sequences], anchors, config.block_size, config.mask_token_id, gamma)
-    return features, batch
+    if not with_soft_targets:
+        return features, batch, None
+    tops = [reader.soft_targets(s) for s in sequences]
+    num_slots = batch.labels.shape[1]
+    ids, logprobs = [], []
+    for row in batch.labelled_rows.tolist():
+        b = row // num_slots
+        response_index = int(batch.label_positions[b, row % num_slots]) - sequences[b].prompt_length
+        ids.append(tops[b][0][response_index])
+        logprobs.append(tops[b][1][response_index])
+    return features, batch, (torch.stack(ids), torch.stack(logprobs))
 
 
 def compute_precision(device: torch.device, dtype: torch.dtype):
@@ -329,6 +378,14 @@ def train(
     target_final_norm = target_model.model.norm.weight.detach().float().clone()  # [H]
     del target_model
     gamma = train_config.gamma if train_config.gamma is not None else default_gamma(train_config.block_size)
+    if not train_config.soft_target_weight >= 0:
+        raise ValueError(f"soft_target_weight must be >= 0, got {train_config.soft_target_weight}")
+    with_soft_targets = train_config.soft_target_weight > 0
+    if with_soft_targets and not _read_json(data_dir / "manifest.json").get("soft_target_top_k"):
+        raise ValueError(
+            f"{data_dir} holds no soft targets (made without them): train without --soft-target-weight, or "
+            f"generate data with --soft-target-top-k into a new --data-dir"
+        )
 
     torch.manual_seed(train_config.seed)
     drafter = DFlashDraftModel(config)  # made on the CPU: the same initial weights on every device
@@ -350,7 +407,9 @@ def train(
     checkpoint_path = out_dir / "checkpoint.pt"
     if checkpoint_path.exists():
         state = torch.load(checkpoint_path, map_location="cpu", weights_only=False)
-        theirs = {k: v for k, v in state["train_config"].items() if k not in RESUMABLE_KEYS}
+        # (a setting added since the checkpoint was written had its default then)
+        theirs = asdict(TrainConfig(out_dir=train_config.out_dir)) | state["train_config"]
+        theirs = {k: v for k, v in theirs.items() if k not in RESUMABLE_KEYS}
         ours = {k: v for k, v in asdict(train_config).items() if k not in RESUMABLE_KEYS}
         if theirs != ours:
             raise ValueError(
@@ -470,17 +529,20 @@ def train(
                     break
                 for group in optimizer.param_groups:
                     group["lr"] = train_config.lr * lr_factor(progress_done, train_config.warmup_fraction)
-                features, batch = make_batch(
+                features, batch, soft = make_batch(
                     sequences[first : first + train_config.batch_size],
                     reader,
                     config,
                     train_config.max_anchors,
                     rng,
                     gamma,
+                    with_soft_targets,
                 )
                 features, batch = features.to(device, non_blocking=True).float(), batch.to(device)
+                if soft is not None:
+                    soft = tuple(t.to(device, non_blocking=True) for t in soft)
                 with compute_precision(device, dtype):
-                    loss, stats = block_loss(drafter, head, features, batch)
+                    loss, stats = block_loss(drafter, head, features, batch, soft, train_config.soft_target_weight)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 grad_norm = torch.nn.utils.clip_grad_norm_(drafter.parameters(), train_config.grad_clip)
