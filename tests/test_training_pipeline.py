@@ -142,6 +142,21 @@ def test_soft_targets_are_the_targets_top_k_at_each_response_token_and_train(tin
     assert config["soft_target_weight"] == 0.5 and config["gamma"] == 1.5
     log = [json.loads(line) for line in (tmp_path / "o2" / "log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [1, 2] and all(math.isfinite(r["loss"]) for r in log)
+    # data sets made apart train together (and make one draft vocabulary): each read from its own shards
+    both = ["--data-dir", str(with_soft), "--extra-data-dirs", str(without), "--out-dir", str(tmp_path / "o3")]
+    with pytest.raises(ValueError, match="named twice"):
+        main([*train, "--data-dir", str(with_soft), "--extra-data-dirs", str(with_soft), "--out-dir", str(tmp_path)])
+    with pytest.raises(ValueError, match="holds no soft targets"):
+        main([*train, *both, "--soft-target-weight", "0.5"])
+    train_vocab = [*common, "train", "vocab", *train[len(common) + 1 :]]
+    assert main([*train_vocab, *both, "--train-batch-size", "8"]) == 0  # one batch: every sequence
+    manifest = json.loads((tmp_path / "o3" / "manifest.json").read_text())
+    assert manifest["train_data_dirs"] == [str(with_soft), str(without)]
+    log = [json.loads(line) for line in (tmp_path / "o3" / "log.jsonl").read_text().splitlines()]
+    num_sequences = sum(len(read_jsonl(d / "responses.jsonl")) for d in (with_soft, without))
+    assert log[0]["num_sequences"] == num_sequences == 8
+    vocab = json.loads((tmp_path / "o3" / "drafter" / "draft_vocab.json").read_text())
+    assert vocab["data_dirs"] == [str(with_soft), str(without)] and vocab["num_responses"] == 8
 
 
 def test_runner_generation_stops_on_time_and_resumes(tiny_target, tmp_path):

@@ -20,6 +20,7 @@ class Sequence:
     token_ids: list[int]  # prompt + response
     prompt_length: int
     shard: str
+    data_dir: Path | None = None  # the data directory whose features/ holds the shard
 
 
 def is_validation(prompt_id: str, fraction: float) -> bool:
@@ -28,8 +29,16 @@ def is_validation(prompt_id: str, fraction: float) -> bool:
 
 
 def read_sequences(data_dir: Path) -> list[Sequence]:
+    data_dir = Path(data_dir)
     return [
-        Sequence(r["prompt_id"], r["category"], r["prompt_ids"] + r["response_ids"], len(r["prompt_ids"]), r["shard"])
+        Sequence(
+            r["prompt_id"],
+            r["category"],
+            r["prompt_ids"] + r["response_ids"],
+            len(r["prompt_ids"]),
+            r["shard"],
+            data_dir,
+        )
         for r in read_jsonl(data_dir / "responses.jsonl")
         if len(r["response_ids"]) >= 2
     ]
@@ -99,3 +108,19 @@ def pad_features(features: list[torch.Tensor]) -> torch.Tensor:
     for b, f in enumerate(features):
         out[b, : f.shape[0]] = f
     return out
+
+
+class DataSetReader:
+    """The FeatureReaders of several data directories (each with its own stored layers): a sequence is read from
+    the directory it came from (`Sequence.data_dir`), so data sets made apart train together."""
+
+    def __init__(self, data_dirs: list[Path], layer_ids: list[int], dtype: torch.dtype = torch.float32):
+        self.readers = {
+            Path(d): FeatureReader(Path(d), stored_layer_ids(Path(d)), layer_ids, dtype=dtype) for d in data_dirs
+        }
+
+    def __call__(self, seq: Sequence) -> torch.Tensor:
+        return self.readers[seq.data_dir](seq)
+
+    def soft_targets(self, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.readers[seq.data_dir].soft_targets(seq)

@@ -75,6 +75,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="'smollm2-135m-instruct', a .gguf file or a Hugging Face model directory",
     )
     parser.add_argument("--data-dir", type=Path, default=Path("work/drafter_data"))
+    parser.add_argument(
+        "--extra-data-dirs",
+        type=Path,
+        nargs="+",
+        default=[],
+        help="train, vocab and ship: data directories read along with --data-dir (each made by the prompts and "
+        "generate steps for the same target), so data sets made apart train together",
+    )
     parser.add_argument("--eval-dir", type=Path, default=Path("work/drafter_eval"))
     parser.add_argument("--out-dir", type=Path, default=Path("work/drafter_train"))
     parser.add_argument("--seed", type=int, default=0)
@@ -495,13 +503,24 @@ def _train_config(args: argparse.Namespace):
     )
 
 
+def _training_data_dirs(args: argparse.Namespace) -> list[Path]:
+    """--data-dir and --extra-data-dirs, each checked to hold data of --target, none twice."""
+    data_dirs = [args.data_dir, *args.extra_data_dirs]
+    resolved = [d.resolve() for d in data_dirs]
+    if len(set(resolved)) != len(resolved):
+        raise ValueError(f"a data directory is named twice in --data-dir / --extra-data-dirs: {data_dirs}")
+    for data_dir in data_dirs:
+        _check_target(data_dir, args.target)
+    return data_dirs
+
+
 def _train(args: argparse.Namespace) -> None:
     from ddtree.training.train import train
 
-    _check_target(args.data_dir, args.target)
+    data_dirs = _training_data_dirs(args)
     config = _train_config(args)
     path = train(
-        args.data_dir,
+        data_dirs,
         args.target,
         config,
         num_threads=args.num_threads,
@@ -513,6 +532,7 @@ def _train(args: argparse.Namespace) -> None:
         args.out_dir,
         {
             "train_command": " ".join(sys.argv),
+            "train_data_dirs": [str(d) for d in data_dirs],
             "train_config": asdict(config),
             "train_device": str(args.device),
             "train_dtype": _dtype_name(args.dtype),
@@ -533,10 +553,10 @@ def _vocab(args: argparse.Namespace) -> None:
         raise ValueError(f"--draft-vocab-size must be >= 1, got {args.draft_vocab_size}")
     drafter_dir = args.drafter or args.out_dir / "drafter"
     _require_drafter(drafter_dir)
-    _check_target(args.data_dir, args.target)
-    sequences = read_sequences(args.data_dir)
+    data_dirs = _training_data_dirs(args)
+    sequences = [s for d in data_dirs for s in read_sequences(d)]
     if not sequences:
-        raise ValueError(f"no responses in {args.data_dir}: run the generate step first")
+        raise ValueError(f"no responses in {', '.join(map(str, data_dirs))}: run the generate step first")
     counts = Counter(t for s in sequences for t in s.token_ids[s.prompt_length :])
     tokenizer = load_target_tokenizer(args.target)
     eos = (tokenizer.eos_token_id,) if tokenizer.eos_token_id is not None else ()
@@ -547,7 +567,7 @@ def _vocab(args: argparse.Namespace) -> None:
         drafter_dir,
         token_ids,
         command=" ".join(sys.argv),
-        data_dir=str(args.data_dir),
+        data_dirs=[str(d) for d in data_dirs],
         num_responses=len(sequences),
         num_label_tokens=num_labels,
         num_distinct_label_tokens=len(counts),
@@ -615,7 +635,6 @@ def _ship(args: argparse.Namespace) -> None:
     import shutil
 
     from ddtree.models.dflash import DRAFT_VOCAB_NAME
-    from ddtree.training.data import read_sequences
     from ddtree.training.generate import read_jsonl
     from ddtree.training.target import DEFAULT_TARGET
     from ddtree.training.train import TRAINING_STATE_NAME, weights_sha256
@@ -655,16 +674,23 @@ def _ship(args: argparse.Namespace) -> None:
             f"the drafter of a train step's --out-dir; for one trained before this file existed, run "
             f"the train step again on its --out-dir (a finished run saves at once), then eval"
         )
+    data_dirs = [args.data_dir, *args.extra_data_dirs]
     for path, step in (
         (args.out_dir / "manifest.json", "train"),
         (args.out_dir / "log.jsonl", "train"),
-        (args.data_dir / "manifest.json", "prompts"),
+        *((d / "manifest.json", "prompts") for d in data_dirs),
     ):
         if not path.is_file():
             raise ValueError(
                 f"{path} does not exist: ship reads the {step} step's records from --out-dir and "
-                f"--data-dir (the ones the drafter was trained with)"
+                f"--data-dir / --extra-data-dirs (the ones the drafter was trained with)"
             )
+    trained_on = json.loads((args.out_dir / "manifest.json").read_text()).get("train_data_dirs")
+    if trained_on is not None and [Path(d).resolve() for d in trained_on] != [d.resolve() for d in data_dirs]:
+        raise ValueError(
+            f"{args.out_dir} was trained on {' '.join(trained_on)}: ship with those as --data-dir and "
+            f"--extra-data-dirs, so that the manifest describes its data"
+        )
     state = json.loads((drafter_dir / TRAINING_STATE_NAME).read_text())
     if state.get("weights_sha256") != tau["weights_sha256"]:
         raise ValueError(
@@ -673,12 +699,7 @@ def _ship(args: argparse.Namespace) -> None:
         )
     log = [r for r in read_jsonl(args.out_dir / "log.jsonl") if r["step"] <= state["step"]]
     tail = log[-100:]
-    data_manifest = json.loads((args.data_dir / "manifest.json").read_text())
-    sequences = read_sequences(args.data_dir)
-    data_manifest["num_responses"] = len(sequences)
-    data_manifest["num_response_tokens"] = sum(len(s.token_ids) - s.prompt_length for s in sequences)
-    if not data_manifest.get("dropped_for_eval_overlap", {}).get("prompt_ids"):
-        data_manifest.pop("dropped_for_eval_overlap", None)
+    data_manifests = [_data_manifest(d) for d in data_dirs]
     manifest = {
         "target": args.target,
         "train": json.loads((args.out_dir / "manifest.json").read_text()),
@@ -687,7 +708,8 @@ def _ship(args: argparse.Namespace) -> None:
         "final_100_steps_mean": {k: round(sum(r[k] for r in tail) / len(tail), 4) for k in ("loss", "acc", "acc_k1")}
         if tail
         else None,
-        "data": data_manifest,
+        "data": data_manifests[0],
+        **({"extra_data": data_manifests[1:]} if len(data_manifests) > 1 else {}),
         "tau": tau,
         "ship_command": " ".join(sys.argv),
     }
@@ -700,6 +722,19 @@ def _ship(args: argparse.Namespace) -> None:
         (ship_dir / DRAFT_VOCAB_NAME).unlink(missing_ok=True)
     (ship_dir / "MANIFEST.json").write_text(json.dumps(manifest, indent=1) + "\n")
     print(f"[ship] {drafter_dir} -> {ship_dir}")
+
+
+def _data_manifest(data_dir: Path) -> dict:
+    """A data directory's manifest with its response counts, as a shipped drafter records it."""
+    from ddtree.training.data import read_sequences
+
+    manifest = json.loads((data_dir / "manifest.json").read_text())
+    sequences = read_sequences(data_dir)
+    manifest["num_responses"] = len(sequences)
+    manifest["num_response_tokens"] = sum(len(s.token_ids) - s.prompt_length for s in sequences)
+    if not manifest.get("dropped_for_eval_overlap", {}).get("prompt_ids"):
+        manifest.pop("dropped_for_eval_overlap", None)
+    return manifest
 
 
 def _dtype_name(dtype) -> str:

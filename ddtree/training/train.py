@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from ddtree.models.dflash import DFlashConfig, DFlashDraftModel, save_dflash
 from ddtree.training.blocks import BlockBatch, build_block_batch, default_gamma, sample_anchors
-from ddtree.training.data import FeatureReader, Sequence, is_validation, pad_features, read_sequences, stored_layer_ids
+from ddtree.training.data import DataSetReader, FeatureReader, Sequence, is_validation, pad_features, read_sequences
 from ddtree.training.generate import read_jsonl
 
 
@@ -214,7 +214,7 @@ def soft_target_ce(
 
 def make_batch(
     sequences: list[Sequence],
-    reader: FeatureReader,
+    reader: FeatureReader | DataSetReader,
     config: DFlashConfig,
     max_anchors: int,
     rng: random.Random,
@@ -347,7 +347,7 @@ def _shape_keys(config: DFlashConfig) -> dict:
 
 
 def train(
-    data_dir: Path,
+    data_dirs: Path | list[Path],
     target: str,
     train_config: TrainConfig,
     num_threads: int = 1,
@@ -355,8 +355,9 @@ def train(
     device: str | torch.device = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> Path:
-    """Train (or resume) a drafter on `device`, computing in `dtype` (see the module docstring); writes
-    out_dir/checkpoint.pt, out_dir/log.jsonl and out_dir/drafter/."""
+    """Train (or resume) a drafter on `device`, computing in `dtype` (see the module docstring), on the responses of
+    one data directory or of several together; writes out_dir/checkpoint.pt, out_dir/log.jsonl and
+    out_dir/drafter/."""
     from tqdm import tqdm
 
     from ddtree.training.target import load_target, resolve_device
@@ -365,11 +366,12 @@ def train(
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"dtype must be float32 or bfloat16, got {dtype}")
     torch.set_num_threads(num_threads)
-    data_dir = Path(data_dir)
-    if not (data_dir / "manifest.json").is_file() or "stored_layer_ids" not in _read_json(data_dir / "manifest.json"):
-        raise ValueError(f"{data_dir} holds no generated data: run the prompts and generate steps first")
-    if not read_sequences(data_dir):
-        raise ValueError(f"no responses in {data_dir}: run the generate step first")
+    data_dirs = [Path(data_dirs)] if isinstance(data_dirs, (str, Path)) else [Path(d) for d in data_dirs]
+    for data_dir in data_dirs:
+        if "stored_layer_ids" not in _read_json(data_dir / "manifest.json"):
+            raise ValueError(f"{data_dir} holds no generated data: run the prompts and generate steps first")
+        if not read_sequences(data_dir):
+            raise ValueError(f"no responses in {data_dir}: run the generate step first")
     out_dir = Path(train_config.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     target_model, _ = load_target(target, dtype=dtype)
@@ -381,11 +383,12 @@ def train(
     if not train_config.soft_target_weight >= 0:
         raise ValueError(f"soft_target_weight must be >= 0, got {train_config.soft_target_weight}")
     with_soft_targets = train_config.soft_target_weight > 0
-    if with_soft_targets and not _read_json(data_dir / "manifest.json").get("soft_target_top_k"):
-        raise ValueError(
-            f"{data_dir} holds no soft targets (made without them): train without --soft-target-weight, or "
-            f"generate data with --soft-target-top-k into a new --data-dir"
-        )
+    for data_dir in data_dirs if with_soft_targets else []:
+        if not _read_json(data_dir / "manifest.json").get("soft_target_top_k"):
+            raise ValueError(
+                f"{data_dir} holds no soft targets (made without them): train without --soft-target-weight, or "
+                f"generate data with --soft-target-top-k into a new --data-dir"
+            )
 
     torch.manual_seed(train_config.seed)
     drafter = DFlashDraftModel(config)  # made on the CPU: the same initial weights on every device
@@ -429,11 +432,8 @@ def train(
         (out_dir / "log.jsonl").unlink(missing_ok=True)  # a run stopped before its first checkpoint starts over
 
     # off the CPU, features travel as the stored bf16 (half the bytes) and become float32 on the device
-    reader = FeatureReader(
-        data_dir,
-        stored_layer_ids(data_dir),
-        config.target_layer_ids,
-        dtype=torch.float32 if device.type == "cpu" else torch.bfloat16,
+    reader = DataSetReader(
+        data_dirs, config.target_layer_ids, dtype=torch.float32 if device.type == "cpu" else torch.bfloat16
     )
     drafter.train()
     start = time.time()
@@ -509,11 +509,14 @@ def train(
         while training_progress(step, (seconds_trained + time.time() - start) / 3600, train_config) < 1.0:
             # The data set is read again every epoch: generation may still be appending to it.
             sequences = [
-                s for s in read_sequences(data_dir) if not is_validation(s.prompt_id, train_config.validation_fraction)
+                s
+                for data_dir in data_dirs
+                for s in read_sequences(data_dir)
+                if not is_validation(s.prompt_id, train_config.validation_fraction)
             ]
             if len(sequences) < train_config.batch_size:
                 raise ValueError(
-                    f"{len(sequences)} training sequences in {data_dir}, fewer than one batch "
+                    f"{len(sequences)} training sequences in {', '.join(map(str, data_dirs))}, fewer than one batch "
                     f"(--train-batch-size {train_config.batch_size}): generate more first"
                 )
             if train_config.is_softmax_restricted:
