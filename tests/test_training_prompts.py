@@ -99,7 +99,7 @@ def test_broad_math_templates_stay_apart_from_the_eval_sets():
 
 
 def test_self_written_prompts_are_filtered():
-    from ddtree.training.self_prompts import keep_self_prompt
+    from ddtree.training.self_prompts import OPENINGS, keep_self_prompt
 
     ok = "Can you help me plan a birthday party for my friends?"
     assert keep_self_prompt(ok, "stop")
@@ -111,6 +111,11 @@ def test_self_written_prompts_are_filtered():
     opening = "Write a Python function"
     assert not keep_self_prompt(opening, "stop", opening)  # the model ended its turn at once
     assert keep_self_prompt(opening + " that adds two numbers.", "stop", opening)
+    math = OPENINGS["math"]
+    assert keep_self_prompt(math + " Ann has 3 apples and buys 4 more. How many now?", "stop", math, "math")
+    # a math prompt without a number is a riddle or chat (the opening's own words do not count)
+    assert not keep_self_prompt(math + " Why is the sky blue, and what is love?", "stop", math, "math")
+    assert keep_self_prompt("Why is the sky blue, and what is love?", "stop")  # fine as chat
 
 
 def test_user_turn_prefix_is_the_template_up_to_the_user_text():

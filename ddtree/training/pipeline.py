@@ -113,7 +113,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--self-written",
         nargs="+",
         default=[],
-        choices=("chat", "code"),
+        choices=("chat", "code", "math"),
         help="categories whose prompts the target writes itself instead of the templates (sampled "
         "from its chat template up to the user's text; runs the target on --device)",
     )
