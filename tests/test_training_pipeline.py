@@ -4,6 +4,7 @@ any Llama-family folder, both generation engines agree, and training/evaluation 
 import importlib.util
 import json
 import math
+import random
 
 import pytest
 import torch
@@ -117,6 +118,23 @@ def test_soft_targets_are_the_targets_top_k_at_each_response_token_and_train(tin
             == 0
         )
     assert json.loads((with_soft / "manifest.json").read_text())["soft_target_top_k"] == 4
+    # each labelled block position gets the target's top-k at its own token: the greedy token first is the label
+    from ddtree.models.dflash import DFlashConfig
+    from ddtree.training.data import DataSetReader, read_sequences
+    from ddtree.training.train import make_batch
+
+    config = DFlashConfig(
+        hidden_size=64, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
+        head_dim=16, rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=model.config.vocab_size,
+        max_position_embeddings=256, block_size=4, num_target_layers=3, mask_token_id=1, target_layer_ids=[0, 2],
+    )  # fmt: skip
+    sequences = read_sequences(with_soft)
+    reader = DataSetReader([with_soft], [0, 2])
+    _, batch, (top_ids, top_logprobs) = make_batch(sequences, reader, config, 5, random.Random(0), None, True)
+    labels = batch.labels.reshape(-1)[batch.labelled_rows]
+    assert top_ids.shape == top_logprobs.shape == (labels.numel(), 4) and labels.numel() > 8
+    assert top_ids[:, 0].tolist() == labels.tolist()
+    assert bool((top_logprobs[:, :-1] >= top_logprobs[:, 1:]).all())
     with pytest.raises(ValueError, match="holds responses with 4 soft targets per token"):
         main([*common, "generate", "--data-dir", str(with_soft), *short, "--soft-target-top-k", "8"])
     train = [*common, "train", *shape, "--max-steps", "2", "--train-batch-size", "2", "--num-negatives", "8"]

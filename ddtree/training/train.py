@@ -228,15 +228,17 @@ def make_batch(
     batch = build_block_batch([s.token_ids for s in sequences], anchors, config.block_size, config.mask_token_id, gamma)
     if not with_soft_targets:
         return features, batch, None
-    tops = [reader.soft_targets(s) for s in sequences]
-    num_slots = batch.labels.shape[1]
-    ids, logprobs = [], []
-    for row in batch.labelled_rows.tolist():
-        b = row // num_slots
-        response_index = int(batch.label_positions[b, row % num_slots]) - sequences[b].prompt_length
-        ids.append(tops[b][0][response_index])
-        logprobs.append(tops[b][1][response_index])
-    return features, batch, (torch.stack(ids), torch.stack(logprobs))
+    tops = [reader.soft_targets(s) for s in sequences]  # per sequence ([R_b, K], [R_b, K])
+    num_responses, k = max(ids.shape[0] for ids, _ in tops), tops[0][0].shape[1]
+    top_ids = torch.zeros((len(sequences), num_responses, k), dtype=torch.long)  # [B, R, K] padded
+    top_logprobs = torch.zeros((len(sequences), num_responses, k))
+    for b, (ids, logprobs) in enumerate(tops):
+        top_ids[b, : ids.shape[0]], top_logprobs[b, : ids.shape[0]] = ids, logprobs
+    rows = batch.labelled_rows  # [M] into B * S
+    owner = rows // batch.labels.shape[1]  # [M]
+    prompt_lengths = torch.tensor([s.prompt_length for s in sequences])
+    response_index = batch.label_positions.reshape(-1)[rows] - prompt_lengths[owner]  # [M]
+    return features, batch, (top_ids[owner, response_index], top_logprobs[owner, response_index])
 
 
 def compute_precision(device: torch.device, dtype: torch.dtype):
