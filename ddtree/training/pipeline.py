@@ -44,26 +44,23 @@ def _at_least(minimum: int):
     return parse
 
 
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return value
+def _finite_float(strictly_positive: bool):
+    """A parser of finite floats > 0 (`strictly_positive`) or >= 0."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        bound = "> 0" if strictly_positive else ">= 0"
+        if not (value > 0 if strictly_positive else value >= 0) or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"must be a finite number {bound}, got {text}")
+        return value
+
+    return parse
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not value > 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
-    return value
-
-
+_positive_float, _non_negative_float = _finite_float(True), _finite_float(False)
 positive_int, non_negative_int = _at_least(1), _at_least(0)
 
 
