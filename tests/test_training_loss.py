@@ -33,14 +33,19 @@ def setup(tiny_target):
     return drafter, head, features, batch, sequences
 
 
-def _expected(drafter, head, features, batch, columns):
-    hidden = drafter(
+def _labelled_hidden(drafter, head, features, batch):
+    """The drafter's output at the labelled rows [M, H], computed directly."""
+    return drafter(
         head.embed(batch.block_token_ids),
         drafter.project_context(features),
         batch.block_positions,
         batch.context_positions,
         batch.attention_mask,
     ).flatten(0, 1)[batch.labelled_rows]
+
+
+def _expected(drafter, head, features, batch, columns):
+    hidden = _labelled_hidden(drafter, head, features, batch)
     labels = batch.labels.reshape(-1)[batch.labelled_rows]
     logits = hidden @ head.lm_head_weight[columns].T
     label_columns = torch.searchsorted(columns, labels)
@@ -87,13 +92,7 @@ def test_the_soft_target_term_is_the_cross_entropy_against_the_targets_top_k(set
         head.restrict_softmax(None if columns.numel() == head.vocab_size else columns, num_negatives=0)
         label_loss, _, _ = _expected(drafter, head, features, batch, columns)
         loss, stats = block_loss(drafter, head, features, batch, (top_ids, top_logprobs), 0.5)
-        hidden = drafter(
-            head.embed(batch.block_token_ids),
-            drafter.project_context(features),
-            batch.block_positions,
-            batch.context_positions,
-            batch.attention_mask,
-        ).flatten(0, 1)[batch.labelled_rows]
+        hidden = _labelled_hidden(drafter, head, features, batch)
         log_q = torch.log_softmax(hidden @ head.lm_head_weight[columns].T, dim=-1)  # [M, V']
         soft = torch.zeros(num_rows)
         for m in range(num_rows):
