@@ -130,7 +130,7 @@ def generate_responses(
     """Generate greedy responses for the pending prompts; returns the number of responses written. With
     `soft_target_top_k`, also each response token's top-k log-probabilities (the module docstring's layout)."""
     from safetensors.torch import save_file
-    from transformers import LogitsProcessor, LogitsProcessorList
+    from transformers import LogitsProcessorList
 
     from ddtree.training.target import chat_prompt_ids, load_target, resolve_device
 
@@ -176,13 +176,7 @@ def generate_responses(
                 )
                 for i in stored_layer_ids
             ]
-            steps_top: list[tuple[torch.Tensor, torch.Tensor]] = []  # per generated token: ([B, K], [B, K])
-
-            class _KeepTop(LogitsProcessor):  # sees each step's raw logits (greedy: no other processor runs)
-                def __call__(self, input_ids, scores):
-                    steps_top.append(top_logprobs(scores, soft_target_top_k))
-                    return scores
-
+            keep_top = _KeepTop(soft_target_top_k)
             try:
                 sequences = model.generate(
                     input_ids=input_ids.to(device),
@@ -193,7 +187,7 @@ def generate_responses(
                     temperature=None,
                     top_p=None,
                     top_k=None,
-                    logits_processor=LogitsProcessorList([_KeepTop()] if soft_target_top_k else []),
+                    logits_processor=LogitsProcessorList([keep_top] if soft_target_top_k else []),
                 )
             finally:
                 for hook in hooks:
@@ -219,8 +213,8 @@ def generate_responses(
                 tensors[p.prompt_id] = all_features[row, pad : pad + num_tokens - 1].contiguous()
                 if soft_target_top_k:
                     ids_key, logprobs_key = soft_target_keys(p.prompt_id)
-                    tensors[ids_key] = torch.stack([ids[row] for ids, _ in steps_top[: len(response)]])
-                    tensors[logprobs_key] = torch.stack([lp[row] for _, lp in steps_top[: len(response)]])
+                    tensors[ids_key] = torch.stack([ids[row] for ids, _ in keep_top.steps[: len(response)]])
+                    tensors[logprobs_key] = torch.stack([lp[row] for _, lp in keep_top.steps[: len(response)]])
                 records.append(
                     {
                         "prompt_id": p.prompt_id,
@@ -243,6 +237,19 @@ def generate_responses(
                 flush=True,
             )
     return num_written
+
+
+class _KeepTop:
+    """A logits processor for transformers' `generate` that keeps each step's top-k log-probabilities and passes
+    the logits on unchanged (greedy: no other processor runs, so they are the model's own)."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self.steps: list[tuple[torch.Tensor, torch.Tensor]] = []  # per generated token: ([B, K], [B, K])
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.steps.append(top_logprobs(scores, self.k))
+        return scores
 
 
 def _capture_into(outputs: list[torch.Tensor]):

@@ -385,12 +385,12 @@ def train(
     if not train_config.soft_target_weight >= 0:
         raise ValueError(f"soft_target_weight must be >= 0, got {train_config.soft_target_weight}")
     with_soft_targets = train_config.soft_target_weight > 0
-    for data_dir in data_dirs if with_soft_targets else []:
-        if not _read_json(data_dir / "manifest.json").get("soft_target_top_k"):
-            raise ValueError(
-                f"{data_dir} holds no soft targets (made without them): train without --soft-target-weight, or "
-                f"generate data with --soft-target-top-k into a new --data-dir"
-            )
+    without = [d for d in data_dirs if not _read_json(d / "manifest.json").get("soft_target_top_k")]
+    if with_soft_targets and without:
+        raise ValueError(
+            f"{without[0]} holds no soft targets (made without them): train without --soft-target-weight, or "
+            f"generate data with --soft-target-top-k into a new --data-dir"
+        )
 
     torch.manual_seed(train_config.seed)
     drafter = DFlashDraftModel(config)  # made on the CPU: the same initial weights on every device
