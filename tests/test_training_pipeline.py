@@ -349,6 +349,8 @@ def test_cli_pipeline_end_to_end_on_a_tiny_target(tiny_target, tmp_path):
     assert shipped["training_steps"] == 4 and shipped["tau"]["weights_sha256"]
     assert [r["engine"] for r in shipped["data"]["generate_runs"]] == ["runner"]
     assert json.loads((tmp_path / "ship" / "draft_vocab.json").read_text()) == vocab
+    assert shipped["draft_vocab"] == {k: v for k, v in vocab.items() if k != "token_ids"}  # its own provenance
+    assert shipped["draft_vocab"]["num_tokens"] == len(vocab["token_ids"]) and shipped["draft_vocab"]["data_dirs"]
     assert main(common[:1] + ["vocab"] + common[1:] + ["--draft-vocab-size", "3"]) == 0  # tau.json is now stale
     with pytest.raises(ValueError, match="draft vocabulary"):
         main(ship)

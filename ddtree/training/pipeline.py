@@ -708,6 +708,10 @@ def _ship(args: argparse.Namespace) -> None:
         "data": data_manifests[0],
         **({"extra_data": data_manifests[1:]} if len(data_manifests) > 1 else {}),
         "tau": tau,
+        # how the vocabulary was made (its command and data), which may predate this training run
+        "draft_vocab": {k: v for k, v in json.loads(vocab_path.read_text()).items() if k != "token_ids"}
+        if vocab_path.exists()
+        else None,
         "ship_command": " ".join(sys.argv),
     }
     ship_dir.mkdir(parents=True, exist_ok=True)
