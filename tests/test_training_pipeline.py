@@ -22,6 +22,7 @@ from ddtree.training.generate import (
     write_prompts,
 )
 from ddtree.training.prompts import Prompt
+from ddtree.training.train import weights_sha256
 
 
 def test_runner_and_hf_generation_give_the_same_tokens_and_features(tiny_target, tmp_path):
@@ -358,6 +359,19 @@ def test_cli_pipeline_end_to_end_on_a_tiny_target(tiny_target, tmp_path):
     assert main(common[:1] + ["eval"] + common[1:] + ["--budgets", "2", "4"]) == 0
     assert main(ship) == 0
     assert len(json.loads((tmp_path / "ship" / "draft_vocab.json").read_text())["token_ids"]) <= 4
+    assert shipped["init_from"] is None  # trained from scratch
+    # a fine-tune of the shipped drafter, shipped over it, keeps its parent's manifest and weights' hash
+    parent = json.loads((tmp_path / "ship" / "MANIFEST.json").read_text())
+    parent_weights = weights_sha256(tmp_path / "ship")
+    fine_tune = [a if a != str(tmp_path / "out") else str(tmp_path / "out2") for a in common]
+    init = ["--init-from", str(tmp_path / "ship"), "--max-steps", "1", "--train-batch-size", "2"]
+    shape = ["--num-draft-layers", "1", "--block-size", "4", "--target-layer-ids", "0", "2", "--mask-token-id", "1"]
+    tiny = ["--max-anchors", "3", "--num-negatives", "8", "--budgets", "2"]
+    assert main(fine_tune[:1] + ["train", "vocab", "eval"] + fine_tune[1:] + init + shape + tiny) == 0
+    assert main(fine_tune[:1] + ["ship"] + fine_tune[1:] + ["--ship-dir", str(tmp_path / "ship")]) == 0
+    lineage = json.loads((tmp_path / "ship" / "MANIFEST.json").read_text())["init_from"]
+    assert lineage == {"path": str(tmp_path / "ship"), "weights_sha256": parent_weights, "manifest": parent}
+    assert weights_sha256(tmp_path / "ship") != parent_weights
 
 
 def test_a_line_cut_by_a_crash_hides_nothing_appended_after_it(tmp_path):

@@ -697,9 +697,11 @@ def _ship(args: argparse.Namespace) -> None:
     log = [r for r in read_jsonl(args.out_dir / "log.jsonl") if r["step"] <= state["step"]]
     tail = log[-100:]
     data_manifests = [_data_manifest(d) for d in data_dirs]
+    train_manifest = json.loads((args.out_dir / "manifest.json").read_text())
     manifest = {
         "target": args.target,
-        "train": json.loads((args.out_dir / "manifest.json").read_text()),
+        "train": train_manifest,
+        "init_from": _init_record(train_manifest["train_config"].get("init_from")),
         "training_steps": state["step"],
         "training_hours": state["hours"],
         "final_100_steps_mean": {k: round(sum(r[k] for r in tail) / len(tail), 4) for k in ("loss", "acc", "acc_k1")}
@@ -723,6 +725,24 @@ def _ship(args: argparse.Namespace) -> None:
         (ship_dir / DRAFT_VOCAB_NAME).unlink(missing_ok=True)
     (ship_dir / "MANIFEST.json").write_text(json.dumps(manifest, indent=1) + "\n")
     print(f"[ship] {drafter_dir} -> {ship_dir}")
+
+
+def _init_record(init_from: str | None) -> dict | None:
+    """The drafter a training run started from: its weights' hash and, for a shipped one, its own MANIFEST.json,
+    so that a fine-tune's manifest carries its whole lineage (read before ship overwrites that folder)."""
+    from ddtree.training.train import weights_sha256
+
+    if init_from is None:
+        return None
+    folder = Path(init_from)
+    if not (folder / "model.safetensors").is_file():
+        return {"path": init_from, "weights_sha256": None, "manifest": None}  # a run's folder, since removed
+    manifest = folder / "MANIFEST.json"
+    return {
+        "path": init_from,
+        "weights_sha256": weights_sha256(folder),
+        "manifest": json.loads(manifest.read_text()) if manifest.is_file() else None,
+    }
 
 
 def _data_manifest(data_dir: Path) -> dict:
