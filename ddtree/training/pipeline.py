@@ -658,7 +658,8 @@ def _ship(args: argparse.Namespace) -> None:
             f"{tau_path} was measured on other weights than {drafter_dir}/model.safetensors (trained "
             f"on since, or an older eval): run the eval step again"
         )
-    num_vocab = len(json.loads(vocab_path.read_text())["token_ids"]) if vocab_path.exists() else None
+    vocab = json.loads(vocab_path.read_text()) if vocab_path.exists() else None
+    num_vocab = None if vocab is None else len(vocab["token_ids"])
     num_vocab_evaluated = tau.get("draft_vocab_size")
     if num_vocab != num_vocab_evaluated:
         raise ValueError(
@@ -682,7 +683,8 @@ def _ship(args: argparse.Namespace) -> None:
                 f"{path} does not exist: ship reads the {step} step's records from --out-dir and "
                 f"--data-dir / --extra-data-dirs (the ones the drafter was trained with)"
             )
-    trained_on = json.loads((args.out_dir / "manifest.json").read_text()).get("train_data_dirs")
+    train_manifest = json.loads((args.out_dir / "manifest.json").read_text())
+    trained_on = train_manifest.get("train_data_dirs")
     if trained_on is not None and [Path(d).resolve() for d in trained_on] != [d.resolve() for d in data_dirs]:
         raise ValueError(
             f"{args.out_dir} was trained on {' '.join(trained_on)}: ship with those as --data-dir and "
@@ -697,7 +699,6 @@ def _ship(args: argparse.Namespace) -> None:
     log = [r for r in read_jsonl(args.out_dir / "log.jsonl") if r["step"] <= state["step"]]
     tail = log[-100:]
     data_manifests = [_data_manifest(d) for d in data_dirs]
-    train_manifest = json.loads((args.out_dir / "manifest.json").read_text())
     manifest = {
         "target": args.target,
         "train": train_manifest,
@@ -711,9 +712,7 @@ def _ship(args: argparse.Namespace) -> None:
         **({"extra_data": data_manifests[1:]} if len(data_manifests) > 1 else {}),
         "tau": tau,
         # how the vocabulary was made (its command and data), which may predate this training run
-        "draft_vocab": {k: v for k, v in json.loads(vocab_path.read_text()).items() if k != "token_ids"}
-        if vocab_path.exists()
-        else None,
+        "draft_vocab": None if vocab is None else {k: v for k, v in vocab.items() if k != "token_ids"},
         "ship_command": " ".join(sys.argv),
     }
     ship_dir.mkdir(parents=True, exist_ok=True)
