@@ -16,7 +16,8 @@ After a warm-up pass of each, the modes alternate for `--passes` measured passes
 the machine hits both alike); the table reports every measured round. The table shows the mean round time, the actor
 call overhead per round (wall time of the proxy calls minus the time the actors spent working), tokens/s, and the round
 split into the engine's stages (draft is timed around the drafter call, hops included; verify and accept inside the
-target; "other" is the rest: admission, the verify call's hop); last, the bare cost of one actor round trip and of a
+target; "other" is the rest: admission, the verify call's hop); then the spread of the drafting rounds' draft and
+verify times (where one process and two differ most: the tail); last, the bare cost of one actor round trip and of a
 call taking features another actor returned.
 """
 
@@ -46,6 +47,9 @@ STAGES = ("prefill", "draft", "tree", "verify", "accept", "emit")
 class Result:
     name: str
     round_seconds: list[float] = field(default_factory=list)
+    # per drafting round: the draft's seconds (around the drafter call) and the verify's (inside the target)
+    draft_seconds: list[float] = field(default_factory=list)
+    verify_seconds: list[float] = field(default_factory=list)
     num_tokens: int = 0
     seconds: float = 0.0
     hop_seconds: float = 0.0
@@ -74,8 +78,12 @@ def run_engine(engine, prompts, params, concurrency: int, name: str, hops=None) 
                 break
             pending.pop(0)
         r0 = time.perf_counter()
+        draft0, verify0 = engine.timings.draft, engine.timings.verify
         outputs = engine.step()
         result.round_seconds.append(time.perf_counter() - r0)
+        if engine.timings.draft > draft0:
+            result.draft_seconds.append(engine.timings.draft - draft0)
+            result.verify_seconds.append(engine.timings.verify - verify0)
         for out in outputs:
             if out.finished:
                 finals[out.request_id] = out
@@ -91,6 +99,15 @@ def run_engine(engine, prompts, params, concurrency: int, name: str, hops=None) 
         result.hop_seconds = hops.seconds - hop_s0
         result.hop_calls = hops.num_calls - hop_c0
     return result
+
+
+def _spread(seconds: list[float]) -> str:
+    """'p50 / p90 / mean' in ms ('-' for none)."""
+    if not seconds:
+        return "-"
+    ordered = sorted(seconds)
+    p50, p90 = ordered[len(ordered) // 2], ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+    return f"{1000 * p50:.2f} / {1000 * p90:.2f} / {1000 * statistics.fmean(seconds):.2f}"
 
 
 def bare_hops(num_calls: int, feature_shape: tuple[int, int]) -> tuple[float, float]:
@@ -261,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         for total, (name, engine, actors) in zip(results, modes):
             run = run_engine(engine, prompts, params, args.concurrency, name, actors.hops if actors else None)
             total.round_seconds += run.round_seconds
+            total.draft_seconds += run.draft_seconds
+            total.verify_seconds += run.verify_seconds
             total.num_tokens += run.num_tokens
             total.seconds += run.seconds
             total.hop_seconds += run.hop_seconds
@@ -303,6 +322,10 @@ def main(argv: list[str] | None = None) -> int:
             + "  ".join(f"{1000 * r.stage_seconds[k] / n:>8.2f}" for k in STAGES)
             + f"  {1000 * (sum(r.round_seconds) - staged) / n:>8.2f}"
         )
+    if any(r.draft_seconds for r in results):
+        print("drafting rounds, ms: draft (hops included) and verify (inside the target), p50 / p90 / mean")
+        for r in results:
+            print(f"{r.name:<{width}}  draft {_spread(r.draft_seconds)}  verify {_spread(r.verify_seconds)}")
     for r in results[1:]:
         extra = statistics.fmean(r.round_seconds) - statistics.fmean(local.round_seconds)
         print(
