@@ -14,14 +14,15 @@ without waiting; plain Ray actor calls remain for what is not on the round's pat
 `info()`.
 
 Target features go from the target to the drafter directly, never through the engine replica: after a verify (the
-requests that drafted: they draft again next) the target pushes them as a numbered `FeatureBatch`, and its reply
-names the number. A request's prompt features, and those of the rounds it decodes without a draft (fallback), wait
-in the target actor (the KV cache's budget counts them per token); when it drafts, one `SendFeatures` call pushes
-them. A request that never drafts (most, under load) costs the drafter nothing, not even a call when it finishes.
-Each `Draft` and `FreeDraft` names the last batch pushed before it; the drafter extends its context caches with
-every batch up to that one first (a thread of its own receives the batches, so the target never waits for the
-drafter). Two calls in flight overlap (`pipeline`): a draft on the drafter while the target verifies the other
-group.
+requests that drafted: they draft again next) the target pushes them as a numbered `FeatureBatch`, and its reply names
+the number. The push precedes the reply: the engine's next call is the draft that needs the batch, and a push after the
+reply made that draft wait for it (docs/serving.md). A request's prompt features, and those of the rounds it decodes
+without a draft (fallback), wait in the target actor (the KV cache's budget counts them per token); when it drafts, one
+`SendFeatures` call pushes them. A request that never drafts (most, under load) costs the drafter nothing, not even a
+call when it finishes. Each `Draft` and `FreeDraft` names the last batch pushed before it; the drafter extends its
+context caches with every batch up to that one first (a thread of its own receives the batches, so the target never
+waits for the drafter). Two calls in flight overlap (`pipeline`): a draft on the drafter while the target verifies the
+other group.
 
 A new drafter actor (`WorkerActors.start_drafter`) is connected to the same target, whose feature batches keep
 their numbering: the new drafter's inbox starts at the current number.
