@@ -349,8 +349,9 @@ def test_a_tree_node_gets_exactly_the_logits_of_decoding_its_path(tmp_path, ops,
 
 def test_kernels_are_on_by_default_only_on_x86_cpus_with_avx512_or_avx2(monkeypatch, tmp_path):
     """Unset or auto: on x86 CPUs with AVX-512, or AVX2 and FMA (the vector registers the tiles are sized for);
-    1 forces them, 0 turns them off."""
+    1 forces them, 0 turns them off. (The CPU's flags are read once per process: each case reads them afresh.)"""
     cpuinfo = tmp_path / "cpuinfo"
+    monkeypatch.setattr(kernels, "_has_vector_units", kernels._has_vector_units.__wrapped__)
     real_path = kernels.Path
 
     def fake_path(p, *args):

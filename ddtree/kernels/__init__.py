@@ -23,6 +23,7 @@ float32 rounding. The ops release the GIL while they run, as torch's ops do.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
@@ -55,6 +56,7 @@ def kernels_enabled() -> bool:
     return _has_vector_units()
 
 
+@functools.cache
 def _has_vector_units() -> bool:
     """Whether this is an x86 CPU with AVX-512 Foundation, or AVX2 and FMA (/proc/cpuinfo's flags)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
