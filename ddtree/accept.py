@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ddtree.kernels import cpu_ops
 from ddtree.packing import PackedBatch
 from ddtree.sampling_params import GREEDY_TEMPERATURE
 
@@ -154,11 +155,15 @@ def _exponential_noise(
     device = seq_index.device
     keys = torch.stack([seq_index, positions], dim=1)  # [n, 2]
     unique_keys, row_of_key = torch.unique(keys, dim=0, return_inverse=True)
-    rows = []
-    for r, position in unique_keys.tolist():
-        generator = torch.Generator(device=device).manual_seed(_mix_seed(seeds[r], position))
-        rows.append(torch.empty(vocab, device=device).exponential_(generator=generator))
-    return torch.stack(rows)[row_of_key]
+    row_seeds = [_mix_seed(seeds[r], position) for r, position in unique_keys.tolist()]
+    noise = torch.empty(len(row_seeds), vocab, device=device)  # [unique pairs, V]
+    ops = cpu_ops() if device.type == "cpu" and len(row_seeds) > 1 else None
+    if ops is not None:  # the same values, rows drawn on torch's threads (cpu_ops.cpp: exponential_rows)
+        ops.exponential_rows(noise, row_seeds)
+    else:
+        for row, seed in zip(noise, row_seeds):
+            row.exponential_(generator=torch.Generator(device=device).manual_seed(seed))
+    return noise[row_of_key]
 
 
 def _mix_seed(seed: int, position: int) -> int:
