@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ddtree.kernels import cpu_ops
+from ddtree.kernels import loaded_cpu_ops
 from ddtree.packing import PackedBatch
 from ddtree.sampling_params import GREEDY_TEMPERATURE
 
@@ -157,7 +157,7 @@ def _exponential_noise(
     unique_keys, row_of_key = torch.unique(keys, dim=0, return_inverse=True)
     row_seeds = [_mix_seed(seeds[r], position) for r, position in unique_keys.tolist()]
     noise = torch.empty(len(row_seeds), vocab, device=device)  # [unique pairs, V]
-    ops = cpu_ops() if device.type == "cpu" and len(row_seeds) > 1 else None
+    ops = loaded_cpu_ops() if device.type == "cpu" and len(row_seeds) > 1 else None
     if ops is not None:  # the same values, rows drawn on torch's threads (cpu_ops.cpp: exponential_rows)
         ops.exponential_rows(noise, row_seeds)
     else:

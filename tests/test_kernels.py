@@ -538,6 +538,7 @@ def test_noise_rows_are_torchs_draws_whichever_thread_draws_them(ops, monkeypatc
     with pytest.raises(RuntimeError, match="one seed per row"):
         ops.exponential_rows(torch.empty(3, vocab), seeds)
     seq_index, positions = torch.tensor([0, 0, 1, 2, 2, 0]), torch.tensor([5, 6, 5, 9, 9, 5])  # (0, 5) twice
+    assert kernels.loaded_cpu_ops() is ops  # (loaded by the fixture: the noise below is drawn natively)
     native = _exponential_noise(seq_index, positions, vocab, [3, 4, 5])
     monkeypatch.setenv("DDTREE_CPU_KERNELS", "0")
     assert torch.equal(native, _exponential_noise(seq_index, positions, vocab, [3, 4, 5]))

@@ -5,6 +5,7 @@
                                     call), `rms_norm`, `attention_block` (rotary + KV write + attention of
                                     a request's new tokens), `silu_and_mul`, and sampling's `exponential_rows`
                                     (noise rows drawn on torch's threads); None where they cannot be built
+    loaded_cpu_ops() -> module | None   the same, only once something in this process has loaded it
     bf16_panels_pay() -> bool             whether bfloat16 panels run on bf16 dot products here (else float32 ones)
     pack_panels(w [K, N], dtype)          a weight matrix in the panel layout `panel_linear` reads: float32, or
                                           bfloat16 (x rounded to bf16, bf16 dot products, float32 sums: for the
@@ -78,6 +79,13 @@ def cpu_ops():
     if not kernels_enabled():
         return None
     return _load("cpu_ops")
+
+
+def loaded_cpu_ops():
+    """The compiled module if this process has loaded it already (a target or drafter running on the native ops),
+    else None: never builds or loads it, so a caller inside the decoding round never waits ~30 s for a build, and a
+    process whose model runs on torch's kernels (float64, `cpu_kernels=False`) keeps to them."""
+    return _loaded.get("cpu_ops") if kernels_enabled() else None
 
 
 PANEL_WIDTH = 32  # output columns per panel (cpu_ops.cpp: kPanelWidth)
