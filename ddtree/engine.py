@@ -114,7 +114,8 @@ class Engine(WorkerRecovery):
         self.scheduler = Scheduler(config.max_num_seqs, config.max_waiting)
         # the closed loop over the budget policy (auto mode only: a fixed budget or dflash is the user's choice)
         self.guard = ThroughputGuard(config.max_explore_share) if is_auto and config.max_explore_share > 0 else None
-        self._drafter_behind = False  # plain rounds ran since the policy's last drafting round
+        # requests that ran in the guard's plain rounds since they last drafted: the drafter is behind on them
+        self._drafter_behind: set[str] = set()
         self.requests: dict[str, Request] = {}
         self.timings = RoundTimings()
         self._ids = itertools.count()
@@ -326,12 +327,12 @@ class Engine(WorkerRecovery):
         prompts = {"prompt_ids": list(prompt_ids), "prompts": [self.requests[r].prompt_token_ids for r in prompt_ids]}
         if arm == POLICY:
             plan = self._plan(running)
-            resumes = self._drafter_behind and bool(plan.speculative_ids)
-            self._drafter_behind &= not resumes
+            resumes = not self._drafter_behind.isdisjoint(plan.speculative_ids)
+            self._drafter_behind.difference_update(plan.speculative_ids)
             return RoundBatch.from_plan(
                 plan, roots, arm=arm, started_at=started_at, resumes_drafting=resumes, **prompts
             )
-        self._drafter_behind = True
+        self._drafter_behind.update(running)
         self.timings.num_plain_rounds += 1
         batch = RoundBatch.from_plan(RoundPlan([], list(running), []), roots, arm=arm, started_at=started_at, **prompts)
         batch.close()  # plain decoding, as speculation "off" does: no draft, no n-gram chain
@@ -508,6 +509,7 @@ class Engine(WorkerRecovery):
             except WorkerLostError as exc:  # the request is finished all the same
                 self.lose_target(exc)
         self._without_draft_context.discard(rid)
+        self._drafter_behind.discard(rid)
         if was_admitted and self._can_draft:
             try:
                 self.drafter.free(rid)

@@ -17,16 +17,20 @@ A round's speed is split in two, measured differently:
 Only the policy's estimate is noisy (plain decoding commits exactly one token per request-round), so the two are read
 asymmetrically: the running policy gives way to plain decoding only where it measures slower by more than
 `confidence` standard errors of its token estimate, and plain decoding gives way as soon as a window measures the
-policy faster (`_decide`). Two kinds of round are not measured (`observe(measured=False)`): the policy's first
-drafting round after plain ones, whose draft also takes in the features of the plain rounds (a cost of switching,
-not of the arm's rounds), and a round whose verify pass also took in newly admitted prompts (work of neither arm).
+policy faster (`_decide`). Two kinds of round are not measured (`observe(measured=False)`): a round of the policy
+in which a request drafts for the first time since plain rounds, whose draft also takes in that request's features
+of the plain rounds (a cost of switching, not of the arm's rounds), and a round whose verify pass also took in newly
+admitted prompts (work of neither arm).
 A round of the policy's arm that speculated nothing (its requests resting in the policy's own fallback) was plain
 decoding, and is measured as such.
 
 The other arm is explored in windows of `window_rounds` consecutive rounds, each measuring it afresh (its old token
 estimate is dropped), and only while the time spent on the arm measured slower stays within `max_explore_share` of
-the bucket's round seconds. Exploring thus costs at most that share of the difference between the two arms' speeds,
-plus each arm's first window per bucket. Why windows and a fresh estimate: a speculative round's tokens vary a lot
+the bucket's round seconds; an arm's first `first_windows` windows in a bucket run at once, outside the share: a
+verdict on one window rests on four rounds (a request's opening rounds can accept nothing where drafting pays on the
+whole), and waiting for the share after it left speculation off for the first ~170 rounds at one request. Exploring
+thus costs at most that share of the difference between the two arms' speeds, plus each arm's first windows per
+bucket. Why windows and a fresh estimate: a speculative round's tokens vary a lot
 (none accepted in a third of rounds, streaks of them on hard passages), so the arm that runs is averaged over many
 rounds (`weight`), and the arm left behind was typically left at a low point of its noise. Updated one exploring
 round at a time it would stay low for thousands of rounds; a window's fresh mean is unbiased.
@@ -110,6 +114,8 @@ class ThroughputGuard:
     max_explore_share: float = 0.03  # at most this share of a bucket's time on the arm measured slower
     weight: float = 0.02  # EMA weight of a new round's tokens on the arm that runs (~50 rounds' memory)
     window_rounds: int = 4  # rounds per exploring window (and per arm's first measurement)
+    # windows per arm and bucket that explore outside the share: the first verdicts rest on a few rounds each
+    first_windows: int = 2
     pair_weight: float = 0.25  # EMA weight of a window's seconds ratio (~4 windows' memory)
     # standard errors of its token estimate by which the running policy must measure slower before plain decoding
     # replaces it (plain decoding's tokens per request-round are known exactly: 1)
@@ -179,7 +185,11 @@ class ThroughputGuard:
         best = self.best(num_requests)
         other = PLAIN if best == POLICY else POLICY
         expected = self.window_rounds * bucket.arms[other].seconds  # what the window would add (its arm's EMA)
-        if bucket.explored_seconds + expected <= self.max_explore_share * (bucket.seconds + expected):
+        # An arm left behind on its first few windows was judged on a dozen rounds or fewer (a request's opening
+        # rounds can accept nothing where it pays on the whole): it is measured again at once, up to
+        # `first_windows` windows, a one-off cost per bucket; later windows wait for the share.
+        is_young = bucket.arms[other].total_rounds < self.first_windows * self.window_rounds
+        if is_young or bucket.explored_seconds + expected <= self.max_explore_share * (bucket.seconds + expected):
             self._start_window(bucket, other, is_exploring=True)
             bucket.arms[other].restart()  # measured afresh: the old estimate is where the arm was left
             return other
@@ -201,10 +211,11 @@ class ThroughputGuard:
         speculated: bool = True,
     ) -> None:
         """A round of `num_requests` requests ran on `arm`, committing `num_tokens` tokens in `seconds`. A round not
-        `measured` counts in the time spent but not in the arm's measure: one that switches arms (the policy's
-        first drafting round after plain ones: its draft also takes in the features of the plain rounds), whose
-        extra cost is paid once per exploring window and would price every later round of the arm, and one whose
-        verify pass also took in new prompts, work of neither arm.
+        `measured` counts in the time spent but not in the arm's measure: one that switches arms (a round of the
+        policy in which a request drafts for the first time since plain rounds: its draft also takes in that
+        request's features of the plain rounds), whose extra cost is paid once per request and exploring window and
+        would price every later round of the arm, and one whose verify pass also took in new prompts, work of
+        neither arm.
 
         A policy round that did not speculate (`speculated` false: every request resting in the policy's own
         fallback, no n-gram chain) was plain decoding, and is measured on the plain arm. Counted as the policy's,

@@ -45,8 +45,9 @@ class RoundBatch:
     entries: list[RoundEntry]
     arm: str | None = None  # the throughput guard's choice for the round (sequential rounds in auto mode)
     started_at: float = 0.0  # time.perf_counter() when the round was scheduled
-    # the policy's first drafting round after the guard's plain rounds: its draft call also takes in the features
-    # of every plain round since (a one-off cost of switching arms, not of the round's own work)
+    # a round of the policy in which a request drafts for the first time since the guard ran it in plain rounds: the
+    # draft call also takes in that request's features of every plain round since (a cost of switching arms, not
+    # of the round's own work)
     resumes_drafting: bool = False
     draft_seconds: float | None = None  # what the drafter call cost the round (None: nothing drafted)
     num_drafting: int = 0  # rows of that drafter call

@@ -12,9 +12,9 @@ from ddtree.guard import PLAIN, POLICY, ThroughputGuard
 
 def loop_bound(a: float, b: float, share: float = 0.03, noise: float = 0.02) -> float:
     """The least the loop may deliver over arms of speeds `a` and `b`: the faster one, less the exploring share
-    (plus 0.02 for the first rounds) of the difference, less `noise` of the faster one."""
+    (plus 0.03 for each arm's first windows) of the difference, less `noise` of the faster one."""
     best = max(a, b)
-    return best - (share + 0.02) * abs(a - b) - noise * best
+    return best - (share + 0.03) * abs(a - b) - noise * best
 
 
 def run(guard: ThroughputGuard | None, rates, num_rounds: int, num_requests: int = 8, seed: int = 0) -> float:
@@ -129,8 +129,34 @@ def test_speculation_that_pays_a_little_is_not_left_off_for_long():
         return sum(kept) / len(kept)
 
     assert gain_kept(lambda: ThroughputGuard(max_explore_share=0.03), mark_switch=True) >= 0.75
-    before = gain_kept(lambda: ThroughputGuard(max_explore_share=0.03, confidence=0.0), mark_switch=False)
+    before = gain_kept(
+        lambda: ThroughputGuard(max_explore_share=0.03, confidence=0.0, first_windows=1), mark_switch=False
+    )
     assert before < 0.6
+
+
+def test_a_verdict_on_the_first_window_is_checked_again_at_once():
+    """One request whose opening rounds accept nothing (its first window: one token per round in 1.25x a plain
+    round's time), and two tokens per round after (1.6x plain decoding's speed). The first window makes plain decoding
+    the faster arm; measured again at once, the policy is back within a few windows, where waiting for the exploring
+    share kept plain decoding for ~170 rounds."""
+
+    def plain_rounds(guard: ThroughputGuard) -> int:
+        policy_rounds = 0
+        chosen = []
+        for _ in range(300):
+            arm = guard.choose(1)
+            chosen.append(arm)
+            if arm == POLICY:
+                policy_rounds += 1
+                guard.observe(1, POLICY, 1 if policy_rounds <= 4 else 2, 0.0125)
+            else:
+                guard.observe(1, PLAIN, 1, 0.010)
+        assert chosen[-1] == POLICY
+        return chosen.count(PLAIN)
+
+    assert plain_rounds(ThroughputGuard(max_explore_share=0.03)) <= 20
+    assert plain_rounds(ThroughputGuard(max_explore_share=0.03, first_windows=1)) > 100
 
 
 def test_rounds_the_policy_plans_plain_are_measured_as_plain_decoding():
@@ -317,7 +343,7 @@ def test_where_plain_decoding_measured_faster_the_engine_drafts_nothing_and_answ
     engine = _engine(workers)
     guard = engine.guard
     for num_requests in (1, 2, 4):  # measured: the policy's rounds slow, plain ones fast, at every batch size
-        for _ in range(guard.window_rounds):
+        for _ in range(guard.first_windows * guard.window_rounds):
             guard.observe(num_requests, POLICY, num_requests, 1.0)
             guard.observe(num_requests, PLAIN, num_requests, 0.01)
     guard.max_explore_share = 0.0  # and no exploring: every round is plain
@@ -370,6 +396,45 @@ def test_the_first_drafting_round_after_plain_rounds_is_marked_a_switch(workers)
     assert all(num_draft_calls[i] == num_draft_calls[7] for i in range(3, first))
     assert first not in draft_samples  # (the index the round's draft would be observed at, before its guard call)
     assert any(i > first for i in draft_samples) and any(i < 3 for i in draft_samples)
+
+
+def test_each_request_s_first_draft_after_plain_rounds_marks_its_round_a_switch(workers):
+    """After the guard's plain rounds, a request that drafts for the first time since makes its round a switch, even
+    where another request drafted a round earlier: each such draft takes in that request's plain rounds' features.
+    Once both have drafted, the policy's rounds are measured again."""
+    from ddtree import SamplingParams
+    from ddtree.budget import RoundPlan
+
+    engine = _engine(workers, max_num_seqs=2, ngram_tokens=0)
+    arms = iter([PLAIN] * 3 + [POLICY] * 40)
+    engine.guard.choose = lambda num_requests: next(arms)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    a = engine.add_request("a b a b a b a b", params)
+    b = engine.add_request("the cat sat on", params)
+    drafters = iter([[a], [b], [a, b]] + [[a, b]] * 40)  # who drafts in the policy's rounds, in turn
+    cap = engine.budget.draft_node_cap
+
+    def plan(request_ids):
+        speculative = [r for r in next(drafters) if r in request_ids]
+        rest = [r for r in request_ids if r not in speculative]
+        return RoundPlan(speculative, rest, [cap] * len(speculative))
+
+    engine.budget.plan = plan
+    observed = []
+    original = engine.guard.observe
+
+    def observe(num_requests, arm, num_tokens, seconds, measured=True, speculated=True):
+        observed.append((arm, measured))
+        original(num_requests, arm, num_tokens, seconds, measured, speculated)
+
+    engine.guard.observe = observe
+    draft_samples = []
+    observe_draft = engine.budget.cost.observe_draft
+    engine.budget.cost.observe_draft = lambda n, s: (draft_samples.append(len(observed)), observe_draft(n, s))
+    for _ in range(6):
+        engine.step()
+    assert observed == [(PLAIN, True)] * 3 + [(POLICY, False), (POLICY, False), (POLICY, True)]
+    assert draft_samples == [5]  # the switches' drafts stay out of the draft curve
 
 
 def test_the_engine_tells_the_guard_which_rounds_of_the_policy_were_plain(workers):
