@@ -28,7 +28,7 @@ The other arm is explored in windows of `window_rounds` consecutive rounds, each
 estimate is dropped), and only while the time spent on the arm measured slower stays within `max_explore_share` of
 the bucket's round seconds; an arm's first `first_windows` windows in a bucket run at once, outside the share: a
 verdict on one window rests on four rounds (a request's opening rounds can accept nothing where drafting pays on the
-whole), and waiting for the share after it left speculation off for the first ~170 rounds at one request. Exploring
+whole), and early in a bucket's life the share allows the next window only after hundreds of rounds. Exploring
 thus costs at most that share of the difference between the two arms' speeds, plus each arm's first windows per
 bucket. Why windows and a fresh estimate: a speculative round's tokens vary a lot
 (none accepted in a third of rounds, streaks of them on hard passages), so the arm that runs is averaged over many
@@ -126,6 +126,8 @@ class ThroughputGuard:
         check_max_explore_share(self.max_explore_share)
         if not self.confidence >= 0:
             raise ValueError(f"confidence must be a number >= 0, got {self.confidence!r}")
+        if isinstance(self.first_windows, bool) or not isinstance(self.first_windows, int) or self.first_windows < 1:
+            raise ValueError(f"first_windows must be an integer >= 1, got {self.first_windows!r}")
 
     @staticmethod
     def bucket_of(num_requests: int) -> int:

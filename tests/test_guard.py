@@ -231,6 +231,9 @@ def test_the_explore_share_and_the_confidence_are_checked():
     for bad in (-1.0, float("nan")):
         with pytest.raises(ValueError, match="confidence"):
             ThroughputGuard(confidence=bad)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="first_windows"):
+            ThroughputGuard(first_windows=bad)
 
 
 # ---- the loop over the real policy -------------------------------------------------------------------------------
