@@ -105,9 +105,8 @@ def _spread(seconds: list[float]) -> str:
     """'p50 / p90 / mean' in ms ('-' for none)."""
     if not seconds:
         return "-"
-    ordered = sorted(seconds)
-    p50, p90 = ordered[len(ordered) // 2], ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
-    return f"{1000 * p50:.2f} / {1000 * p90:.2f} / {1000 * statistics.fmean(seconds):.2f}"
+    deciles = statistics.quantiles(seconds * 2 if len(seconds) == 1 else seconds, n=10, method="inclusive")
+    return f"{1000 * deciles[4]:.2f} / {1000 * deciles[8]:.2f} / {1000 * statistics.fmean(seconds):.2f}"
 
 
 def bare_hops(num_calls: int, feature_shape: tuple[int, int]) -> tuple[float, float]:

@@ -42,9 +42,9 @@
 //
 //   exponential_rows(out [n, V], seeds [n]): row i of `out` filled with Exp(1) noise from a CPU generator seeded
 //   with seeds[i], the values `torch.Generator().manual_seed(seeds[i])` and `Tensor.exponential_` give. torch draws
-//   a row in one serial loop (~0.7 ms for a 49k-token vocabulary here), and sampling draws one row per request and
-//   position; the rows are independent, so they are drawn on torch's threads, which are awake right after the
-//   verify's LM head (a Python thread pool's workers slept, and on this VM waking one took ~0.9 ms).
+//   a row in one serial loop over the vocabulary, and sampling draws one row per request and position; the rows are
+//   independent, so they are drawn on torch's threads, which are awake right after the verify's LM head (a thread
+//   pool's workers would have to be woken first; docs/engine.md has the timings).
 
 #include <torch/extension.h>
 #include <ATen/CPUGeneratorImpl.h>
