@@ -74,6 +74,8 @@ class Run:
     # served runs, summed over passes: CPU seconds by process role (`cpu_snapshot`), and the runs' wall seconds
     cpu_seconds: dict[str, float] = field(default_factory=dict)
     cpu_wall: float = 0.0
+    # summed over passes: the engine's stage seconds and counts (`RoundTimings` deltas), offline and served alike
+    stages: dict[str, float] = field(default_factory=dict)
 
     @property
     def median(self) -> float:
@@ -309,7 +311,9 @@ def main(argv=None) -> int:
                         rate, outs, num_tokens = run_offline(engines[mode], prompts, params, c)
                         off_run.tokens_per_second.append(rate)
                         off_run.outputs = outs
-                        _add_mix(off_run, timings_before, engines[mode].timings.as_dict(), num_tokens)
+                        _add_mix(
+                            off_run, timings_before, engines[mode].timings.as_dict(), num_tokens, num_tokens / rate
+                        )
                         off_run.engine_state = {
                             "guard": engines[mode].guard.describe() if engines[mode].guard else None,
                             "timings": engines[mode].timings.as_dict(),
@@ -328,7 +332,7 @@ def main(argv=None) -> int:
                     served_run.outputs = outs
                     served_run.ttft += ttfts
                     _add_breakdown(served_run, before, after, wall)
-                    _add_mix(served_run, before["timings"], after["timings"], num_tokens)
+                    _add_mix(served_run, before["timings"], after["timings"], num_tokens, wall)
                     served_run.engine_state = {"guard": after["guard"], "timings": after["timings"]}
                     offline = f"offline {off_run.tokens_per_second[-1]:.1f}, " if off_run is not None else ""
                     print(f"  c={c} pass {p + 1} {mode}: {offline}served {rate:.1f} tok/s", flush=True)
@@ -368,6 +372,7 @@ _ROLES = (
     (b"ProxyActor", "proxy"),
     (b"ServeController", "controller"),
 )
+STAGES = ("prefill", "draft", "tree", "verify", "accept", "emit")  # the engine's stages (`RoundTimings`)
 CPU_COLUMNS = ("target", "drafter", "replica", "proxy", "controller", "other", "clients", "idle")
 
 
@@ -420,13 +425,17 @@ def _add_breakdown(run: Run, before: dict, after: dict, wall: float) -> None:
     run.num_rounds += rounds
 
 
-def _add_mix(run: Run, before: dict, after: dict, num_tokens: int) -> None:
-    """Adds a run's output tokens and its request-rounds, speculative and in fallback (`RoundTimings` deltas)."""
+def _add_mix(run: Run, before: dict, after: dict, num_tokens: int, wall: float) -> None:
+    """Adds a run's output tokens and its request-rounds, speculative and in fallback, its stage seconds and counts
+    (`RoundTimings` deltas) and its wall seconds."""
     delta = {"tokens": num_tokens}
     for k in ("num_speculative_request_rounds", "num_autoregressive_request_rounds"):
         delta[k] = after[k] - before[k]
     for k, v in delta.items():
         run.mix[k] = run.mix.get(k, 0) + v
+    for k in (*STAGES, "num_rounds", "num_draft_calls", "num_plain_rounds", "num_prefill_calls"):
+        run.stages[k] = run.stages.get(k, 0.0) + after[k] - before[k]
+    run.stages["wall"] = run.stages.get("wall", 0.0) + wall
 
 
 def _mix_columns(run: Run) -> str:
@@ -436,6 +445,32 @@ def _mix_columns(run: Run) -> str:
     if not total:
         return "- | -"
     return f"{spec / total:.2f} | {run.mix['tokens'] / total:.2f}"
+
+
+def _print_stages(args, results: dict) -> None:
+    """Each run's round by the engine's stages, ms per round (served: hops included in draft, excluded from verify
+    and accept, which are timed inside the target), the rest of the round's wall time ("other": the engine's host
+    work between stages, hops, and served the replica's serving), and the share of rounds that drafted, that the
+    closed loop ran plain, and that ran a prefill pass."""
+    print("\nRound by stage, ms per round (offline / served):\n")
+    print(
+        "| mode | concurrency | round | " + " | ".join(STAGES)
+        + " | other | drafting rounds | plain rounds | prefill rounds |"
+    )  # fmt: skip
+    print("|---|---|" + "---|" * (len(STAGES) + 5))
+    for c in args.concurrency:
+        for mode in args.modes:
+            runs = [results.get((w, mode, c)) for w in ("offline", "served")]
+            runs = [r for r in runs if r is not None and r.stages.get("num_rounds")]
+
+            def cell(key: str, scale: float) -> str:
+                return " / ".join(f"{scale * r.stages[key] / r.stages['num_rounds']:.2f}" for r in runs)
+
+            for r in runs:
+                r.stages["other"] = r.stages["wall"] - sum(r.stages[k] for k in STAGES)
+            cells = [cell(k, 1000) for k in ("wall", *STAGES, "other")]
+            cells += [cell(k, 1) for k in ("num_draft_calls", "num_plain_rounds", "num_prefill_calls")]
+            print(f"| {mode} | {c} | " + " | ".join(cells) + " |")
 
 
 def print_table(args, results: dict) -> None:
@@ -473,6 +508,7 @@ def print_table(args, results: dict) -> None:
                 f"| {wall:.1f} | {compute:.1f} | {hops:.2f} ({there:.2f}) | {wall - compute - hops:.1f} "
                 f"| {off_mix} | {_mix_columns(srv)} | {equal} |"
             )
+    _print_stages(args, results)
     served = [(mode, c, results[("served", mode, c)]) for c in args.concurrency for mode in args.modes]
     if all(run.cpu_wall for _, _, run in served):
         print(f"\nCores used while served (CPU seconds over the served runs' wall time; {os.cpu_count()} cores):\n")
