@@ -265,15 +265,22 @@ class EngineLoop:
             with self._inbox_lock:
                 if self._is_closed:  # abandoned while the round ran: its requests have failed already
                     return
+                # One hand-over per event loop and round, not per output: each wakes that loop's thread, whose
+                # work then competes with this thread's for the GIL and with the workers for the cores
+                deliveries: dict[asyncio.AbstractEventLoop, list] = {}
                 for out in outputs:
                     stream = self._streams.get(out.request_id)
                     if stream is None:
                         continue
                     if out.finished:
                         del self._streams[out.request_id]
-                    if not _notify(stream.loop, stream.outputs.put_nowait, out) and not out.finished:
-                        self._streams.pop(out.request_id, None)  # its caller's event loop is gone: no one reads it
-                        orphans.append(out.request_id)
+                    deliveries.setdefault(stream.loop, []).append((stream.outputs, out))
+                for loop, items in deliveries.items():
+                    if not _notify(loop, _deliver, items):  # the callers' event loop is gone: no one reads them
+                        for _, out in items:
+                            if not out.finished:
+                                self._streams.pop(out.request_id, None)
+                                orphans.append(out.request_id)
             for request_id in orphans:  # (a worker call: not under the lock that abandon() takes)
                 engine.abort_request(request_id)
             if self.on_round is not None:
@@ -362,6 +369,12 @@ def _notify(loop: asyncio.AbstractEventLoop, fn: Callable, *args) -> bool:
     except RuntimeError:
         return False
     return True
+
+
+def _deliver(items: list) -> None:
+    """On a caller's event loop: each (queue, output) of a round."""
+    for outputs, out in items:
+        outputs.put_nowait(out)
 
 
 def _settle(future: asyncio.Future, result, exc: BaseException | None) -> None:

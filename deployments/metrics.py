@@ -1,7 +1,8 @@
 """Engine replica metrics through `ray.serve.metrics` (exported by Ray's Prometheus endpoint, tagged with the
-deployment, replica and application). Recorded once per round from the engine loop thread, and every second while
-the engine is idle (`on_idle`: the gauges say 0 running, 0 queued, the token rate decays to 0, rather than keeping
-the last round's values; Ray also stops exporting a gauge nobody sets).
+deployment, replica and application). Taken once per round on the engine loop thread and recorded into Ray's metrics
+once a second (`EngineMetrics.flush`), and every second while the engine is idle (`on_idle`: the gauges say 0
+running, 0 queued, the token rate decays to 0, rather than keeping the last round's values; Ray also stops exporting
+a gauge nobody sets).
 
     ddtree_generated_tokens_total            Counter    tokens emitted (rate() = output tokens/s)
     ddtree_output_tokens_per_second          Gauge      tokens emitted over the last `window_s` seconds / window
@@ -38,6 +39,7 @@ from __future__ import annotations
 
 import collections
 import time
+from dataclasses import dataclass, field
 
 from deployments.engine_loop import RoundReport
 
@@ -48,7 +50,21 @@ _ROUND_BOUNDARIES = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.
 
 
 class EngineMetrics:
-    def __init__(self, engine, hops, kv_cache_stats=None, window_s: float = 10.0, kv_every_s: float = 1.0):
+    """The engine's metrics, taken per round on the loop thread and recorded into Ray's metrics every `flush_every_s`
+    (and whenever the engine goes idle). A Ray metric call merges and checks its tags in Python, and the loop thread
+    runs between two worker calls of the round: sixteen calls per round lengthened every round (docs/serving.md,
+    "Metrics"). Between flushes a round only adds to plain numbers here; Ray exports metrics every few seconds
+    anyway, so a flush a second loses nothing a scrape would see. Gauges take the last round's values at a flush."""
+
+    def __init__(
+        self,
+        engine,
+        hops,
+        kv_cache_stats=None,
+        window_s: float = 10.0,
+        kv_every_s: float = 1.0,
+        flush_every_s: float = 1.0,
+    ):
         from ray.serve.metrics import Counter, Gauge, Histogram
 
         self.engine = engine
@@ -56,6 +72,7 @@ class EngineMetrics:
         self.kv_cache_stats = kv_cache_stats  # () -> {"bytes_used": ...}, or None when the worker has none
         self.window_s = window_s
         self.kv_every_s = kv_every_s
+        self.flush_every_s = flush_every_s
         self.tokens = Counter("ddtree_generated_tokens_total", "Output tokens emitted.")
         self.tokens_per_second = Gauge("ddtree_output_tokens_per_second", "Output tokens/s over a sliding window.")
         self.tau = Histogram(
@@ -89,12 +106,18 @@ class EngineMetrics:
         self._rounds_seen: dict[str, int] = {}
         self._window: collections.deque[tuple[float, int]] = collections.deque()
         self._last_kv_time = 0.0
+        self._last_flush = time.monotonic()
+        self.num_flushes = 0
+        # Taken since the last flush: counters' increments, histograms' observations, the last round's gauges
+        self.pending = PendingMetrics()
 
     def on_idle(self) -> None:
         """No round runs: nothing is running or queued, or the target is lost and its requests wait for a new one
-        (the engine loop calls this while it waits on its inbox). No worker call here: a hung worker must not block
-        the idle loop, where no round would time it; no KV cache entry is in use on a live target then."""
+        (the engine loop calls this while it waits on its inbox). What the rounds left is recorded first. No worker
+        call here: a hung worker must not block the idle loop, where no round would time it; no KV cache entry is
+        in use on a live target then."""
         now = time.monotonic()
+        self.flush(now)
         self.tokens_per_second.set(self._tokens_per_second(now, 0))
         for gauge in (self.speculative, self.fallback, self.pipelined, self.kv_bytes):
             gauge.set(0)
@@ -122,18 +145,19 @@ class EngineMetrics:
         return sum(n for _, n in self._window) / self.window_s
 
     def on_round(self, report: RoundReport) -> None:
+        """Takes the round into `pending` (no Ray call), and flushes once `flush_every_s` has passed."""
         now = time.monotonic()
+        pending = self.pending
         num_tokens = sum(len(o.new_token_ids) for o in report.outputs)
-        if num_tokens:
-            self.tokens.inc(num_tokens)
-        self.tokens_per_second.set(self._tokens_per_second(now, num_tokens))
+        pending.tokens += num_tokens
+        self._window.append((now, num_tokens))
 
         for out in report.outputs:
             stats = out.stats
             seen = self._rounds_seen.get(out.request_id, 0)
-            for tau, nodes in zip(stats.acceptance_lengths[seen:], stats.budgets[seen:]):
-                self.tau.observe(tau)
-                self.budget.observe(nodes)
+            if len(stats.acceptance_lengths) > seen:
+                pending.taus += stats.acceptance_lengths[seen:]
+                pending.budgets += stats.budgets[seen:]
             if out.finished:
                 self._rounds_seen.pop(out.request_id, None)
             else:
@@ -144,29 +168,58 @@ class EngineMetrics:
         timings = self.engine.timings.as_dict()
         delta = {k: timings[k] - self._last_timings.get(k, 0) for k in timings}
         self._last_timings = timings
-        self.speculative.set(delta["num_speculative_request_rounds"])
-        self.fallback.set(delta["num_autoregressive_request_rounds"])
-        if delta["num_ngram_tokens"]:
-            self.ngram_tokens.inc(delta["num_ngram_tokens"])
-        self.running.set(report.num_running)
-        self.queue_depth.set(report.num_waiting)
-        self.round_seconds.observe(report.wall_seconds)
-        self.pipelined.set(1 if delta["num_pipelined_phases"] else 0)
-        self._worker_state()
+        pending.speculative = delta["num_speculative_request_rounds"]
+        pending.fallback = delta["num_autoregressive_request_rounds"]
+        pending.ngram_tokens += delta["num_ngram_tokens"]
+        pending.running = report.num_running
+        pending.queue_depth = report.num_waiting
+        pending.round_seconds.append(report.wall_seconds)
+        pending.pipelined = 1 if delta["num_pipelined_phases"] else 0
 
         hop_seconds = self.hops.seconds - self._last_hop_seconds
         self._last_hop_seconds = self.hops.seconds
+        pending.hop_seconds += max(0.0, hop_seconds)
         staged = 0.0
         for stage in STAGES:
             if delta[stage] > 0:
-                self.stage_seconds.inc(delta[stage], tags={"stage": stage})
+                pending.stage_seconds[stage] += delta[stage]
                 staged += delta[stage]
-        if hop_seconds > 0:
-            self.hop_seconds.inc(hop_seconds)
         other = report.wall_seconds - staged
         if other > 0 and not delta["num_pipelined_phases"]:
-            self.stage_seconds.inc(other, tags={"stage": "other"})
+            pending.stage_seconds["other"] += other
+        pending.num_rounds += 1
+        if now - self._last_flush >= self.flush_every_s:
+            self.flush(now)
 
+    def flush(self, now: float | None = None) -> None:
+        """Records what the rounds since the last flush took into Ray's metrics."""
+        now = time.monotonic() if now is None else now
+        self._last_flush = now
+        pending, self.pending = self.pending, PendingMetrics()
+        if not pending.num_rounds:
+            return
+        self.num_flushes += 1
+        if pending.tokens:
+            self.tokens.inc(pending.tokens)
+        self.tokens_per_second.set(self._tokens_per_second(now, 0))
+        for tau, nodes in zip(pending.taus, pending.budgets):
+            self.tau.observe(tau)
+            self.budget.observe(nodes)
+        if pending.ngram_tokens:
+            self.ngram_tokens.inc(pending.ngram_tokens)
+        self.speculative.set(pending.speculative)
+        self.fallback.set(pending.fallback)
+        self.running.set(pending.running)
+        self.queue_depth.set(pending.queue_depth)
+        for seconds in pending.round_seconds:
+            self.round_seconds.observe(seconds)
+        self.pipelined.set(pending.pipelined)
+        self._worker_state()
+        for stage, seconds in pending.stage_seconds.items():
+            if seconds > 0:
+                self.stage_seconds.inc(seconds, tags={"stage": stage})
+        if pending.hop_seconds > 0:
+            self.hop_seconds.inc(pending.hop_seconds)
         if (
             self.kv_cache_stats is not None
             and self.engine.target_lost is None
@@ -174,3 +227,23 @@ class EngineMetrics:
         ):
             self._last_kv_time = now
             self.kv_bytes.set(self.kv_cache_stats()["bytes_used"])
+
+
+@dataclass
+class PendingMetrics:
+    """What rounds took since the last flush: sums for the counters, values for the histograms, the last round's
+    values for the gauges."""
+
+    num_rounds: int = 0
+    tokens: int = 0
+    ngram_tokens: int = 0
+    hop_seconds: float = 0.0
+    stage_seconds: collections.Counter = field(default_factory=collections.Counter)  # stage (and "other") -> seconds
+    round_seconds: list[float] = field(default_factory=list)
+    taus: list[int] = field(default_factory=list)  # per speculative request-round, with `budgets`
+    budgets: list[int] = field(default_factory=list)
+    speculative: int = 0
+    fallback: int = 0
+    running: int = 0
+    queue_depth: int = 0
+    pipelined: int = 0

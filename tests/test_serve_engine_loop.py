@@ -241,6 +241,38 @@ def test_metrics_forget_aborted_requests(workers):
     assert metrics._rounds_seen == {}
 
 
+def test_metrics_take_rounds_without_ray_calls_and_flush_their_totals(workers):
+    from deployments.metrics import STAGES, EngineMetrics
+    from deployments.proxies import HopTimes
+
+    engine = make_engine(workers)
+    timings0 = engine.timings.as_dict()
+    metrics = EngineMetrics(engine, HopTimes(), flush_every_s=3600.0)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    async def body(loop):
+        return await asyncio.gather(*(loop.generate(p, params) for p in PROMPTS))
+
+    finals = run_loop(engine, body, on_round=metrics.on_round)
+    timings = engine.timings.as_dict()
+    pending = metrics.pending
+    # every round was taken, none recorded yet: the totals wait for the flush
+    assert metrics.num_flushes == 0
+    assert pending.num_rounds == len(pending.round_seconds) == timings["num_rounds"] - timings0["num_rounds"]
+    assert pending.tokens == sum(len(f.token_ids) for f in finals)
+    assert len(pending.taus) == len(pending.budgets) == sum(len(f.stats.acceptance_lengths) for f in finals) > 0
+    for stage in STAGES:
+        assert pending.stage_seconds[stage] == pytest.approx(timings[stage] - timings0[stage])
+    metrics.flush()
+    assert metrics.num_flushes == 1 and metrics.pending.num_rounds == 0 and metrics.pending.tokens == 0
+    metrics.flush()  # (nothing pending: no Ray call)
+    assert metrics.num_flushes == 1
+
+    every_round = EngineMetrics(engine, HopTimes(), flush_every_s=0.0)
+    run_loop(engine, body, on_round=every_round.on_round)
+    assert every_round.num_flushes == engine.timings.num_rounds - timings["num_rounds"] > 0
+
+
 @pytest.mark.parametrize("hang_in", ["step", "on_round"])
 def test_a_hung_worker_call_is_timed_for_the_health_check(workers, hang_in):
     """A worker that hangs neither returns nor raises: the watchdog times the loop thread's whole pass, in the step
