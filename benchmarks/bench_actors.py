@@ -3,12 +3,15 @@
     python benchmarks/bench_actors.py                       # embedded SmolLM2 + shipped drafter, CPU
     python benchmarks/bench_actors.py --budget 16 --concurrency 4 --max-tokens 64
     python benchmarks/bench_actors.py --speculation off --concurrency 1 --threads 1 --poll-ms 200
+    python benchmarks/bench_actors.py --budget 4 --concurrency 1 --threads 2 --target-here
 
 The same prompts are decoded with the same engine settings (a fixed budget, so that every mode does the same
 work per round, and T=0, so that the outputs must be identical) by:
   in-process   Engine + workers in this process (as ddtree.LLM)
   actors       Engine here, target and drafter each on a Ray actor, called through deployments/proxies.py
                over their channels (features sent target -> drafter over a channel of their own)
+  target here  (`--target-here`) the Engine and the target in this process, the drafter on a Ray actor that this
+               process sends the features to: the layout of an engine loop moved into the target actor's process
   actors, poll the same with every channel end polling up to `--poll-ms` before it blocks (the app's
                `channel_poll_ms`, deployments/channel.py); with `--threads 1` the polling process and the computing
                one each have a core here, as the processes of a GPU replica with whole CPUs would
@@ -146,6 +149,77 @@ def bare_hops(num_calls: int, feature_shape: tuple[int, int]) -> tuple[float, fl
     return noop, handoff
 
 
+class FeedingDrafterProxy:
+    """A drafter actor called from the process that holds the target: the features the engine takes from the local
+    target go to the drafter's feature channel as a numbered batch right before each Draft names it (where the
+    target actor pushes them itself in deployments/actors.py)."""
+
+    can_overlap = False
+
+    def __init__(self, actor, info: dict, hops) -> None:
+        import torch
+
+        from deployments.channel import ChannelClient
+        from deployments.worker_ops import WIRE, FeatureBatch, tensor_to_wire
+
+        self.actor = actor
+        self.channel = ChannelClient(info["channel"], "drafter worker", codec=WIRE)
+        self.features = ChannelClient(info["features"], "drafter worker (features)")
+        self.block_len = info["block_len"]
+        self.hops = hops
+        self.num_batches = 0
+        self.features.send(FeatureBatch(0, [], [], tensor_to_wire(torch.zeros(0))))
+
+    def _call(self, op, convert=None):
+        from deployments.proxies import PendingCall
+
+        return PendingCall(self.channel, self.hops, op, convert=convert)
+
+    def draft_async(self, request_ids, roots, features, max_k):
+        import torch
+
+        from deployments.proxies import _draft_from_wire
+        from deployments.worker_ops import Draft, FeatureBatch, tensor_to_wire
+
+        self.num_batches += 1
+        counts = [f.shape[0] for f in features]
+        self.features.send(
+            FeatureBatch(self.num_batches, list(request_ids), counts, tensor_to_wire(torch.cat(features)))
+        )
+        return self._call(Draft(list(request_ids), list(roots), max_k, self.num_batches), convert=_draft_from_wire)
+
+    def draft(self, request_ids, roots, features, max_k):
+        return self.draft_async(request_ids, roots, features, max_k).result()
+
+    def free(self, request_id) -> None:
+        from deployments.worker_ops import FreeDraft
+
+        self._call(FreeDraft(request_id, self.num_batches)).result()
+
+    def measure_draft_cost(self, batch_sizes, max_k):
+        from deployments.worker_ops import MeasureDraftCost
+
+        return self._call(MeasureDraftCost(list(batch_sizes), max_k)).result()
+
+    def kill(self) -> None:
+        import ray
+
+        self.channel.close()
+        self.features.close()
+        ray.kill(self.actor)
+
+
+def start_feeding_drafter(spec, place, target, hops) -> FeedingDrafterProxy:
+    """A drafter actor (no target actor) on the local target's embedding and LM head."""
+    import ray
+
+    from deployments.actors import DrafterActor, _actor_options
+
+    head = target.model.head().to("cpu")
+    actor = ray.remote(DrafterActor).options(**_actor_options(spec, place, None)).remote(spec, head)
+    return FeedingDrafterProxy(actor, ray.get(actor.describe.remote()), hops)
+
+
 def make_random_drafter(model: str | None, out: Path, block_size: int = 8) -> Path:
     """A randomly initialised 1-layer DFlash drafter for the target (its drafts are poor, but at a fixed budget a
     round does the same work as with a trained drafter, which is what this benchmark compares)."""
@@ -201,7 +275,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--poll-ms", type=float, default=None, help="also run actors whose channels poll this long before blocking"
     )
+    parser.add_argument(
+        "--target-here",
+        action="store_true",
+        help="also run the engine and the target in this process with the drafter on an actor",
+    )
     args = parser.parse_args(argv)
+    if args.target_here and args.speculation == "off":
+        parser.error("--target-here needs a drafter (speculation ddtree or dflash)")
     if args.drafter == "random":
         args.drafter = str(make_random_drafter(args.model, Path("work/bench_actors/random-drafter")))
 
@@ -259,10 +340,16 @@ def main(argv: list[str] | None = None) -> int:
 
     polls = [("actors", 0.0)] + ([(f"actors, poll {args.poll_ms:g} ms", args.poll_ms / 1000)] if args.poll_ms else [])
     # Each set of actors reserves a replica's CPUs: Ray is given that many per set (the modes take turns)
-    ray.init(num_cpus=args.num_cpus * len(polls), include_dashboard=False, log_to_driver=False)
+    ray.init(num_cpus=args.num_cpus * (len(polls) + args.target_here), include_dashboard=False, log_to_driver=False)
     layout = app_args.worker_layout()
     # (name, engine, its actors or None): each mode's engine starts from the same cost model
     modes = [("in-process", local_engine, None)]
+    if args.target_here:
+        from deployments.proxies import HopTimes
+
+        feeding = start_feeding_drafter(WorkerSpec.from_args(app_args), layout.drafter, target, HopTimes())
+        here = Engine(config, target, feeding, tokenizer, cost=cost)
+        modes.append(("target here", here, feeding))  # (its hops, and kill(), as the actors' sets have)
     for name, poll_seconds in polls:
         spec = dataclasses.replace(WorkerSpec.from_args(app_args), channel_poll_seconds=poll_seconds)
         actors = start_worker_actors(spec, layout.target, layout.drafter)
