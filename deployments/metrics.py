@@ -52,7 +52,7 @@ _ROUND_BOUNDARIES = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.
 class EngineMetrics:
     """The engine's metrics, taken per round on the loop thread and recorded into Ray's metrics every `flush_every_s`
     (and whenever the engine goes idle). A Ray metric call merges and checks its tags in Python, and the loop thread
-    runs between two worker calls of the round: sixteen calls per round lengthened every round (docs/serving.md,
+    runs between two worker calls of the round: 15-18 calls per round lengthened every round (docs/serving.md,
     "Metrics"). Between flushes a round only adds to plain numbers here; Ray exports metrics every few seconds
     anyway, so a flush a second loses nothing a scrape would see. Gauges take the last round's values at a flush."""
 
