@@ -43,7 +43,7 @@ use_worker_env()
 
 # Engine stages (RoundTimings): draft is timed around the drafter call (hops included), verify and accept inside the
 # target worker (hops excluded).
-STAGES = ("prefill", "draft", "tree", "verify", "accept", "emit")
+from ddtree.engine import ROUND_STAGES as STAGES  # noqa: E402
 
 
 @dataclass

@@ -45,6 +45,8 @@ from deployments.run import direct_ingress_env  # noqa: E402
 
 use_worker_env()
 
+from ddtree.engine import ROUND_STAGES as STAGES  # noqa: E402  (after the workers' environment: it loads torch)
+
 PROXY_PORT = 8123  # Serve's proxy
 DIRECT_INGRESS_PORT = 8124  # the apps' replicas, one port each from here (Serve's direct ingress)
 MODES = {
@@ -372,7 +374,6 @@ _ROLES = (
     (b"ProxyActor", "proxy"),
     (b"ServeController", "controller"),
 )
-STAGES = ("prefill", "draft", "tree", "verify", "accept", "emit")  # the engine's stages (`RoundTimings`)
 CPU_COLUMNS = ("target", "drafter", "replica", "proxy", "controller", "other", "clients", "idle")
 
 
@@ -416,7 +417,7 @@ def _add_breakdown(run: Run, before: dict, after: dict, wall: float) -> None:
     the engine's own stages, hops excluded), hops, and the rest."""
     t0, t1 = before["timings"], after["timings"]
     rounds = t1["num_rounds"] - t0["num_rounds"]
-    compute = sum(t1[k] - t0[k] for k in ("prefill", "draft", "tree", "verify", "accept", "emit"))
+    compute = sum(t1[k] - t0[k] for k in STAGES)
     hops = after["actor_hop_seconds"] - before["actor_hop_seconds"]
     there = after["actor_hop_there_seconds"] - before["actor_hop_there_seconds"]
     total = {"compute": compute, "hops": hops, "hops_there": there, "wall": wall}
@@ -463,11 +464,14 @@ def _print_stages(args, results: dict) -> None:
             runs = [results.get((w, mode, c)) for w in ("offline", "served")]
             runs = [r for r in runs if r is not None and r.stages.get("num_rounds")]
 
-            def cell(key: str, scale: float) -> str:
-                return " / ".join(f"{scale * r.stages[key] / r.stages['num_rounds']:.2f}" for r in runs)
+            def per_round(r: Run, key: str) -> float:
+                if key == "other":  # the round's wall time outside the stages
+                    return (r.stages["wall"] - sum(r.stages[k] for k in STAGES)) / r.stages["num_rounds"]
+                return r.stages[key] / r.stages["num_rounds"]
 
-            for r in runs:
-                r.stages["other"] = r.stages["wall"] - sum(r.stages[k] for k in STAGES)
+            def cell(key: str, scale: float) -> str:
+                return " / ".join(f"{scale * per_round(r, key):.2f}" for r in runs)
+
             cells = [cell(k, 1000) for k in ("wall", *STAGES, "other")]
             cells += [cell(k, 1) for k in ("num_draft_calls", "num_plain_rounds", "num_prefill_calls")]
             print(f"| {mode} | {c} | " + " | ".join(cells) + " |")

@@ -79,6 +79,10 @@ class RoundTimings:
         return dict(self.__dict__)
 
 
+# RoundTimings' stages, in round order: the seconds fields that add up to a sequential round's work
+ROUND_STAGES = ("prefill", "draft", "tree", "verify", "accept", "emit")
+
+
 class Engine(WorkerRecovery):
     def __init__(
         self,

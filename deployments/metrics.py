@@ -41,9 +41,9 @@ import collections
 import time
 from dataclasses import dataclass, field
 
+from ddtree.engine import ROUND_STAGES as STAGES
 from deployments.engine_loop import RoundReport
 
-STAGES = ("prefill", "draft", "tree", "verify", "accept", "emit")
 _TAU_BOUNDARIES = [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32]
 _BUDGET_BOUNDARIES = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
 _ROUND_BOUNDARIES = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0]
