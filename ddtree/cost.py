@@ -40,6 +40,11 @@ class CostModel:
     def verify_seconds(self, num_tokens: int) -> float:
         return _interpolate(self._verify_curve, num_tokens)
 
+    def verify_seconds_of_part(self, num_tokens: int, num_part: int) -> float:
+        """What `num_part` of a verify pass's `num_tokens` packed tokens add to it: the pass's price less that of
+        the pass without them (the curve is non-decreasing, so never negative)."""
+        return self.verify_seconds(num_tokens) - self.verify_seconds(max(1, num_tokens - num_part))
+
     def verify_seconds_range(self, first: int, count: int) -> list[float]:
         """`verify_seconds(n)` for n = first, first + 1, ..., first + count - 1, in one sweep of the points."""
         return _interpolate_range(self._verify_curve, first, count)

@@ -474,16 +474,24 @@ class Engine(WorkerRecovery):
 
     def _update_guard(self, batch: RoundBatch) -> None:
         """The throughput guard's measurement: tokens the round's verify answered (past a stop included) over the
-        round's whole time, for the arm it ran. Not while a worker is lost: those rounds measure the loss. A round
-        that switches arms (`resumes_drafting`) or takes in prompts counts in the time spent but is not measured:
-        either costs it what is no work of the arm."""
+        round's time, for the arm it ran. Not while a worker is lost: those rounds measure the loss. A round that
+        switches arms (`resumes_drafting`) counts in the time spent but is not measured: its catch-up draft is a
+        cost of switching, not of the arm. A round that took in admitted prompts is measured net of them (less what
+        the cost model prices their tokens at in its verify pass): the prompts are work of neither arm, while what
+        speculating costs beside them is the arm's, and under steady load such rounds are a tenth of all."""
         if self.guard is None or self.drafter_lost is not None or self.target_lost is not None:
             return
         num_tokens = sum(1 + len(e.accepted) for e in batch.entries)
         seconds = time.perf_counter() - batch.started_at
-        measured = not (batch.resumes_drafting or batch.prompt_ids)
+        if batch.prompts:
+            seconds -= self.budget.cost.verify_seconds_of_part(batch.num_verified_tokens, sum(map(len, batch.prompts)))
         self.guard.observe(
-            len(batch.entries), batch.arm, num_tokens, seconds, measured=measured, speculated=batch.speculates
+            len(batch.entries),
+            batch.arm,
+            num_tokens,
+            seconds,
+            measured=not batch.resumes_drafting,
+            speculated=batch.speculates,
         )
 
     def _append_tokens(

@@ -17,10 +17,11 @@ A round's speed is split in two, measured differently:
 Only the policy's estimate is noisy (plain decoding commits exactly one token per request-round), so the two are read
 asymmetrically: the running policy gives way to plain decoding only where it measures slower by more than
 `confidence` standard errors of its token estimate, and plain decoding gives way as soon as a window measures the
-policy faster (`_decide`). Two kinds of round are not measured (`observe(measured=False)`): a round of the policy
-in which a request drafts for the first time since plain rounds, whose draft also takes in that request's features
-of the plain rounds (a cost of switching, not of the arm's rounds), and a round whose verify pass also took in newly
-admitted prompts (work of neither arm).
+policy faster (`_decide`). A round of the policy in which a request drafts for the first time since plain rounds is
+not measured (`observe(measured=False)`): its draft also takes in that request's features of the plain rounds, a
+cost of switching, not of the arm's rounds. A round whose verify pass also took in newly admitted prompts reaches
+the guard net of them (the engine subtracts the cost model's price of the prompts' tokens): the prompts are work of
+neither arm, but what speculating costs beside them is the policy's, and left out it hid a policy that lost.
 A round of the policy's arm that speculated nothing (its requests resting in the policy's own fallback) was plain
 decoding, and is measured as such.
 
@@ -216,8 +217,8 @@ class ThroughputGuard:
         `measured` counts in the time spent but not in the arm's measure: one that switches arms (a round of the
         policy in which a request drafts for the first time since plain rounds: its draft also takes in that
         request's features of the plain rounds), whose extra cost is paid once per request and exploring window and
-        would price every later round of the arm, and one whose verify pass also took in new prompts, work of
-        neither arm.
+        would price every later round of the arm. (A round that also took in new prompts is measured, its
+        `seconds` given net of them.)
 
         A policy round that did not speculate (`speculated` false: every request resting in the policy's own
         fallback, no n-gram chain) was plain decoding, and is measured on the plain arm. Counted as the policy's,

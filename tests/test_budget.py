@@ -24,6 +24,15 @@ def test_cost_model_interpolates_and_refreshes():
         CostModel([(8, 0.02), (8, 0.03)], [(1, 1.0)])
 
 
+def test_the_price_of_part_of_a_verify_pass_is_what_it_adds_to_the_pass():
+    c = CostModel([(1, 0.010), (11, 0.020), (111, 0.030)], [(1, 0.5)])
+    assert c.verify_seconds_of_part(111, 100) == pytest.approx(0.010)
+    assert c.verify_seconds_of_part(61, 50) == pytest.approx(0.025 - 0.020)
+    assert c.verify_seconds_of_part(11, 0) == 0.0
+    assert c.verify_seconds_of_part(11, 10) == c.verify_seconds_of_part(11, 40) == pytest.approx(0.010)  # (a pass
+    # keeps at least one token)
+
+
 def test_cost_curve_never_falls_and_one_stall_moves_it_little():
     """A measured dip (noise) neither makes larger batches cheaper nor is extrapolated downward; one stalled round
     moves the curve by a bounded step, on the points around it (both, by their share)."""

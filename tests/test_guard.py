@@ -135,6 +135,46 @@ def test_speculation_that_pays_a_little_is_not_left_off_for_long():
     assert before < 0.6
 
 
+def run_with_prompts(guard: ThroughputGuard | None, net_of_prompts: bool, seed: int, num_rounds: int = 3000) -> float:
+    """16 requests under steady load, where 12% of rounds also take a 100-token admitted prompt into their verify
+    pass (30 ms, either arm). The policy's rounds cost 1.05x a plain round (30 ms) for 1.06 tokens per request, and
+    20 ms more where they speculate beside a prompt: on the whole it loses ~5%. The engine's cost model prices the
+    prompt at 27 ms; a prompt round reaches the guard net of that price (`net_of_prompts`, as the engine does), or
+    not measured. Returns tokens/s."""
+    from ddtree.cost import CostModel
+
+    rng = random.Random(seed)
+    cost = CostModel([(1, 0.028), (16, 0.030), (116, 0.057)], [(1, 0.002)])
+    tokens = seconds = 0.0
+    for _ in range(num_rounds):
+        arm = guard.choose(16) if guard is not None else POLICY
+        has_prompt = rng.random() < 0.12
+        round_tokens = 16 + (sum(rng.random() < 0.06 for _ in range(16)) if arm == POLICY else 0)
+        round_seconds = (0.0315 if arm == POLICY else 0.030) + has_prompt * (0.030 + 0.020 * (arm == POLICY))
+        round_seconds *= rng.uniform(0.9, 1.1)
+        if guard is not None:
+            measured = seconds_measured = round_seconds
+            if has_prompt:
+                seconds_measured -= cost.verify_seconds_of_part(16 + 100, 100)
+                measured = net_of_prompts
+            guard.observe(16, arm, round_tokens, seconds_measured if measured else round_seconds, measured=measured)
+        tokens += round_tokens
+        seconds += round_seconds
+    return tokens / seconds
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_rounds_that_take_in_prompts_are_measured_net_of_them(seed):
+    """What speculating costs in the rounds that take in prompts is the policy's: measured net of the prompts' price,
+    they show the policy's loss and the loop ends within its bound of plain decoding. Left unmeasured (the prompts'
+    cost is work of neither arm), they hid it, and the loop kept a policy that loses on the whole."""
+    policy_alone, plain = run_with_prompts(None, True, seed), 16 / (0.88 * 0.030 + 0.12 * 0.060)
+    bound = loop_bound(policy_alone, plain)
+    assert policy_alone < bound
+    assert run_with_prompts(ThroughputGuard(max_explore_share=0.03), True, seed) >= bound
+    assert run_with_prompts(ThroughputGuard(max_explore_share=0.03), False, seed) < bound
+
+
 def test_a_verdict_on_the_first_window_is_checked_again_at_once():
     """One request whose opening rounds accept nothing (its first window: one token per round in 1.25x a plain
     round's time), and two tokens per round after (1.6x plain decoding's speed). The first window makes plain decoding
@@ -470,3 +510,38 @@ def test_the_engine_tells_the_guard_which_rounds_of_the_policy_were_plain(worker
     while engine.has_unfinished_requests():
         engine.step()
     assert engine.timings.num_draft_calls > 0 and any(observed)
+
+
+def test_a_round_that_takes_in_prompts_is_measured_net_of_their_price(workers):
+    """A request admitted while another runs has its prompt taken into the round's verify pass: that round reaches
+    the guard measured, its seconds less what the cost model prices the prompt's tokens at in that pass."""
+    from ddtree import SamplingParams
+
+    engine = _engine(workers, max_num_seqs=2)
+    engine.guard.choose = lambda num_requests: POLICY
+    observed = []
+    original = engine.guard.observe
+
+    def observe(num_requests, arm, num_tokens, seconds, measured=True, speculated=True):
+        observed.append((num_requests, seconds, measured))
+        original(num_requests, arm, num_tokens, seconds, measured, speculated)
+
+    engine.guard.observe = observe
+    priced = []
+    engine.budget.cost.verify_seconds_of_part = lambda n, part: (priced.append((n, part)), 100.0)[1]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    engine.add_request("a b a b a b a b", params)
+    for _ in range(3):
+        engine.step()
+    assert observed and all(s > 0 and measured for _, s, measured in observed) and not priced
+    num_before = len(observed)
+    prompt = "the cat sat on"
+    engine.add_request(prompt, params)
+    engine.step()
+    assert engine.timings.num_prompts_in_verify == 1
+    (num_requests, seconds, measured), (num_tokens, num_prompt_tokens) = observed[num_before], priced[0]
+    assert num_requests == 1 and measured and -100.0 < seconds < -99.0  # (the round took well under a second)
+    assert num_prompt_tokens == len(engine.tokenizer.encode(prompt)) and num_tokens > num_prompt_tokens
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert len(priced) == 1 and all(s > 0 for _, s, _ in observed[num_before + 1 :])
