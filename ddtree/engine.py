@@ -478,7 +478,7 @@ class Engine(WorkerRecovery):
         switches arms (`resumes_drafting`) counts in the time spent but is not measured: its catch-up draft is a
         cost of switching, not of the arm. A round that took in admitted prompts is measured net of them (less what
         the cost model prices their tokens at in its verify pass): the prompts are work of neither arm, while what
-        speculating costs beside them is the arm's, and under steady load such rounds are a tenth of all."""
+        speculating costs beside them is the arm's."""
         if self.guard is None or self.drafter_lost is not None or self.target_lost is not None:
             return
         num_tokens = sum(1 + len(e.accepted) for e in batch.entries)

@@ -29,8 +29,8 @@ def test_the_price_of_part_of_a_verify_pass_is_what_it_adds_to_the_pass():
     assert c.verify_seconds_of_part(111, 100) == pytest.approx(0.010)
     assert c.verify_seconds_of_part(61, 50) == pytest.approx(0.025 - 0.020)
     assert c.verify_seconds_of_part(11, 0) == 0.0
-    assert c.verify_seconds_of_part(11, 10) == c.verify_seconds_of_part(11, 40) == pytest.approx(0.010)  # (a pass
-    # keeps at least one token)
+    # the pass without the part keeps at least one token
+    assert c.verify_seconds_of_part(11, 10) == c.verify_seconds_of_part(11, 40) == pytest.approx(0.010)
 
 
 def test_cost_curve_never_falls_and_one_stall_moves_it_little():
