@@ -153,11 +153,9 @@ def run_with_prompts(guard: ThroughputGuard | None, net_of_prompts: bool, seed: 
         round_seconds = (0.0315 if arm == POLICY else 0.030) + has_prompt * (0.030 + 0.020 * (arm == POLICY))
         round_seconds *= rng.uniform(0.9, 1.1)
         if guard is not None:
-            measured = seconds_measured = round_seconds
-            if has_prompt:
-                seconds_measured -= cost.verify_seconds_of_part(16 + 100, 100)
-                measured = net_of_prompts
-            guard.observe(16, arm, round_tokens, seconds_measured if measured else round_seconds, measured=measured)
+            net = round_seconds - has_prompt * cost.verify_seconds_of_part(16 + 100, 100)
+            measured = net_of_prompts or not has_prompt
+            guard.observe(16, arm, round_tokens, net if measured else round_seconds, measured=measured)
         tokens += round_tokens
         seconds += round_seconds
     return tokens / seconds
