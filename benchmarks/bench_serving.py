@@ -60,6 +60,9 @@ MODES = {
     # mode's without the suffix: the benchmark's own process keeps the workers' default)
     "off-4k-pages": {"speculation": "off", "worker_env": {"THP_MEM_ALLOC_ENABLE": "0"}},
     "auto-4k-pages": {"speculation": "ddtree", "budget": "auto", "worker_env": {"THP_MEM_ALLOC_ENABLE": "0"}},
+    # the round's threads at the nice value they start with instead of `round_nice`'s default
+    "off-nice0": {"speculation": "off", "round_nice": None},
+    "auto-nice0": {"speculation": "ddtree", "budget": "auto", "round_nice": None},
 }
 
 

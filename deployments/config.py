@@ -202,6 +202,15 @@ class AppArgs(BaseModel):
         "CPU the replica holds (engine + workers, rounded down; the target and the drafter take turns on them), on "
         "GPUs its own bundle's CPUs. Capped at the cores the actor's process may use.",
     )
+    round_nice: int | None = Field(
+        -10,
+        ge=-20,
+        le=19,
+        description="Unix nice value of the threads that run the engine's rounds: the replica's engine loop and "
+        "the worker actors' compute threads (deployments/priority.py). Below 0 they preempt the node's other "
+        "processes (Ray's, Serve's), whose wake-ups otherwise stall the model's parallel regions on CPU serving. "
+        "Needs CAP_SYS_NICE (root): without it they keep their value, with a warning. None: left as they are.",
+    )
     worker_env: dict[str, str] = Field(
         default_factory=dict,
         description="Environment variables of the worker actors, set over their defaults (deployments/config.py: "
@@ -419,6 +428,7 @@ class WorkerSpec:
     workers_overlap: bool = False  # the two workers have cores or devices of their own
     channel_poll_seconds: float = 0.0  # how long a channel end polls before it blocks (deployments/channel.py)
     env: dict[str, str] = field(default_factory=dict)  # environment variables over the workers' defaults
+    nice: int | None = None  # the compute threads' nice value (`round_nice`; None: unchanged)
 
     @classmethod
     def from_args(cls, args: AppArgs) -> WorkerSpec:
@@ -434,6 +444,7 @@ class WorkerSpec:
             args.workers_overlap,
             args.channel_poll_ms / 1000,
             dict(args.worker_env),
+            args.round_nice,
         )
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from ddtree.detokenizer import Detokenizer, TextDecoder
 from ddtree.outputs import RequestOutput
 from ddtree.sampling_params import SamplingParams
+from deployments.priority import set_thread_nice
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +87,7 @@ class EngineLoop:
     idle_every_s: float = 1.0
     # all streams together get about this many outputs per second at most (`stream_interval`); None: no bound
     max_chunks_per_s: float | None = None
+    nice: int | None = None  # the loop thread's nice value (the app's `round_nice`; None: the replica's)
     _inbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     _streams: dict[str, _Stream] = field(default_factory=dict)
     _thread: threading.Thread | None = None
@@ -216,6 +218,7 @@ class EngineLoop:
     def _run(self) -> None:
         """The loop thread. Whatever fails in it (a step, or a worker call around one: an abort's, an admission's,
         a callback's) fails every request in flight and stops the loop: no caller is left waiting on a dead thread."""
+        set_thread_nice(self.nice)
         try:
             self._serve()
         except BaseException as exc:  # noqa: BLE001 - every waiting caller must hear of it

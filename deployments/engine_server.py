@@ -61,6 +61,7 @@ class DDTreeEngine:
             on_idle=self.metrics.on_idle,
             detokenizer=Detokenizer(copy.deepcopy(target.tokenizer)),
             max_chunks_per_s=self.args.max_stream_chunks_per_s,
+            nice=self.args.round_nice,
         )
         self.loop.start()
         self._drafter_restart: asyncio.Task | None = None  # a new drafter actor loading

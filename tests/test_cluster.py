@@ -28,6 +28,7 @@ GPU_ARGS = {
     "max_budget",
     "engine_num_cpus",
     "worker_num_cpus",
+    "round_nice",
     "num_replicas",
     "autoscaling_config",
 }

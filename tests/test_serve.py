@@ -4,6 +4,7 @@ equal the offline `LLM`'s."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import random
@@ -233,6 +234,28 @@ def test_models_and_health(served, client):
         client.models.retrieve("gpt-9")
     assert info.value.body["code"] == "model_not_found"
     assert requests.get(served["base_url"] + "/health", timeout=10).json() == {"status": "ok"}
+
+
+def _thread_nice_values(pid: int) -> set[int]:
+    values = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):  # (a thread that ended meanwhile)
+            values.add(int(task.joinpath("stat").read_text().rsplit(")", 1)[1].split()[16]))  # field 19: nice
+    return values
+
+
+def test_the_rounds_threads_run_at_the_apps_round_nice(served, client, app_args):
+    """The replica's engine loop and both worker actors' compute threads take `round_nice` (ray_config.yaml's
+    value); each process's other threads keep theirs."""
+    if os.geteuid() != 0:
+        pytest.skip("a nice value below the current one needs CAP_SYS_NICE")
+    client.completions.create(model=MODEL_NAME, prompt="hello", max_tokens=4, temperature=0)  # (a round ran)
+    info = _engine_info(served)
+    nice = app_args["round_nice"]
+    assert nice < 0
+    for pid in (info["pid"], info["worker_pids"]["target"], info["worker_pids"]["drafter"]):
+        values = _thread_nice_values(pid)
+        assert nice in values and len(values) > 1, (pid, values)
 
 
 def test_completions_equal_offline_llm_at_t0(client, offline):

@@ -454,3 +454,25 @@ def test_an_idle_loop_calls_on_idle_and_the_metrics_go_to_zero(workers):
     EngineMetrics(engine, HopTimes(), kv_cache_stats=hung_worker).on_idle()
     assert len(idle_calls) >= 3
     assert metrics._tokens_per_second(time.monotonic(), 0) == 0.0  # the window has passed
+
+
+def test_the_loop_thread_runs_at_the_nice_value_it_is_given(workers):
+    """The loop thread takes the app's `round_nice` (the worker actors' compute threads take the same); the thread
+    that started it keeps its own."""
+    import os
+    import threading
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    if base + 2 > 19:
+        pytest.skip(f"this process already runs at nice {base}")
+
+    def thread_nice(thread: threading.Thread) -> int:
+        with open(f"/proc/self/task/{thread.native_id}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[16])  # field 19: nice
+
+    async def body(loop):
+        await loop.generate("hello world", SamplingParams(temperature=0.0, max_tokens=2))
+        return thread_nice(loop._thread)
+
+    assert run_loop(make_engine(workers), body, nice=base + 2) == base + 2
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base

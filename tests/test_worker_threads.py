@@ -138,3 +138,53 @@ def test_the_apps_worker_env_reaches_the_worker_actors_environment():
     for bad in ({"": "1"}, {"A=B": "1"}, {"A": 1}):
         with pytest.raises(ValueError, match="worker_env"):
             AppArgs(worker_env=bad)
+
+
+def test_worker_nice_reaches_the_threads_a_worker_starts_after_it():
+    """`set_thread_nice` runs first in an actor's `__init__`: the threads it starts later (its channels' and their
+    OpenMP teams) take the value, the threads running before it (Ray's) keep theirs."""
+    import threading
+
+    from deployments.priority import set_thread_nice
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    if base + 3 > 19:
+        pytest.skip(f"this process already runs at nice {base}")
+    seen = {}
+
+    def actor_init():
+        seen["set"] = set_thread_nice(base + 3)
+        child = threading.Thread(target=lambda: seen.setdefault("child", os.getpriority(os.PRIO_PROCESS, 0)))
+        child.start()
+        child.join()
+
+    thread = threading.Thread(target=actor_init)
+    thread.start()
+    thread.join()
+    assert seen == {"set": base + 3, "child": base + 3}
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base
+
+
+def test_worker_nice_without_the_privilege_keeps_the_value_and_warns(monkeypatch, caplog):
+    from deployments import priority
+
+    def refuse(*_):
+        raise PermissionError(1, "Operation not permitted")
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    monkeypatch.setattr(priority.os, "setpriority", refuse)
+    with caplog.at_level("WARNING", logger="deployments.priority"):
+        assert priority.set_thread_nice(-10) == base
+    assert "round_nice=-10 needs CAP_SYS_NICE" in caplog.text
+    assert priority.set_thread_nice(None) == base  # (None: never touched)
+
+
+def test_the_apps_round_nice_reaches_the_worker_spec_and_is_checked():
+    from deployments.config import AppArgs, WorkerSpec
+
+    assert WorkerSpec.from_args(AppArgs()).nice == -10
+    assert WorkerSpec.from_args(AppArgs(round_nice=5)).nice == 5
+    assert WorkerSpec.from_args(AppArgs(round_nice=None)).nice is None
+    for bad in (-21, 20, 1.5, "high"):
+        with pytest.raises(ValueError, match="round_nice"):
+            AppArgs(round_nice=bad)
