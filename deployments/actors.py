@@ -103,7 +103,7 @@ class TargetActor:
     def __init__(self, spec: WorkerSpec, need_drafter: bool) -> None:
         from ddtree.loaders import load_target_worker, resolve_drafter_path
 
-        self.nice = set_thread_nice(spec.nice)
+        set_thread_nice(spec.nice)
         drafter_path = resolve_drafter_path(spec.model, spec.drafter) if need_drafter else None
         self.worker = load_target_worker(
             spec.model,
@@ -138,7 +138,6 @@ class TargetActor:
             "tokenizer": self.tokenizer,
             "channel": self.channel.address,
             "pid": os.getpid(),
-            "nice": self.nice,
         }
 
     def head(self):
@@ -250,7 +249,7 @@ class DrafterActor:
     def __init__(self, spec: WorkerSpec, head) -> None:
         from ddtree.loaders import load_drafter_worker, resolve_drafter_path
 
-        self.nice = set_thread_nice(spec.nice)
+        set_thread_nice(spec.nice)
         path = resolve_drafter_path(spec.model, spec.drafter)
         self.worker = load_drafter_worker(path, head, device=spec.device, dtype=spec.dtype)
         self._spec = spec
@@ -269,7 +268,6 @@ class DrafterActor:
             "channel": self.channel.address,
             "features": self.features.address,
             "pid": os.getpid(),
-            "nice": self.nice,
         }
 
     def handle(self, op: DrafterOp) -> Reply:
