@@ -16,11 +16,11 @@ import os
 logger = logging.getLogger(__name__)
 
 
-def set_thread_nice(nice: int | None) -> int:
+def set_thread_nice(nice: int | None) -> None:
     """The calling thread's nice value becomes `nice`; threads it starts later inherit it (Linux keeps the value per
     thread and copies it to a new one), so called first in an actor's `__init__` it reaches the channel threads and
     their OpenMP teams, while the threads running before (Ray's) keep theirs. A value below the current one needs
-    CAP_SYS_NICE: without it the thread keeps its value, with a warning. Returns the thread's value after."""
+    CAP_SYS_NICE: without it the thread keeps its value, with a warning."""
     if nice is not None:
         try:
             os.setpriority(os.PRIO_PROCESS, 0, nice)
@@ -31,4 +31,3 @@ def set_thread_nice(nice: int | None) -> int:
                 nice,
                 os.getpriority(os.PRIO_PROCESS, 0),
             )
-    return os.getpriority(os.PRIO_PROCESS, 0)

@@ -153,7 +153,8 @@ def test_worker_nice_reaches_the_threads_a_worker_starts_after_it():
     seen = {}
 
     def actor_init():
-        seen["set"] = set_thread_nice(base + 3)
+        set_thread_nice(base + 3)
+        seen["set"] = os.getpriority(os.PRIO_PROCESS, 0)
         child = threading.Thread(target=lambda: seen.setdefault("child", os.getpriority(os.PRIO_PROCESS, 0)))
         child.start()
         child.join()
@@ -174,9 +175,11 @@ def test_worker_nice_without_the_privilege_keeps_the_value_and_warns(monkeypatch
     base = os.getpriority(os.PRIO_PROCESS, 0)
     monkeypatch.setattr(priority.os, "setpriority", refuse)
     with caplog.at_level("WARNING", logger="deployments.priority"):
-        assert priority.set_thread_nice(-10) == base
+        priority.set_thread_nice(-10)
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base
     assert "round_nice=-10 needs CAP_SYS_NICE" in caplog.text
-    assert priority.set_thread_nice(None) == base  # (None: never touched)
+    priority.set_thread_nice(None)  # (None: never touched: `refuse` would raise)
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base
 
 
 def test_the_apps_round_nice_reaches_the_worker_spec_and_is_checked():
