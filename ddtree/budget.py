@@ -53,6 +53,24 @@ from dataclasses import dataclass, field
 from ddtree.cost import CostModel
 from ddtree.ngram import chain_acceptance, merge_chain
 
+# A request of a closed batch may draft while it is at most this many tokens ahead of the one with the most tokens
+# left: about what one drafting round commits beyond a plain one, so that a request that drew ahead rests until the
+# others are in reach again, and the requests the batch waits for draft.
+CLOSED_BATCH_SLACK = 2
+
+
+def closed_batch_drafters(tokens_left: dict[str, int], slack: int = CLOSED_BATCH_SLACK) -> set[str]:
+    """The requests of a closed batch (nothing waits, and nothing more arrives before its last request finishes:
+    `LLM.generate`) that may set its end: those within `slack` tokens of the most tokens left.
+
+    Such a batch takes the rounds until its last request finishes. A token committed for a request ahead of the
+    others shortens none of them: the request leaves early, and the batch ends in a tail of rounds of few requests,
+    which cost more per token than its full rounds, and which plain decoding, whose requests stay in step, never
+    runs. The budget policy prices a round's tokens alike whoever commits them (right where freed seats take new
+    requests), so the engine plans only these requests of a closed batch; the others draft nothing meanwhile."""
+    most = max(tokens_left.values(), default=0)
+    return {rid for rid, n in tokens_left.items() if n >= most - slack}
+
 
 @dataclass
 class RequestBudgetState:

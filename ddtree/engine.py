@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ddtree.budget import BudgetConfig, BudgetPolicy, RoundPlan
+from ddtree.budget import BudgetConfig, BudgetPolicy, RoundPlan, closed_batch_drafters
 from ddtree.config import EngineConfig
 from ddtree.contracts import Drafter, Pending, Target
 from ddtree.cost import CostModel
@@ -118,6 +118,8 @@ class Engine(WorkerRecovery):
         self.scheduler = Scheduler(config.max_num_seqs, config.max_waiting)
         # the closed loop over the budget policy (auto mode only: a fixed budget or dflash is the user's choice)
         self.guard = ThroughputGuard(config.max_explore_share) if is_auto and config.max_explore_share > 0 else None
+        self._is_auto = is_auto
+        self._closed_batch = False  # this step's: see `step`
         # requests that ran in the guard's plain rounds since they last drafted: the drafter is behind on them
         self._drafter_behind: set[str] = set()
         self.requests: dict[str, Request] = {}
@@ -211,9 +213,14 @@ class Engine(WorkerRecovery):
     # ----------------------------------------------------------------------------------------------------------
     # The round
 
-    def step(self) -> list[RequestOutput]:
+    def step(self, closed_batch: bool = False) -> list[RequestOutput]:
         """One round; the outputs of every request that committed tokens or finished in it. With the target lost,
-        nothing runs (the caller waits for `attach_target`)."""
+        nothing runs (the caller waits for `attach_target`).
+
+        `closed_batch`: the caller adds no request before those in the engine finish (`LLM.generate`). Then, with
+        nothing waiting, auto mode drafts only for the requests that may set the batch's end
+        (`ddtree.budget.closed_batch_drafters`)."""
+        self._closed_batch = closed_batch
         outputs: list[RequestOutput] = []
         self._expire_waiting(outputs)
         if self.target_lost is not None:
@@ -315,6 +322,10 @@ class Engine(WorkerRecovery):
         # A request with one token left gets it from the verify's root alone: a draft could add nothing. One whose
         # drafter context was lost with a drafter has nothing to draft from.
         last = {r for r in running if self.requests[r].tokens_left <= 1 or r in self._without_draft_context}
+        if self._closed_batch and self._is_auto and not self.scheduler.waiting:
+            # (over every running request: those in flight in the other pipelined group set the end too)
+            tokens_left = {r: self.requests[r].tokens_left for r in self.scheduler.running}
+            last.update(set(running) - closed_batch_drafters(tokens_left))
         if not last:
             return self.budget.plan(running)
         plan = self.budget.plan([r for r in running if r not in last])

@@ -178,9 +178,9 @@ class LLM:
                 f"(aborted through llm.engine, or stepped by another LLM on the same engine)"
             )
 
-    def _step(self) -> None:
+    def _step(self, closed_batch: bool = False) -> None:
         """One engine step; each output goes to the outbox of the call that added its request."""
-        for out in self.engine.step():
+        for out in self.engine.step(closed_batch):
             box = self._outbox.get(out.request_id)
             if box is not None:
                 box.append(out)
@@ -206,7 +206,8 @@ class LLM:
                     pending.pop(0)
                 for rid in unfinished:
                     self._check_alive(rid)
-                self._step()
+                # Closed: every prompt of the call is in the engine, and no other call (a stream) will add one.
+                self._step(closed_batch=not pending and self._outbox.keys() <= set(order))
                 still = []
                 for rid in unfinished:
                     box = self._outbox[rid]

@@ -3,7 +3,7 @@ import random
 
 import pytest
 
-from ddtree.budget import BudgetConfig, BudgetPolicy
+from ddtree.budget import CLOSED_BATCH_SLACK, BudgetConfig, BudgetPolicy, closed_batch_drafters
 from ddtree.cost import CostModel
 
 
@@ -57,6 +57,14 @@ def test_cost_curve_never_falls_and_one_stall_moves_it_little():
     c = CostModel([(1, 0.020), (11, 0.030)], [(1, 0.005)])
     c.observe_verify(6, 0.025 * 1.5)  # half way: both points move by half the step
     assert c.verify_points == [(1, pytest.approx(0.020 * 1.05)), (11, pytest.approx(0.030 * 1.05))]
+
+
+def test_a_closed_batch_drafts_for_the_requests_within_the_slack_of_the_most_tokens_left():
+    tokens_left = {"a": 40, "b": 40 - CLOSED_BATCH_SLACK, "c": 39 - CLOSED_BATCH_SLACK, "d": 5}
+    assert closed_batch_drafters(tokens_left) == {"a", "b"}
+    assert closed_batch_drafters(tokens_left, slack=0) == {"a"}
+    assert closed_batch_drafters({"a": 3, "b": 3}) == {"a", "b"}  # in step: all of them
+    assert closed_batch_drafters({}) == set()
 
 
 def test_plan_keeps_the_best_number_of_speculating_requests_not_the_first_local_best():

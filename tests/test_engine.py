@@ -14,6 +14,7 @@ from collections import Counter
 import pytest
 import torch
 
+from ddtree.budget import CLOSED_BATCH_SLACK
 from ddtree.cost import CostModel
 from ddtree.engine import Engine, EngineConfig, PromptTooLongError
 from ddtree.llm import LLM
@@ -294,6 +295,37 @@ def test_a_request_with_one_token_left_does_not_draft(workers):
     assert llm.engine.timings.num_draft_calls == 0 and all(o.acceptance_lengths == [] for o in outputs)
     longer = llm.generate(PROMPTS[:1], greedy(12))[0]
     assert longer.acceptance_lengths and sum(longer.acceptance_lengths) <= 11  # drafted, except maybe the last
+
+
+def test_a_closed_batch_drafts_only_for_the_requests_that_set_its_end(workers, monkeypatch):
+    """`LLM.generate`'s requests are a closed batch: nothing more arrives before its last request finishes, so tokens
+    committed ahead of the others shorten nothing. With 8 and 30 new tokens asked, the short request never drafts
+    (it stays more than CLOSED_BATCH_SLACK tokens ahead of the long one) and the long one does; stepped without the
+    promise (a server's loop, or a stream that another call may join), both draft. Outputs equal off's either way.
+    (Without fallback the policy plans every request it is given: what is left out, the rule left out.)"""
+    params = [greedy(8), greedy(30)]
+    reference = [o.token_ids for o in make_llm(workers, speculation="off").generate(PROMPTS[:2], params)]
+    llm = make_llm(workers, speculation="ddtree", budget="auto", allow_fallback=False)
+    engine = llm.engine
+    plan = engine.budget.plan
+    planned = []  # per round: the requests the policy planned, and every running request's tokens left
+
+    def recording_plan(request_ids):
+        planned.append((list(request_ids), {r: engine.requests[r].tokens_left for r in engine.scheduler.running}))
+        return plan(request_ids)
+
+    monkeypatch.setattr(engine.budget, "plan", recording_plan)
+    outputs = llm.generate(PROMPTS[:2], params)
+    assert [o.token_ids for o in outputs] == reference
+    assert planned and all(left[r] >= max(left.values()) - CLOSED_BATCH_SLACK for ids, left in planned for r in ids)
+    assert outputs[0].stats.num_speculative_rounds == 0 and outputs[1].stats.num_speculative_rounds > 0
+
+    ids = [engine.add_request(p, sp) for p, sp in zip(PROMPTS[:2], params)]
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    assert [finals[i].token_ids for i in ids] == reference
+    assert all(finals[i].stats.num_speculative_rounds > 0 for i in ids)
 
 
 @pytest.mark.parametrize(
@@ -865,11 +897,11 @@ def test_an_interrupted_generate_leaves_nothing_queued(workers):
     llm = make_llm(workers, speculation="ddtree", budget=4, max_num_seqs=2)
     engine, real_step, calls = llm.engine, llm.engine.step, []
 
-    def interrupted_step():
+    def interrupted_step(closed_batch=False):
         calls.append(1)
         if len(calls) == 3:
             raise KeyboardInterrupt
-        return real_step()
+        return real_step(closed_batch)
 
     engine.step = interrupted_step
     with pytest.raises(KeyboardInterrupt):
