@@ -18,9 +18,13 @@ from pathlib import Path
 from ddtree.bench_report import ModeResult, print_concurrency_table, print_table, save, save_concurrency
 from ddtree.engine import Engine, EngineConfig
 from ddtree.llm import LLM
+from ddtree.outputs import RequestOutput
 from ddtree.sampling_params import SamplingParams
 
-MODES = ("hf", "off", "dflash", "ddtree", "auto", "auto-no-ngram", "auto-no-loop")
+MODES = ("hf", "off", "dflash", "ddtree", "auto", "auto-no-ngram", "auto-no-loop", "auto-open")
+# auto-open's rows: each group stepped as a server's loop steps the engine, without `LLM.generate`'s promise that
+# nothing more arrives before the group ends (so without auto mode's closed-batch rule, ddtree.budget)
+OPEN_BATCH = "ddtree auto, open batch"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,7 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--modes",
         default="hf,off,dflash,ddtree,auto",
         help="which modes to run (also: auto-no-ngram, auto without n-gram proposals; auto-no-loop, the budget "
-        "policy alone, without the closed loop)",
+        "policy alone, without the closed loop; auto-open, auto stepped as a server steps it, without the "
+        "closed-batch rule)",
     )
     parser.add_argument(
         "--concurrency",
@@ -139,12 +144,14 @@ def _prompt_line(line: str, where: str) -> tuple[str, list[dict]]:
 
 
 def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams, name: str) -> ModeResult:
-    """One group of prompts submitted together (they decode as one batch, which shrinks as they finish)."""
+    """One group of prompts submitted together (they decode as one batch, which shrinks as they finish): through
+    `LLM.generate`, a closed batch, or stepped as a server steps the engine for the open-batch mode."""
     result = ModeResult(name)
-    llm = LLM.from_engine(engine)
     engine.timings.__init__()
     t0 = time.perf_counter()
-    for out in llm.generate(prompts, params):
+    is_open = name.startswith(OPEN_BATCH)
+    outputs = step_open(engine, prompts, params) if is_open else LLM.from_engine(engine).generate(prompts, params)
+    for out in outputs:
         result.num_tokens += len(out.token_ids)
         result.acceptance_lengths.extend(out.acceptance_lengths)
         result.budgets.extend(out.stats.budgets)
@@ -153,6 +160,15 @@ def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams,
     result.seconds = time.perf_counter() - t0
     result.timings = engine.timings.as_dict()
     return result
+
+
+def step_open(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> list[RequestOutput]:
+    """The prompts' final outputs, in order, the engine stepped with no promise about what arrives next."""
+    ids = [engine.add_request(prompt, params) for prompt in prompts]
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update({out.request_id: out for out in engine.step() if out.finished})
+    return [finals[rid] for rid in ids]
 
 
 def run_pass(
@@ -188,7 +204,7 @@ def run_hf(model_dir: str, prompts: list[list[int]], max_tokens: int, eos_token_
     return result
 
 
-SPECULATIVE_MODES = ("dflash", "ddtree", "auto", "auto-no-ngram", "auto-no-loop")
+SPECULATIVE_MODES = ("dflash", "ddtree", "auto", "auto-no-ngram", "auto-no-loop", "auto-open")
 
 
 def parse_concurrencies(value) -> list[int]:
@@ -309,6 +325,8 @@ def run(args) -> int:
         configs.append(("ddtree auto, no n-gram", EngineConfig(speculation="ddtree", budget="auto", ngram_tokens=0)))
     if "auto-no-loop" in modes:
         configs.append(("ddtree auto, no loop", EngineConfig(speculation="ddtree", budget="auto", max_explore_share=0)))
+    if "auto-open" in modes:
+        configs.append((OPEN_BATCH, EngineConfig(speculation="ddtree", budget="auto")))
     engines = []
     for name, config in configs:
         config.max_num_seqs = max_concurrency

@@ -85,7 +85,7 @@ def test_bench_sweeps_concurrency_in_one_table(tmp_path, capsys):
                 "--budgets",
                 "2,4",
                 "--modes",
-                "off,dflash,ddtree,auto,auto-no-loop",
+                "off,dflash,ddtree,auto,auto-no-loop,auto-open",
                 "--concurrency",
                 "1,3",
                 "--threads",
@@ -99,14 +99,22 @@ def test_bench_sweeps_concurrency_in_one_table(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert "| concurrency | mode | tokens/s | x off | drafted | tokens/round | tau |" in printed
     table = [line for line in printed.splitlines() if line.startswith("| 1 |") or line.startswith("| 3 |")]
-    assert len(table) == 2 * 5  # off, dflash, auto, auto without its loop, best B: at each count
+    assert len(table) == 2 * 6  # off, dflash, auto, auto without its loop, auto in open batches, best B: at each
     assert sum("(best B)" in line for line in table) == 2
     assert "T=0 outputs identical to `off`: all modes, every concurrency" in printed
     rows = json.loads((out / "results.json").read_text())
     assert {(r["concurrency"], r["mode"]) for r in rows} == {
         (c, m)
         for c in (1, 3)
-        for m in ("off", "dflash", "ddtree B=2", "ddtree B=4", "ddtree auto", "ddtree auto, no loop")
+        for m in (
+            "off",
+            "dflash",
+            "ddtree B=2",
+            "ddtree B=4",
+            "ddtree auto",
+            "ddtree auto, no loop",
+            "ddtree auto, open batch",
+        )
     }
     assert all(r["num_tokens"] == 3 * 6 for r in rows)
 
