@@ -206,8 +206,9 @@ class LLM:
                     pending.pop(0)
                 for rid in unfinished:
                     self._check_alive(rid)
-                # Closed: every prompt of the call is in the engine, and no other call (a stream) will add one.
-                self._step(closed_batch=not pending and self._outbox.keys() <= set(order))
+                # Closed: every prompt of the call is in the engine, and no other call (a stream) will add one. The
+                # outbox holds a box per request of this call (`order`) until it returns, and others' besides.
+                self._step(closed_batch=not pending and len(self._outbox) == len(order))
                 still = []
                 for rid in unfinished:
                     box = self._outbox[rid]
