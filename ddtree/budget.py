@@ -81,6 +81,8 @@ class RequestBudgetState:
     is_fallback: bool = False
     probe_interval: int = 0  # backoff: autoregressive rounds before the next probe (doubles while probes fail)
     num_rounds_rested: int = 0  # autoregressive rounds since it last drafted (0 while it speculates)
+    # its n-gram chains' values by depth (`BudgetPolicy.ngram_acceptance`); None until one of its chains is judged
+    ngram_acceptance: list[float] | None = None
 
     @property
     def calibration(self) -> float:
@@ -98,6 +100,9 @@ class BudgetConfig:
     fixed_budget: int | None = None  # None: adaptive ("auto"); an int: every speculating request gets exactly this
     max_budget: int = 64  # per-request cap in auto mode (and the top-K the drafter returns)
     ema_weight: float = 0.1  # weight of the newest observation after one round (0.3 fell back on streaks of misses)
+    # weight of one chain's outcome in the population's chain values (the prior of a request's own; several chains
+    # are judged per round)
+    ngram_ema_weight: float = 0.02
     initial_gain: float = 2.0  # prior gain before any request has been observed: optimistic, so the drafter is tried
     min_probe_interval: int = 4  # backoff: first rest in fallback, in rounds
     max_probe_interval: int = 64  # backoff cap, in rounds
@@ -117,6 +122,8 @@ class BudgetConfig:
             raise ValueError(f"max_budget must be an integer >= 1, got {self.max_budget!r}")
         if not is_number(self.ema_weight) or not 0 < self.ema_weight <= 1:
             raise ValueError(f"ema_weight must be in (0, 1], got {self.ema_weight!r}")
+        if not is_number(self.ngram_ema_weight) or not 0 < self.ngram_ema_weight <= 1:
+            raise ValueError(f"ngram_ema_weight must be in (0, 1], got {self.ngram_ema_weight!r}")
         if not is_number(self.initial_gain) or self.initial_gain < 0:
             raise ValueError(f"initial_gain must be a finite number >= 0, got {self.initial_gain!r}")
         if not is_int(self.min_probe_interval) or self.min_probe_interval < 1:
@@ -169,7 +176,8 @@ class BudgetPolicy:
     states: dict[str, RequestBudgetState] = field(default_factory=dict)
     population_gain: float | None = None  # EMA of accepted nodes per speculative round over all requests
     # n-gram proposals (ddtree.ngram): per chain depth d, an EMA over all requests of whether verifying the chain
-    # alone would have accepted its first d tokens (a node's value); the prior is what SmolLM2's own answers gave
+    # alone would have accepted its first d tokens; the prior is what SmolLM2's own answers gave. A request's chain
+    # nodes are valued at its own EMA, which starts from this one (`ngram_values`).
     ngram_acceptance: list[float] = field(default_factory=lambda: [0.5, 0.35, 0.25])
 
     def add(self, request_id: str) -> None:
@@ -385,12 +393,12 @@ class BudgetPolicy:
                 if chains.get(rid):
                     keep = first[i] + len(chains[rid])
                     trees[i] = self._merged(
-                        trees[i].token_ids[:keep], trees[i].parents[:keep], trees[i].values[:keep], chains[rid]
+                        rid, trees[i].token_ids[:keep], trees[i].parents[:keep], trees[i].values[:keep], chains[rid]
                     )
         request_ids = list(plan.speculative_ids)
         for rid in plan.autoregressive_ids:
             if chains.get(rid):
-                trees.append(self._merged([], [], [], chains[rid]))
+                trees.append(self._merged(rid, [], [], [], chains[rid]))
                 request_ids.append(rid)
         num_drafted = len(plan.speculative_ids)
         if not trees:
@@ -401,37 +409,50 @@ class BudgetPolicy:
         )
         return RoundAllocation(request_ids, trees, counts, num_drafted)
 
-    def _merged(self, token_ids: list[int], parents: list[int], values: list[float], chain: list[int]) -> ProposedTree:
+    def _merged(
+        self, request_id: str, token_ids: list[int], parents: list[int], values: list[float], chain: list[int]
+    ) -> ProposedTree:
         token_ids, parents, depths, values = merge_chain(
-            token_ids, parents, values, chain, self.ngram_values(len(chain))
+            token_ids, parents, values, chain, self.ngram_values(len(chain), request_id)
         )
         return ProposedTree(values, token_ids, parents, depths)
 
-    def ngram_values(self, chain_length: int) -> list[float]:
-        """Values of an n-gram chain's nodes: the observed chance that the chain alone is accepted that deep."""
-        while len(self.ngram_acceptance) < chain_length:  # deeper than the prior: decay as it does
-            self.ngram_acceptance.append(0.7 * self.ngram_acceptance[-1])
-        return list(self.ngram_acceptance[:chain_length])
+    def ngram_values(self, chain_length: int, request_id: str | None = None) -> list[float]:
+        """Values of an n-gram chain's nodes: the observed chance that the chain alone is accepted that deep, for
+        this request (the population's until one of its chains is judged).
 
-    def observe_ngram(self, num_known: int, num_accepted: int) -> None:
-        """A proposed chain whose first `num_known` depths have a known outcome: the first `num_accepted` of them
-        would be accepted by verifying the chain alone, the rest not."""
-        w = self.config.ema_weight
-        for d in range(num_known):
-            self.ngram_acceptance[d] = (1 - w) * self.ngram_acceptance[d] + w * float(d < num_accepted)
-        for d in range(1, len(self.ngram_acceptance)):  # values must not grow with depth (chains stay trees)
-            self.ngram_acceptance[d] = min(self.ngram_acceptance[d], self.ngram_acceptance[d - 1])
+        Per request because how often chains hold differs by text far more than by round (code repeats its names,
+        chat seldom itself): valued at the population's mean, the chains of a batch's chat requests were priced at
+        what its code requests' earned, and verified where they did not repay their rows."""
+        s = self.states.get(request_id) if request_id is not None else None
+        values = s.ngram_acceptance if s is not None and s.ngram_acceptance is not None else self.ngram_acceptance
+        _extend_chain_values(values, chain_length)
+        return list(values[:chain_length])
 
-    def observe_proposal(self, chain: list[int] | None, committed: list[int]) -> int:
+    def observe_ngram(self, num_known: int, num_accepted: int, request_id: str | None = None) -> None:
+        """A proposed chain (of `request_id`, if given) whose first `num_known` depths have a known outcome: the
+        first `num_accepted` of them would be accepted by verifying the chain alone, the rest not. The request's
+        values move by `ema_weight` (a round's weight, as its other estimates), the population's by
+        `ngram_ema_weight` per chain."""
+        s = self.states.get(request_id) if request_id is not None else None
+        if s is not None:
+            if s.ngram_acceptance is None:
+                s.ngram_acceptance = list(self.ngram_acceptance)
+            _observe_chain_values(s.ngram_acceptance, num_known, num_accepted, self.config.ema_weight)
+        _observe_chain_values(self.ngram_acceptance, num_known, num_accepted, self.config.ngram_ema_weight)
+
+    def observe_proposal(self, chain: list[int] | None, committed: list[int], request_id: str | None = None) -> int:
         """How many of a proposed chain's tokens the target's own (`committed`: accepted + bonus) confirm, recorded
         for the chain values, whether or not the chain was verified: at T=0 the target's tokens along the committed
         path are what verifying the chain alone would have compared it with (at T>0 too: samples are keyed by
-        position). Depths past the committed tokens, after a confirmed prefix, stay unknown."""
+        position). A rejection at depth k settles every depth from k on: the chain is not accepted that deep (a
+        depth's value is the chance of accepting the chain that deep, not past the depth before). Depths past the
+        committed tokens, after a confirmed prefix, stay unknown."""
         if not chain:
             return 0
         num_confirmed = chain_acceptance(chain, committed)
         is_rejection_known = num_confirmed < min(len(chain), len(committed))
-        self.observe_ngram(num_confirmed + int(is_rejection_known), num_confirmed)
+        self.observe_ngram(len(chain) if is_rejection_known else num_confirmed, num_confirmed, request_id)
         return num_confirmed
 
     def observe(
@@ -471,3 +492,16 @@ class BudgetPolicy:
         nodes = self._expected_nodes(s)
         spec = (1 + self._gain(s)) / (self.cost.draft_seconds(1) + self.cost.verify_seconds(1 + round(nodes)))
         return spec > 1.0 / self.cost.verify_seconds(1)
+
+
+def _extend_chain_values(values: list[float], chain_length: int) -> None:
+    while len(values) < chain_length:  # deeper than the prior: decay as it does
+        values.append(0.7 * values[-1])
+
+
+def _observe_chain_values(values: list[float], num_known: int, num_accepted: int, weight: float) -> None:
+    _extend_chain_values(values, num_known)
+    for d in range(num_known):
+        values[d] = (1 - weight) * values[d] + weight * float(d < num_accepted)
+    for d in range(1, len(values)):  # values must not grow with depth (chains stay trees)
+        values[d] = min(values[d], values[d - 1])

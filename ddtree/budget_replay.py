@@ -160,7 +160,7 @@ class Replay:
                 if ngram_tokens:
                     continuation = slot.trace.continuation(slot.position)
                     accepted = accepted_along(tree.token_ids[:n], tree.parents[:n], continuation)
-                    without_draft = policy.observe_proposal(chains[rid], continuation[: accepted + 1])
+                    without_draft = policy.observe_proposal(chains[rid], continuation[: accepted + 1], rid)
                 else:
                     accepted, without_draft = slot.trace.accepted(slot.position, n), 0
                 if is_drafted:

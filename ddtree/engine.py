@@ -452,7 +452,7 @@ class Engine(WorkerRecovery):
             cost.observe_draft(batch.num_drafting, batch.draft_seconds)
         cost.observe_verify(batch.num_verified_tokens, batch.verify_seconds)
         for e in batch.entries:
-            without_draft = self.budget.observe_proposal(e.chain, e.accepted + [e.bonus])
+            without_draft = self.budget.observe_proposal(e.chain, e.accepted + [e.bonus], e.request_id)
             stats = self.requests[e.request_id].stats
             if e.drafts:
                 self.budget.observe(e.request_id, e.predicted, len(e.accepted), e.tree.num_nodes, without_draft)

@@ -313,6 +313,7 @@ def test_one_rejected_round_does_not_send_a_new_request_to_fallback():
         ("max_probe_interval", 2),  # below min_probe_interval (4)
         ("max_budget", 0),
         ("ema_weight", 0.0),
+        ("ngram_ema_weight", 1.5),
         ("initial_gain", -1.0),
     ],
 )
@@ -444,3 +445,49 @@ def test_requests_that_leave_undrafted_bring_drafting_back():
             break
         policy.remove(rid)  # left after two rounds, never probed
     assert drafted_at is not None and drafted_at <= 15
+
+
+def test_chain_values_estimate_the_chance_of_accepting_the_chain_that_deep():
+    """A depth's value is the chance that verifying the chain alone accepts it that deep. A chain rejected at its
+    first token is known not to be accepted two or three deep either: counted only at the first depth, the deeper
+    values would estimate acceptance given the depth before (0.9 here) and price chains' deep nodes at up to 1 / p1
+    times their worth. What the committed tokens do not reach stays unknown."""
+    policy = BudgetPolicy(BudgetConfig(), linear_cost())
+    rng = random.Random(0)
+    chain = [7, 8, 9]
+    sums = [0.0] * 3  # the values averaged over the rounds (an EMA of weight 0.1 is a noisy estimate of its own)
+    num_rounds = 4000
+    for _ in range(num_rounds):
+        depth = 0  # how deep the target's tokens agree with the chain: first token 0.4, each next one 0.9
+        while depth < 3 and rng.random() < (0.4 if depth == 0 else 0.9):
+            depth += 1
+        policy.observe_proposal(chain, chain[:depth] + [0])  # the accepted tokens, then the bonus token
+        sums = [a + b for a, b in zip(sums, policy.ngram_values(3))]
+    expected = [0.4, 0.4 * 0.9, 0.4 * 0.81]
+    assert [a / num_rounds for a in sums] == pytest.approx(expected, abs=0.03)
+    # confirmed as far as the committed tokens go: nothing known past them
+    before = policy.ngram_values(3)
+    policy.observe_proposal(chain, [7])
+    after = policy.ngram_values(3)
+    assert after[0] > before[0] and after[1:] == before[1:]
+
+
+def test_each_request_values_its_chains_at_what_its_own_chains_earned():
+    """Chains hold far more often in some texts (code repeats its names) than in others: a request's chain nodes are
+    valued at its own record, which starts from the population's, so a batch's chat requests are not priced at what
+    its code requests earn. A request not yet judged gets the population's values."""
+    policy = BudgetPolicy(BudgetConfig(), linear_cost())
+    chain = [7, 8, 9]
+    policy.add("code")
+    policy.add("chat")
+    for _ in range(30):
+        policy.observe_proposal(chain, chain + [0], "code")  # accepted whole
+        policy.observe_proposal(chain, [0], "chat")  # rejected at its first token
+    code, chat = policy.ngram_values(3, "code"), policy.ngram_values(3, "chat")
+    assert all(v > 0.9 for v in code) and all(v < 0.05 for v in chat)
+    population = policy.ngram_values(3)
+    assert chat[0] < population[0] < code[0]
+    policy.add("new")
+    assert policy.ngram_values(3, "new") == population
+    policy.remove("code")
+    assert policy.ngram_values(3, "code") == population  # (a request that left: the population's)
