@@ -426,8 +426,8 @@ class BudgetPolicy:
         this request (the population's until one of its chains is judged).
 
         Per request because how often chains hold differs by text far more than by round (code repeats its names,
-        chat seldom itself): valued at the population's mean, the chains of a batch's chat requests were priced at
-        what its code requests' earned, and verified where they did not repay their rows."""
+        chat seldom itself): at the population's mean, a batch's chat requests' chains would be priced at what its
+        code requests' earn, and verified where they do not repay their rows."""
         s = self.states.get(request_id) if request_id is not None else None
         values = s.ngram_acceptance if s is not None and s.ngram_acceptance is not None else self.ngram_acceptance
         _extend_chain_values(values, chain_length)
