@@ -67,9 +67,7 @@ def closed_batch_drafters(tokens_left: dict[str, int], slack: int = CLOSED_BATCH
     others shortens none of them: the request leaves early, and the batch ends in a tail of rounds of few requests,
     which cost more per token than its full rounds, and which plain decoding, whose requests stay in step, never
     runs. The budget policy prices a round's tokens alike whoever commits them (right where freed seats take new
-    requests), so the engine plans only these requests of a closed batch; the others draft nothing meanwhile, and
-    verify no n-gram chain either: a chain's accepted token would save its request's row in a later round, one row
-    for each row it costs now, so a chain never repays the rows it adds."""
+    requests), so the engine plans only these requests of a closed batch; the others draft nothing meanwhile."""
     most = max(tokens_left.values(), default=0)
     return {rid for rid, n in tokens_left.items() if n >= most - slack}
 
@@ -143,8 +141,6 @@ class RoundPlan:
     speculative_ids: list[str]  # draft these, in this order
     autoregressive_ids: list[str]  # one token each, no drafter call
     max_budgets: list[int]  # per speculative request: nodes the tree builder may produce
-    # of the autoregressive ones, those that verify their root alone, without their n-gram chain
-    unchained_ids: frozenset[str] = frozenset()
 
 
 @dataclass

@@ -322,17 +322,15 @@ class Engine(WorkerRecovery):
         # A request with one token left gets it from the verify's root alone: a draft could add nothing. One whose
         # drafter context was lost with a drafter has nothing to draft from.
         last = {r for r in running if self.requests[r].tokens_left <= 1 or r in self._without_draft_context}
-        ahead: frozenset[str] = frozenset()
         if self._closed_batch and self._is_auto and not self.scheduler.waiting:
             # (over every running request: those in flight in the other pipelined group set the end too)
             tokens_left = {r: self.requests[r].tokens_left for r in self.scheduler.running}
-            ahead = frozenset(running) - closed_batch_drafters(tokens_left)
-            last.update(ahead)
+            last.update(set(running) - closed_batch_drafters(tokens_left))
         if not last:
             return self.budget.plan(running)
         plan = self.budget.plan([r for r in running if r not in last])
         return RoundPlan(
-            plan.speculative_ids, plan.autoregressive_ids + [r for r in running if r in last], plan.max_budgets, ahead
+            plan.speculative_ids, plan.autoregressive_ids + [r for r in running if r in last], plan.max_budgets
         )
 
     def _schedule(self, running: list[str], prompt_ids: list[str]) -> RoundBatch:

@@ -99,7 +99,7 @@ class Pipeline:
             RoundPlan(plan.speculative_ids[:max_drafting], [], plan.max_budgets[:max_drafting]), roots
         )
         rest = plan.autoregressive_ids + plan.speculative_ids[max_drafting:]
-        return drafting, [RoundEntry(rid, roots[rid], is_open=rid not in plan.unchained_ids) for rid in rest]
+        return drafting, [RoundEntry(rid, roots[rid]) for rid in rest]
 
     def _build_next_group(self, drafting: RoundBatch, plain: list[RoundEntry], pending: Pending) -> None:
         """The drafting group's trees, priced with this phase's plain requests (root only) standing in for those of

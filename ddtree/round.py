@@ -62,8 +62,7 @@ class RoundBatch:
     @classmethod
     def from_plan(cls, plan: RoundPlan, roots: dict[str, int], **kwargs) -> RoundBatch:
         drafting = [RoundEntry(r, roots[r], b) for r, b in zip(plan.speculative_ids, plan.max_budgets)]
-        plain = [RoundEntry(r, roots[r], is_open=r not in plan.unchained_ids) for r in plan.autoregressive_ids]
-        return cls(drafting + plain, **kwargs)
+        return cls(drafting + [RoundEntry(r, roots[r]) for r in plan.autoregressive_ids], **kwargs)
 
     @property
     def request_ids(self) -> list[str]:
