@@ -455,7 +455,7 @@ def test_chain_values_estimate_the_chance_of_accepting_the_chain_that_deep():
     policy = BudgetPolicy(BudgetConfig(), linear_cost())
     rng = random.Random(0)
     chain = [7, 8, 9]
-    sums = [0.0] * 3  # the values averaged over the rounds (an EMA of weight 0.1 is a noisy estimate of its own)
+    sums = [0.0] * 3  # the values averaged over the rounds (one EMA value is a noisy estimate of its own)
     num_rounds = 4000
     for _ in range(num_rounds):
         depth = 0  # how deep the target's tokens agree with the chain: first token 0.4, each next one 0.9
