@@ -503,6 +503,7 @@ class Engine(WorkerRecovery):
             seconds,
             measured=not batch.resumes_drafting,
             speculated=batch.speculates,
+            plain_seconds=self.budget.cost.verify_seconds(len(batch.entries)),
         )
 
     def _append_tokens(

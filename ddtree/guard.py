@@ -9,10 +9,17 @@ plain decoding (no draft, no n-gram chain: what `speculation: off` does), and ru
 A round's speed is split in two, measured differently:
 - Committed tokens per request per round, an exponential moving average per arm. It depends on the text and the
   drafter, not on how fast the machine is right now, so rounds far apart in time compare fairly.
-- Round seconds, compared in pairs of adjacent runs only: each window of one arm against the rounds of the other
-  arm just before it, as a log ratio averaged over windows. A round's time drifts within a run by more than the
-  arms differ (other load on the machine, the requests' context lengths), so an arm's seconds measured minutes ago
-  say little about the other arm's now; adjacent rounds see the same machine and nearly the same requests.
+- Round seconds, compared between adjacent rounds only: wherever a bucket's rounds switch between speculating and
+  plain decoding (an exploring window, or the policy resting all its requests in its own fallback, or drafting
+  again), the first rounds after the switch against the last ones before it, as a log ratio averaged over such
+  pairs. A round's time drifts within a run by more than the arms differ (other load on the machine, the requests'
+  context lengths), so an arm's seconds measured minutes ago say little about the other arm's now; adjacent rounds
+  see the same machine and nearly the same requests. Each round's seconds are taken relative to the cost model's
+  price of a plain round of its batch size, so that the sizes within a bucket compare (the policy rests where
+  requests have left); the model only scales between nearby sizes, and its level cancels out. Pairs at the
+  policy's own resting rounds cost nothing to explore and follow its rounds as they change (a request's opening
+  rounds draft little); exploring windows alone, which the share spaces out, left the ratio where the bucket's
+  first rounds had put it.
 
 Only the policy's estimate is noisy (plain decoding commits exactly one token per request-round), so the two are read
 asymmetrically: the running policy gives way to plain decoding only where it measures slower by more than
@@ -55,16 +62,11 @@ def check_max_explore_share(value) -> None:
 
 @dataclass
 class _Arm:
-    window_rounds: int
     tokens: float = 0.0  # EMA of committed tokens per request per round
     squares: float = 0.0  # EMA of their squares (the spread of a round's tokens)
     seconds: float = 0.0  # EMA of round seconds (what a window of this arm is expected to cost)
     num_rounds: int = 0  # since the estimate was last started afresh
     total_rounds: int = 0
-    recent: deque = field(init=False)  # seconds of its last `window_rounds` rounds, for pairing
-
-    def __post_init__(self) -> None:
-        self.recent = deque(maxlen=self.window_rounds)
 
     def restart(self) -> None:
         self.tokens = self.squares = self.seconds = 0.0
@@ -77,11 +79,6 @@ class _Arm:
         self.seconds += w * (seconds - self.seconds)
         self.num_rounds += 1
         self.total_rounds += 1
-        self.recent.append(seconds)
-
-    @property
-    def recent_seconds(self) -> float:
-        return sum(self.recent) / len(self.recent)
 
     def relative_error(self, weight: float) -> float:
         """The standard error of `tokens` over its value: a plain mean's for the first rounds, then an EMA's (whose
@@ -90,6 +87,28 @@ class _Arm:
             return math.inf
         variance = max(0.0, self.squares - self.tokens**2)
         return math.sqrt(variance / min(self.num_rounds, (2 - weight) / weight)) / self.tokens
+
+
+@dataclass
+class _Run:
+    """Consecutive measured rounds of a bucket that ran alike (speculating, or plain decoding), as relative seconds
+    (`ThroughputGuard.observe`): its first and its last `window_rounds`, the ends that border the runs around it."""
+
+    ran: str
+    window_rounds: int
+    head: list[float] = field(default_factory=list)
+    tail: deque = field(init=False)
+    last_index: int = 0  # the guard's round index of its last round
+    is_paired: bool = False  # its head was compared with the run before it
+
+    def __post_init__(self) -> None:
+        self.tail = deque(maxlen=self.window_rounds)
+
+    def add(self, relative_seconds: float, index: int) -> None:
+        if len(self.head) < self.window_rounds:
+            self.head.append(relative_seconds)
+        self.tail.append(relative_seconds)
+        self.last_index = index
 
 
 @dataclass
@@ -102,12 +121,14 @@ class _Bucket:
     current: str = POLICY  # the arm measured faster (as `_decide` reads the estimates)
     window_arm: str | None = None  # the arm being measured afresh, until it has `window_rounds` rounds again
     is_exploring: bool = False  # the window explores (else it is the arm's first measurement in the bucket)
-    reference_seconds: float | None = None  # the other arm's recent round seconds when the window began
-    log_seconds_ratio: float = 0.0  # log(policy round seconds / plain round seconds), averaged over windows
+    run: _Run | None = None  # the measured rounds running alike now
+    before: _Run | None = None  # the run of the other kind just before it (None where it ended rounds earlier)
+    log_seconds_ratio: float = 0.0  # log(speculating round seconds / plain round seconds), averaged over pairs
     num_pairs: int = 0
+    pair_weights: float = 0.0  # the pairs' weights summed (`_pair`)
 
     def __post_init__(self) -> None:
-        self.arms = {POLICY: _Arm(self.window_rounds), PLAIN: _Arm(self.window_rounds)}
+        self.arms = {POLICY: _Arm(), PLAIN: _Arm()}
 
 
 @dataclass
@@ -117,11 +138,12 @@ class ThroughputGuard:
     window_rounds: int = 4  # rounds per exploring window (and per arm's first measurement)
     # windows per arm and bucket that explore outside the share: the first verdicts rest on a few rounds each
     first_windows: int = 2
-    pair_weight: float = 0.25  # EMA weight of a window's seconds ratio (~4 windows' memory)
+    pair_weight: float = 0.25  # EMA weight of a pair's seconds ratio (~4 pairs' memory)
     # standard errors of its token estimate by which the running policy must measure slower before plain decoding
     # replaces it (plain decoding's tokens per request-round are known exactly: 1)
     confidence: float = 1.0
     buckets: dict[int, _Bucket] = field(default_factory=dict)
+    num_rounds: int = 0  # of every bucket: a run's neighbour counts as adjacent within `window_rounds` of them
 
     def __post_init__(self) -> None:
         check_max_explore_share(self.max_explore_share)
@@ -200,9 +222,7 @@ class ThroughputGuard:
 
     @staticmethod
     def _start_window(bucket: _Bucket, arm: str, is_exploring: bool) -> None:
-        other = bucket.arms[PLAIN if arm == POLICY else POLICY]
         bucket.window_arm, bucket.is_exploring = arm, is_exploring
-        bucket.reference_seconds = other.recent_seconds if other.recent else None
 
     def observe(
         self,
@@ -212,6 +232,7 @@ class ThroughputGuard:
         seconds: float,
         measured: bool = True,
         speculated: bool = True,
+        plain_seconds: float | None = None,
     ) -> None:
         """A round of `num_requests` requests ran on `arm`, committing `num_tokens` tokens in `seconds`. A round not
         `measured` counts in the time spent but not in the arm's measure: one that switches arms (a round of the
@@ -223,9 +244,15 @@ class ThroughputGuard:
         A policy round that did not speculate (`speculated` false: every request resting in the policy's own
         fallback, no n-gram chain) was plain decoding, and is measured on the plain arm. Counted as the policy's,
         it would price the policy at exactly one token per round with no spread, the guard would turn speculation
-        off on that alone, and its later exploring windows, whose requests still rest, would keep it off."""
+        off on that alone, and its later exploring windows, whose requests still rest, would keep it off.
+
+        `plain_seconds`: what the cost model prices a plain round of `num_requests` requests at. Round seconds are
+        paired as `seconds / plain_seconds`, so that adjacent rounds of different batch sizes in a bucket compare
+        (the policy's resting rounds come where requests leave, fewer of them than in its drafting rounds); the
+        model only scales between nearby batch sizes, and its level cancels out."""
         if seconds <= 0 or num_requests <= 0:
             return
+        self.num_rounds += 1
         bucket = self._bucket(num_requests)
         ran = arm if speculated else PLAIN  # what the round did, where `arm` is what was chosen
         if (bucket.window_arm == arm and bucket.is_exploring) or min(
@@ -240,20 +267,40 @@ class ThroughputGuard:
             return
         arm_ran = bucket.arms[ran]
         arm_ran.observe(num_tokens / num_requests, seconds, self.weight)
+        self._extend_run(bucket, ran, seconds / plain_seconds if plain_seconds else seconds)
         if bucket.window_arm == ran and arm_ran.num_rounds >= self.window_rounds:
-            self._end_window(bucket, ran)
+            bucket.window_arm = None
         if bucket.window_arm is None:
             self._decide(bucket, num_requests)
 
-    def _end_window(self, bucket: _Bucket, arm: str) -> None:
-        """The window's round seconds against the other arm's just before it: one sample of the seconds ratio."""
-        if bucket.reference_seconds is not None and bucket.reference_seconds > 0:
-            sample = math.log(bucket.arms[arm].recent_seconds / bucket.reference_seconds)
-            sample = sample if arm == POLICY else -sample  # as policy over plain
-            w = max(self.pair_weight, 1.0 / (bucket.num_pairs + 1))
-            bucket.log_seconds_ratio += w * (sample - bucket.log_seconds_ratio)
-            bucket.num_pairs += 1
-        bucket.window_arm = bucket.reference_seconds = None
+    def _extend_run(self, bucket: _Bucket, ran: str, relative_seconds: float) -> None:
+        """The round joins its bucket's run of rounds that ran alike, or starts the next one. A run's first
+        `window_rounds` rounds are compared with the last ones of the run just before it, where that one ended
+        within `window_rounds` rounds (of any bucket) of its start: adjacent rounds see the same machine."""
+        run = bucket.run
+        if run is None or run.ran != ran:
+            if run is not None and not run.is_paired:
+                self._pair(bucket)  # (a run shorter than a window: paired as it ends)
+            is_adjacent = run is not None and self.num_rounds - run.last_index <= self.window_rounds
+            bucket.before = run if is_adjacent else None
+            bucket.run = run = _Run(ran, self.window_rounds)
+        run.add(relative_seconds, self.num_rounds)
+        if len(run.head) == self.window_rounds and not run.is_paired:
+            self._pair(bucket)
+
+    def _pair(self, bucket: _Bucket) -> None:
+        """One sample of the seconds ratio: the run's first rounds against the last rounds of the run before it,
+        weighed by the shorter side's share of a window (a round or two alone say less)."""
+        run, before = bucket.run, bucket.before
+        run.is_paired = True
+        if before is None:
+            return
+        means = {r.ran: sum(seconds) / len(seconds) for r, seconds in ((run, run.head), (before, before.tail))}
+        share = min(len(run.head), len(before.tail)) / self.window_rounds
+        bucket.pair_weights += share
+        w = max(self.pair_weight * share, share / bucket.pair_weights)  # the first pairs: their plain mean
+        bucket.log_seconds_ratio += w * (math.log(means[POLICY] / means[PLAIN]) - bucket.log_seconds_ratio)
+        bucket.num_pairs += 1
 
     def describe(self) -> list[dict]:
         """Per bucket: batch sizes, rounds, the share of time explored, the policy's measured speedup over plain
