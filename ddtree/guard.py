@@ -243,8 +243,8 @@ class ThroughputGuard:
 
         A policy round that did not speculate (`speculated` false: every request resting in the policy's own
         fallback, no n-gram chain) was plain decoding, and is measured on the plain arm. Counted as the policy's,
-        it would price the policy at exactly one token per round with no spread, the guard would turn speculation
-        off on that alone, and its later exploring windows, whose requests still rest, would keep it off.
+        it would price the policy at exactly one token per round with no spread, for the ~50 rounds its estimate
+        remembers after it drafts again.
 
         `plain_seconds`: what the cost model prices a plain round of `num_requests` requests at. Round seconds are
         paired as `seconds / plain_seconds`, so that adjacent rounds of different batch sizes in a bucket compare
