@@ -274,7 +274,7 @@ def run_phases(guard: ThroughputGuard | None, num_rounds: int, seed: int) -> flo
             round_tokens, round_seconds = (18.4, 0.077) if num_drafting <= 12 else (21.6, 0.105)
         round_seconds *= rng.uniform(0.9, 1.1)
         if guard is not None:
-            guard.observe(16, arm, round(round_tokens), round_seconds, speculated=speculates or arm == PLAIN)
+            guard.observe(16, arm, round(round_tokens), round_seconds, speculated=speculates)
         tokens += round_tokens
         seconds += round_seconds
     return tokens / seconds
