@@ -124,8 +124,7 @@ class _Bucket:
     run: _Run | None = None  # the measured rounds running alike now
     before: _Run | None = None  # the run of the other kind just before it (None where it ended rounds earlier)
     log_seconds_ratio: float = 0.0  # log(speculating round seconds / plain round seconds), averaged over pairs
-    num_pairs: int = 0
-    pair_weights: float = 0.0  # the pairs' weights summed (`_pair`)
+    pair_weights: float = 0.0  # the pairs' weights summed (`_pair`; 0 until the first pair)
 
     def __post_init__(self) -> None:
         self.arms = {POLICY: _Arm(), PLAIN: _Arm()}
@@ -168,7 +167,7 @@ class ThroughputGuard:
         policy, plain = bucket.arms[POLICY], bucket.arms[PLAIN]
         if min(policy.num_rounds, plain.num_rounds) < self.window_rounds or plain.tokens <= 0:
             return None
-        if bucket.num_pairs:
+        if bucket.pair_weights:
             return policy.tokens / plain.tokens * math.exp(-bucket.log_seconds_ratio)
         # (rounds observed without a window, e.g. replayed: their seconds as measured)
         return (policy.tokens / policy.seconds) / (plain.tokens / plain.seconds)
@@ -300,7 +299,6 @@ class ThroughputGuard:
         bucket.pair_weights += share
         w = max(self.pair_weight * share, share / bucket.pair_weights)  # the first pairs: their plain mean
         bucket.log_seconds_ratio += w * (math.log(means[POLICY] / means[PLAIN]) - bucket.log_seconds_ratio)
-        bucket.num_pairs += 1
 
     def describe(self) -> list[dict]:
         """Per bucket: batch sizes, rounds, the share of time explored, the policy's measured speedup over plain
