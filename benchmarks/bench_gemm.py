@@ -6,8 +6,9 @@ A decode step (M = 1) streams the weights once; a verify of M tokens does M time
 weights. The ideal cost is about max(bandwidth time, compute time); the table shows what torch's CPU GEMM
 (MKL here) delivers for the runner's plain layout (x @ W, W [K, N]), nn.Linear's layout (W [N, K]), MKL's packed
 weights, oneDNN's packed weights (the runner's GEMM without the native ops, `pack_gemm_weights`) and the
-project's native panel GEMM (`ddtree.kernels`, the runner's GEMM when it builds), with 40 distinct matrices
-(283 MB) so that nothing stays in cache. GB/s and GFLOP/s are the native kernel's (or x @ W's without it).
+project's native panel GEMM (`ddtree.kernels`: float32 panels, and split panels on AMX tiles where the CPU has
+them, the runner's float32 GEMM there), with 40 distinct matrices (283 MB) so that nothing stays in cache. GB/s and
+GFLOP/s are the runner's kernel's (split panels, else float32 panels, else x @ W).
 """
 
 from __future__ import annotations
@@ -47,14 +48,15 @@ def main(argv: list[str] | None = None) -> int:
         f"\n{args.num_matrices} x [{k}, {n}] float32 ({megabytes:.0f} MB), {args.threads} thread(s), best of "
         f"{args.repeats}"
     )
-    from ddtree.kernels import cpu_ops, pack_panels
+    from ddtree.kernels import cpu_ops, pack_panels, pack_split_panels, split_panels_pay
 
     ops = cpu_ops()
     panel_weights = [pack_panels(w) for w in weights] if ops is not None else []
+    split_weights = [pack_split_panels(w) for w in weights] if split_panels_pay() else []
     no_add = torch.empty(0)
     print(
         f"{'M':>4}{'x @ W ms':>10}{'linear ms':>11}{'mkl packed ms':>15}{'onednn packed ms':>18}"
-        f"{'native panels ms':>18}{'x M=1':>8}{'GB/s':>7}{'GFLOP/s':>9}"
+        f"{'native panels ms':>18}{'split panels ms':>17}{'x M=1':>8}{'GB/s':>7}{'GFLOP/s':>9}"
     )
     onednn_weights = [torch.ops.mkldnn._reorder_linear_weight(w) for w in linear_weights]
     base = None
@@ -75,12 +77,17 @@ def main(argv: list[str] | None = None) -> int:
             if ops is not None
             else float("nan")
         )
-        ours = native if ops is not None else runner
+        split = (
+            best_ms(lambda: [ops.panel_linear(x, p, n, no_add, no_add) for p in split_weights])
+            if split_weights
+            else float("nan")
+        )
+        ours = split if split_weights else native if ops is not None else runner
         base = base or ours
         gflop = 2 * m * k * n * args.num_matrices / 1e9
         print(
-            f"{m:>4}{runner:>10.1f}{linear:>11.1f}{mkl:>15.1f}{onednn:>18.1f}{native:>18.1f}{ours / base:>8.2f}"
-            f"{megabytes / ours:>7.1f}{gflop / (ours / 1000):>9.1f}"
+            f"{m:>4}{runner:>10.1f}{linear:>11.1f}{mkl:>15.1f}{onednn:>18.1f}{native:>18.1f}{split:>17.1f}"
+            f"{ours / base:>8.2f}{megabytes / ours:>7.1f}{gflop / (ours / 1000):>9.1f}"
         )
     return 0
 

@@ -102,6 +102,72 @@ def test_bf16_panel_linear_sums_the_bf16_products(ops, threads, k, n):
         torch.set_num_threads(previous)
 
 
+@pytest.fixture
+def amx(ops):
+    if not ops.amx_tiles_ready():
+        pytest.skip("no AMX tiles here (CPU, build or OS): float32 matrices run on float32 panels")
+    return ops
+
+
+def split_products(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w with w to 16 significant bits (bf16 hi + bf16 lo), in float64: what the split panels compute, up to
+    their float32 sums."""
+    hi = w.bfloat16().float()
+    return (x.double() @ (hi.double() + (w - hi).bfloat16().double())).float()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("k, n", [(576, 960), (37, 53), (16, 1), (1536, 576), (5, 300)])
+def test_split_panel_linear_sums_exact_products_of_16_bit_weights(amx, threads, k, n):
+    """Split panels (AMX tiles): one tile of 1-16 rows, several tiles with zero-padded rows, K and n padded to whole
+    steps and blocks, bias and residual; the result is x @ W with each weight to 16 significant bits, summed in
+    float32, and each row's result is the one it gets alone."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(k * 1000 + n + 3)
+        w, bias = torch.randn(k, n, generator=gen), torch.randn(n, generator=gen)
+        panels = kernels.pack_split_panels(w)
+        assert panels.shape == (-(-n // 16), -(-k // 32), 2, 16, 32) and panels.dtype == torch.int16
+        # the layout: block b, step s, part (hi, lo), pair row i, column c, input 2i + e of the step
+        b, s, i, c, e = (n - 1) // 16, (k - 1) // 32, (k - 1) % 32 // 2, (n - 1) % 16, (k - 1) % 2
+        hi = panels[b, s, 0, i, 2 * c + e].view(torch.bfloat16).float()
+        lo = panels[b, s, 1, i, 2 * c + e].view(torch.bfloat16).float()
+        assert hi == w[k - 1, n - 1].bfloat16().float() and (hi + lo - w[k - 1, n - 1]).abs() <= 2**-16 * hi.abs()
+        tolerance = dict(rtol=1e-5, atol=1e-5 * max(1.0, k**0.5 / 8))
+        for m in (1, 2, 5, 16, 17, 40):
+            x, residual = torch.randn(m, k, generator=gen), torch.randn(m, n, generator=gen)
+            expected = split_products(x, w)
+            out = amx.panel_linear(x, panels, n, EMPTY, EMPTY)
+            torch.testing.assert_close(out, expected, **tolerance)
+            torch.testing.assert_close(
+                amx.panel_linear(x, panels, n, bias, residual), expected + bias + residual, **tolerance
+            )
+            alone = torch.cat([amx.panel_linear(x[r : r + 1].contiguous(), panels, n, EMPTY, EMPTY) for r in range(m)])
+            assert torch.equal(out, alone)
+        # weights to 16 bits, not 24: the float32 products differ, by far less than bf16 ones
+        x = torch.randn(4, k, generator=gen)
+        out = amx.panel_linear(x, panels, n, EMPTY, EMPTY)
+        assert (out - x @ w).abs().max() < (bf16_products(x, w) - x @ w).abs().max() / 16
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_split_panels_reject_what_they_cannot_compute(amx):
+    panels = kernels.pack_split_panels(torch.randn(40, 20))  # 2 steps of 32 inputs, 2 blocks of 16 columns
+    assert panels.shape == (2, 2, 2, 16, 32)
+    with pytest.raises(RuntimeError, match="x has 70 columns, the split panels 2 steps"):
+        amx.panel_linear(torch.randn(3, 70), panels, 20, EMPTY, EMPTY)
+    with pytest.raises(RuntimeError, match="does not match 2 blocks"):
+        amx.panel_linear(torch.randn(3, 40), panels, 40, EMPTY, EMPTY)
+    with pytest.raises(RuntimeError, match=r"\[B, S, 2, 16, 32\] int16"):
+        amx.panel_linear(torch.randn(3, 40), panels.view(2, 2, 2, 32, 16), 20, EMPTY, EMPTY)
+    with pytest.raises(RuntimeError, match="residual must be"):
+        amx.panel_linear(torch.randn(3, 40), panels, 20, EMPTY, torch.randn(2, 20))
+    with pytest.raises(ValueError, match=r"a \[K, N\] matrix"):
+        kernels.pack_split_panels(torch.randn(4, 4, 4))
+
+
 @pytest.mark.slow
 def test_bf16_panels_without_bf16_dot_products_sum_the_same(ops, tmp_path, monkeypatch):
     """Built for a CPU without AVX-512 bf16 dot products (DDTREE_KERNEL_CFLAGS=-mno-avx512bf16: the portable
@@ -149,7 +215,7 @@ def test_linear_ops_reject_what_they_cannot_compute(ops):
         ops.panel_linear(torch.randn(3, 8), panels, 40, EMPTY, torch.randn(2, 40))
     with pytest.raises(RuntimeError, match="x must be float32"):
         ops.panel_linear(torch.randn(3, 8).double(), panels, 40, EMPTY, EMPTY)
-    with pytest.raises(RuntimeError, match="panels must be float32 or bfloat16"):
+    with pytest.raises(RuntimeError, match="panels must be float32, bfloat16 or split"):
         ops.panel_linear(torch.randn(3, 8), panels.double(), 40, EMPTY, EMPTY)
     bf16_panels = kernels.pack_panels(torch.randn(9, 40), torch.bfloat16)  # 5 pairs of inputs
     assert bf16_panels.shape == (2, 5, 64)
@@ -277,10 +343,23 @@ def _check_attention_block(ops, heads, kv_heads, num_cached, num_new, is_tree, d
     assert out[num_new - 1, :d].isnan().all()
 
 
+@pytest.fixture(params=["float32 panels", "split panels"])
+def float32_matrices(request, ops, monkeypatch):
+    """The two ways a float32 target's matrices run on the native ops: float32 panels, and split panels (AMX)."""
+    if request.param == "float32 panels":
+        monkeypatch.setenv("DDTREE_AMX", "0")
+    elif not ops.amx_tiles_ready():
+        pytest.skip("no AMX tiles here: float32 matrices run on float32 panels")
+    else:
+        monkeypatch.delenv("DDTREE_AMX", raising=False)
+    return request.param
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
-def test_one_token_forwards_on_native_ops_match_hf(tmp_path, family, ops):
+def test_one_token_forwards_on_native_ops_match_hf(tmp_path, family, ops, float32_matrices):
     """A single request decoded one token at a time (every forward takes the native path, from an empty cache
-    on) gives Hugging Face's logits and features, and the torch path's within float32 rounding."""
+    on) gives Hugging Face's logits and features, and the torch path's within float32 rounding (on split panels:
+    within the rounding of each weight to 16 significant bits)."""
     from transformers import AutoModelForCausalLM
 
     path = write_random_target(tmp_path / family, model_type=family, seed=7)
@@ -290,6 +369,8 @@ def test_one_token_forwards_on_native_ops_match_hf(tmp_path, family, ops):
         for native in (True, False)
     }
     assert runners[True].uses_cpu_kernels and not runners[False].uses_cpu_kernels
+    assert runners[True].ops.uses_split_panels == (float32_matrices == "split panels")
+    torch_tolerance = 1e-5 if float32_matrices == "float32 panels" else 1e-4
     ids = torch.randint(0, 97, (12,), generator=torch.Generator().manual_seed(1)).tolist()
     for runner in runners.values():
         runner.kv.allocate(0, 32)
@@ -303,11 +384,15 @@ def test_one_token_forwards_on_native_ops_match_hf(tmp_path, family, ops):
             results[native] = (logits[0], feats[0] if i else feats[0][0])
         torch.testing.assert_close(results[True][0], out.logits[0, i], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(results[True][1], ref_feats[i], rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(results[True][0], results[False][0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(results[True][0], results[False][0], rtol=torch_tolerance, atol=torch_tolerance)
 
 
-@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
-def test_a_tree_node_gets_exactly_the_logits_of_decoding_its_path(tmp_path, ops, weight_dtype):
+@pytest.mark.parametrize(
+    "weight_dtype, float32_matrices",
+    [(torch.float32, "float32 panels"), (torch.float32, "split panels"), (torch.bfloat16, "float32 panels")],
+    indirect=["float32_matrices"],
+)
+def test_a_tree_node_gets_exactly_the_logits_of_decoding_its_path(tmp_path, ops, weight_dtype, float32_matrices):
     """On the native ops every node of a packed batch of trees (siblings and cousins between its ancestors, several
     requests) gets bit-identical logits and features to decoding its path token by token: T=0 speculation is then
     exactly autoregressive decoding (with bf16 weights, whose input rounding would amplify any last-bit difference,
@@ -318,6 +403,7 @@ def test_a_tree_node_gets_exactly_the_logits_of_decoding_its_path(tmp_path, ops,
     path = write_random_target(tmp_path / "t", seed=6, num_hidden_layers=2)
     runner = TargetModel.load(path, max_kv_bytes=2**22, feature_layer_ids=[0, 1], kernel_weight_dtype=weight_dtype)
     assert runner.uses_cpu_kernels and runner.kernel_weight_dtype == weight_dtype
+    assert runner.ops.uses_split_panels == (float32_matrices == "split panels")
     gen = torch.Generator().manual_seed(1)
     vocab = runner.config.vocab_size
     contexts = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (37, 50, 21)]
@@ -590,8 +676,8 @@ def test_bfloat16_on_a_cpu_is_bf16_panels_under_float32_activations(tmp_path, op
 @pytest.mark.slow
 def test_the_avx2_build_passes_the_kernel_tests(tmp_path):
     """The kernels built for AVX2 (`-march=x86-64-v3`: 8-float vectors, tiles of 3 rows x 4 vectors; no bf16 dot
-    products): the GEMM, attention, exactness and drafter tests of this file, run in a child pytest on that build
-    (where the drafter defaults to float32 panels)."""
+    products, no AMX tiles): the GEMM, attention, exactness and drafter tests of this file, run in a child pytest on
+    that build (where the drafter defaults to float32 panels)."""
     import os
     import subprocess
     import sys
@@ -605,7 +691,8 @@ def test_the_avx2_build_passes_the_kernel_tests(tmp_path):
         DDTREE_KERNEL_CFLAGS="-march=x86-64-v3",
         DDTREE_KERNEL_CACHE=str(tmp_path / "cache"),
     )
-    selected = "panel_linear or attention_block or exactly_the_logits or native_ops_drafts"
+    # split panels need AMX tiles, which the AVX2 build leaves out: its float32 target runs on float32 panels
+    selected = "(panel_linear or attention_block or exactly_the_logits or native_ops_drafts) and not split"
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", __file__, "-k", selected],
         env=env,

@@ -102,6 +102,38 @@ def bf16_panels_pay() -> bool:
     return ops is not None and ops.has_bf16_dot_products()
 
 
+SPLIT_BLOCK_WIDTH, SPLIT_STEP = 16, 32  # split panels: output columns per block, inputs per step (cpu_ops.cpp)
+
+
+def split_panels_pay() -> bool:
+    """Whether float32 matrices run as split panels here (`pack_split_panels`): the native ops are built with AMX
+    tiles and the OS grants them (DDTREE_AMX=0 keeps float32 panels). On this project's CPU a verify of 6-16 tokens
+    then costs about what one token does (docs/runtime_benchmark.md)."""
+    if os.environ.get("DDTREE_AMX", "auto").strip().lower() in ("0", "false", "no", "off"):
+        return False
+    ops = cpu_ops()
+    return ops is not None and ops.amx_tiles_ready()
+
+
+def pack_split_panels(w: torch.Tensor) -> torch.Tensor:
+    """W [K, N] float32 -> split panels int16 [ceil(N / 16), ceil(K / 32), 2, 16, 32] for `panel_linear` on AMX
+    tiles: block b, step s holds W[32s : 32s + 32, 16b : 16b + 16] (zero-padded) twice, as bfloat16 hi = bf16(W)
+    and lo = bf16(W - hi) (16 significant bits of each weight), each as 16 rows of the step's input pairs (2i,
+    2i + 1) by 16 columns, a pair's two values adjacent (the layout of an AMX tile of bf16 pairs)."""
+    if w.dim() != 2:
+        raise ValueError(f"a [K, N] matrix expected, got shape {tuple(w.shape)}")
+    k, n = w.shape
+    num_blocks, steps = -(-n // SPLIT_BLOCK_WIDTH), -(-k // SPLIT_STEP)
+    padded = torch.zeros(steps * SPLIT_STEP, num_blocks * SPLIT_BLOCK_WIDTH, dtype=torch.float32, device=w.device)
+    padded[:k, :n] = w
+    hi = padded.to(torch.bfloat16)
+    lo = (padded - hi.float()).to(torch.bfloat16)
+    parts = torch.stack([hi, lo]).view(torch.int16)  # [2, S * 32, B * 16]
+    # [2, S, 16 pairs, 2, B, 16 columns] -> [B, S, 2, 16 pairs, 16 columns, 2]
+    parts = parts.view(2, steps, SPLIT_STEP // 2, 2, num_blocks, SPLIT_BLOCK_WIDTH).permute(4, 1, 0, 2, 5, 3)
+    return parts.reshape(num_blocks, steps, 2, SPLIT_STEP // 2, 2 * SPLIT_BLOCK_WIDTH).contiguous()
+
+
 def pack_panels(w: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """W [K, N] (any strides) -> panels of 32 output columns, zero-padded past N, each one contiguous block that a
     GEMM streams: float32 [ceil(N / 32), K, 32] (panel p holds W[:, 32p : 32p + 32]), or bfloat16

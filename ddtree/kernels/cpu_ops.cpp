@@ -57,8 +57,12 @@
 #include <memory>
 #include <vector>
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512BF16__) || (defined(__AMX_TILE__) && defined(__AMX_BF16__))
 #include <immintrin.h>
+#endif
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
 namespace {
@@ -250,13 +254,190 @@ void panel_linear_into(const X* xp, int64_t m_rows, int64_t k, const W* pp, int6
   });
 }
 
+// ---- split panels on AMX tiles ------------------------------------------------------------------------------
+
+constexpr int64_t kSplitBlockWidth = 16;  // output columns per block of split panels (one AMX tile of sums)
+constexpr int64_t kSplitStep = 32;        // inputs per step (one AMX tile row of bf16 values: 64 bytes)
+constexpr int kSplitRowsPerTile = 16;     // rows of x per tile (AMX's maximum)
+
+// Linux keeps a process's AMX tile state off until the process asks for it once (arch_prctl); a kernel or
+// hypervisor that does not offer the state refuses, and then the split panels are not used.
+bool amx_tiles_ready() {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+  static const bool ready = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ready;
+#else
+  return false;
+#endif
+}
+
+// float32 -> (hi, mid, lo) bfloat16 with x == hi + mid + lo for normal x: each part the remainder of the ones
+// before it, rounded to nearest even (the subtractions are exact in float32).
+inline void split3(float x, uint16_t& hi, uint16_t& mid, uint16_t& lo) {
+  auto widen = [](uint16_t h) {
+    const uint32_t u = static_cast<uint32_t>(h) << 16;
+    float f;
+    std::memcpy(&f, &u, sizeof(f));
+    return f;
+  };
+  hi = to_bf16(x);
+  const float r1 = x - widen(hi);
+  mid = to_bf16(r1);
+  lo = to_bf16(r1 - widen(mid));
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+struct alignas(64) TileConfig {
+  uint8_t palette_id;
+  uint8_t start_row;
+  uint8_t reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+// Tiles 0-4: the five sums of a block (x_hi W_hi, x_hi W_lo, x_mid W_hi, x_mid W_lo, x_lo W_hi), `rows` x 16 floats;
+// tile 5: a part of x, `rows` x 32 bf16; tiles 6, 7: the block's W_hi and W_lo for one step, 16 pairs x 16 columns.
+inline void configure_split_tiles(int rows) {
+  TileConfig config{};
+  config.palette_id = 1;
+  for (int t = 0; t < 6; ++t) {
+    config.rows[t] = static_cast<uint8_t>(rows);
+    config.colsb[t] = 64;
+  }
+  for (int t = 6; t < 8; ++t) {
+    config.rows[t] = 16;
+    config.colsb[t] = 64;
+  }
+  _tile_loadconfig(&config);
+}
+
+// sums[t][r][c] (t < 5, r < rows, c < 16): a block's five partial products for `rows` rows of x over `steps`
+// steps. `x_parts` holds hi, mid and lo, each [rows, ldx] bf16 (ldx in values). The block's next steps are
+// prefetched: tile loads alone do not keep the stream of weights ahead of the products.
+inline void split_block(const uint16_t* const x_parts[3], int64_t ldx, int64_t steps, const uint16_t* block,
+                        float* sums) {
+  constexpr int64_t kStepValues = 2 * kSplitStep * kSplitBlockWidth;  // hi and lo, 16 pairs x 32 values each
+  constexpr int kPrefetchSteps = 2;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  _tile_zero(4);
+  const int64_t stride = ldx * static_cast<int64_t>(sizeof(uint16_t));
+  for (int64_t s = 0; s < steps; ++s) {
+    const uint16_t* w = block + s * kStepValues;
+    const char* ahead = reinterpret_cast<const char*>(w + kPrefetchSteps * kStepValues);
+    for (int line = 0; line < static_cast<int>(kStepValues * sizeof(uint16_t) / 64); ++line) {
+      _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+    }
+    _tile_loadd(6, w, 64);
+    _tile_loadd(7, w + kStepValues / 2, 64);
+    _tile_loadd(5, x_parts[0] + s * kSplitStep, stride);
+    _tile_dpbf16ps(0, 5, 6);
+    _tile_dpbf16ps(1, 5, 7);
+    _tile_loadd(5, x_parts[1] + s * kSplitStep, stride);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+    _tile_loadd(5, x_parts[2] + s * kSplitStep, stride);
+    _tile_dpbf16ps(4, 5, 6);
+  }
+  _tile_stored(0, sums, 64);
+  _tile_stored(1, sums + 256, 64);
+  _tile_stored(2, sums + 512, 64);
+  _tile_stored(3, sums + 768, 64);
+  _tile_stored(4, sums + 1024, 64);
+}
+#endif
+
+// y = x @ W (+ bias) (+ residual) on split panels: W [K, n] as bfloat16 pairs hi + lo (hi = bf16(W), lo =
+// bf16(W - hi): 16 significant bits of each weight), x as hi + mid + lo (all of its 24). A row's sum is
+// x_hi W_hi + (((x_hi W_lo + x_mid W_hi) + x_mid W_lo) + x_lo W_hi), each product exact and each of the five sums
+// accumulated in float32 by AMX's dot products in one fixed order, so a row's result does not depend on the other
+// rows of the call. Rows run in tiles of up to 16: M <= 16 in one tile of M rows, else in tiles of 16 with x padded
+// by zero rows (each tile costs the same few dot products, small beside streaming the weights).
+void split_panel_linear_into(const float* xp, int64_t m_rows, int64_t k, const uint16_t* pp, int64_t num_blocks,
+                             int64_t steps, int64_t n, const float* bp, const float* rp, float* yp) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+  const int tile_rows = static_cast<int>(std::min<int64_t>(m_rows, kSplitRowsPerTile));
+  const int64_t padded_rows = (m_rows + tile_rows - 1) / tile_rows * tile_rows;
+  const int64_t ldx = steps * kSplitStep;
+  std::vector<uint16_t> parts(3 * padded_rows * ldx, 0);
+  uint16_t* const hi = parts.data();
+  uint16_t* const mid = hi + padded_rows * ldx;
+  uint16_t* const lo = mid + padded_rows * ldx;
+  for (int64_t m = 0; m < m_rows; ++m) {
+    for (int64_t i = 0; i < k; ++i) split3(xp[m * k + i], hi[m * ldx + i], mid[m * ldx + i], lo[m * ldx + i]);
+  }
+  const int64_t block_values = steps * 2 * kSplitStep * kSplitBlockWidth;
+  at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
+    configure_split_tiles(tile_rows);  // per thread: the tile configuration is a thread's state
+    alignas(64) float sums[5 * kSplitRowsPerTile * kSplitBlockWidth];
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t j0 = b * kSplitBlockWidth;
+      const int64_t width = std::min(kSplitBlockWidth, n - j0);
+      for (int64_t m0 = 0; m0 < m_rows; m0 += tile_rows) {
+        const uint16_t* const x_parts[3] = {hi + m0 * ldx, mid + m0 * ldx, lo + m0 * ldx};
+        split_block(x_parts, ldx, steps, pp + b * block_values, sums);
+        const int rows = static_cast<int>(std::min<int64_t>(tile_rows, m_rows - m0));
+        for (int r = 0; r < rows; ++r) {
+          float* yr = yp + (m0 + r) * n + j0;
+          const float* rr = rp != nullptr ? rp + (m0 + r) * n + j0 : nullptr;
+          for (int64_t c = 0; c < width; ++c) {
+            const int64_t q = r * kSplitBlockWidth + c;
+            float v = sums[q] + (((sums[256 + q] + sums[512 + q]) + sums[768 + q]) + sums[1024 + q]);
+            if (bp != nullptr) v += bp[j0 + c];
+            if (rr != nullptr) v += rr[c];
+            yr[c] = v;
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+#else
+  TORCH_CHECK(false, "panel_linear: split panels need a build with AMX tiles");
+#endif
+}
+
 torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, int64_t n, const torch::Tensor& bias,
                            const torch::Tensor& residual) {
   TORCH_CHECK(x.device().is_cpu() && panels.device().is_cpu(), "panel_linear: CPU tensors only");
   TORCH_CHECK(x.scalar_type() == torch::kFloat, "panel_linear: x must be float32");
-  TORCH_CHECK(panels.scalar_type() == torch::kFloat || panels.scalar_type() == torch::kBFloat16,
-              "panel_linear: panels must be float32 or bfloat16");
+  TORCH_CHECK(panels.scalar_type() == torch::kFloat || panels.scalar_type() == torch::kBFloat16 ||
+                  panels.scalar_type() == torch::kShort,
+              "panel_linear: panels must be float32, bfloat16 or split (int16)");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "panel_linear: x must be a contiguous [M, K]");
+  const bool has_bias = bias.defined() && bias.numel() > 0;
+  const bool has_residual = residual.defined() && residual.numel() > 0;
+  TORCH_CHECK((!has_bias || bias.device().is_cpu()) && (!has_residual || residual.device().is_cpu()),
+              "panel_linear: CPU tensors only");
+  TORCH_CHECK(!has_bias || (bias.scalar_type() == torch::kFloat && bias.is_contiguous() && bias.numel() == n),
+              "panel_linear: bias must be a contiguous float32 [n]");
+  TORCH_CHECK(!has_residual || (residual.scalar_type() == torch::kFloat && residual.is_contiguous() &&
+                                residual.dim() == 2 && residual.size(0) == x.size(0) && residual.size(1) == n),
+              "panel_linear: residual must be a contiguous float32 [M, n]");
+  if (panels.scalar_type() == torch::kShort) {  // split panels [B, S, 2, 16, 32] (pack_split_panels)
+    TORCH_CHECK(panels.dim() == 5 && panels.size(2) == 2 && panels.size(3) == kSplitStep / 2 &&
+                    panels.size(4) == 2 * kSplitBlockWidth && panels.is_contiguous(),
+                "panel_linear: split panels must be a contiguous [B, S, 2, 16, 32] int16 (pack_split_panels)");
+    const int64_t m_rows = x.size(0), k = x.size(1), num_blocks = panels.size(0), steps = panels.size(1);
+    TORCH_CHECK(k > (steps - 1) * kSplitStep && k <= steps * kSplitStep, "panel_linear: x has ", k,
+                " columns, the split panels ", steps, " steps of 32");
+    TORCH_CHECK(n > (num_blocks - 1) * kSplitBlockWidth && n <= num_blocks * kSplitBlockWidth,
+                "panel_linear: n = ", n, " does not match ", num_blocks, " blocks of 16 columns");
+    TORCH_CHECK(amx_tiles_ready(), "panel_linear: split panels need AMX tiles (amx_tiles_ready() is false)");
+    auto y = torch::empty({m_rows, n}, x.options());
+    if (m_rows > 0) {
+      split_panel_linear_into(x.data_ptr<float>(), m_rows, k,
+                              reinterpret_cast<const uint16_t*>(panels.data_ptr<int16_t>()), num_blocks, steps, n,
+                              has_bias ? bias.data_ptr<float>() : nullptr,
+                              has_residual ? residual.data_ptr<float>() : nullptr, y.data_ptr<float>());
+    }
+    return y;
+  }
   const bool is_float = panels.scalar_type() == torch::kFloat;
   const int64_t row_width = is_float ? kPanelWidth : 2 * kPanelWidth;
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == row_width && panels.is_contiguous(),
@@ -267,15 +448,6 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, 
               is_float ? "float32" : "bfloat16", " panels ", panels.size(1), " rows");
   TORCH_CHECK(n > (num_panels - 1) * kPanelWidth && n <= num_panels * kPanelWidth,
               "panel_linear: n = ", n, " does not match ", num_panels, " panels");
-  const bool has_bias = bias.defined() && bias.numel() > 0;
-  const bool has_residual = residual.defined() && residual.numel() > 0;
-  TORCH_CHECK((!has_bias || bias.device().is_cpu()) && (!has_residual || residual.device().is_cpu()),
-              "panel_linear: CPU tensors only");
-  TORCH_CHECK(!has_bias || (bias.scalar_type() == torch::kFloat && bias.is_contiguous() && bias.numel() == n),
-              "panel_linear: bias must be a contiguous float32 [n]");
-  TORCH_CHECK(!has_residual || (residual.scalar_type() == torch::kFloat && residual.is_contiguous() &&
-                                residual.dim() == 2 && residual.size(0) == m_rows && residual.size(1) == n),
-              "panel_linear: residual must be a contiguous float32 [M, n]");
   auto y = torch::empty({m_rows, n}, x.options());
   const float* xp = x.data_ptr<float>();
   const float* bp = has_bias ? bias.data_ptr<float>() : nullptr;
@@ -574,6 +746,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_linear", &panel_linear, release_gil(),
         "y = x @ W (+ bias) (+ residual), W as [P, K, 32] float32 or bfloat16 panels");
   m.def("has_bf16_dot_products", &has_bf16_dot_products, "whether bf16 panels run on vdpbf16ps in this build");
+  m.def("amx_tiles_ready", &amx_tiles_ready, "whether split panels run here: an AMX build, tiles granted by the OS");
   m.def("rms_norm", &rms_norm, release_gil(), "RMSNorm of float32 rows x [R, D] with weight [D]");
   m.def("attention_block", &attention_block, release_gil(), "one request's rotary + KV write + attention");
   m.def("silu_and_mul", &silu_and_mul, release_gil(), "silu(gate) * up of float32 rows [R, 2 I]");

@@ -138,8 +138,7 @@ def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
 
 @dataclass
 class PanelLayerWeights:
-    """A layer's matrices as [P, K, 32] panels for the native CPU GEMM (`ddtree.kernels.pack_panels`), by name, with
-    their output widths."""
+    """A layer's matrices packed for the native CPU GEMM (`NativeOps.pack`), by name, with their output widths."""
 
     panels: dict[str, torch.Tensor]
     widths: dict[str, int]
@@ -147,27 +146,36 @@ class PanelLayerWeights:
 
 class NativeOps:
     """The native CPU ops. The layer matrices move into panels (their plain copies are dropped); the LM head keeps
-    its plain matrix (the embedding, shared with drafters) and gains a panel copy. `weight_dtype` bfloat16: bf16
-    panels, every product on bf16-rounded inputs with float32 sums (bf16 dot products)."""
+    its plain matrix (the embedding, shared with drafters) and gains a panel copy. `weight_dtype` float32: split
+    panels on AMX tiles where the CPU and the OS offer them (`ddtree.kernels.split_panels_pay`: each weight to 16
+    significant bits, every product exact, float32 sums), else float32 panels; bfloat16: bf16 panels, every product
+    on bf16-rounded inputs with float32 sums (bf16 dot products)."""
 
     name = "native"
 
     def __init__(self, config: TargetConfig, weights: TargetWeights, ops, weight_dtype: torch.dtype) -> None:
-        from ddtree.kernels import pack_panels
+        from ddtree.kernels import pack_panels, pack_split_panels, split_panels_pay
 
         self.config, self.weights, self.ops, self.weight_dtype = config, weights, ops, weight_dtype
+        self.uses_split_panels = weight_dtype == torch.float32 and split_panels_pay()
+        bytes_per_weight = 4 if weight_dtype == torch.float32 else 2  # split panels: two bf16 values a weight
+
+        def pack(w: torch.Tensor) -> torch.Tensor:  # [in, out]
+            self._panel_bytes += w.numel() * bytes_per_weight
+            return pack_split_panels(w) if self.uses_split_panels else pack_panels(w, weight_dtype)
+
+        self._panel_bytes = 0  # the packed matrices' weights, not their zero padding
         self.panel_layers: list[PanelLayerWeights] = []
         for lw in weights.layers:
             matrices = {n: getattr(lw, n) for n in MATRIX_NAMES}  # [in, out]
             self.panel_layers.append(
                 PanelLayerWeights(
-                    {n: pack_panels(w, weight_dtype) for n, w in matrices.items()},
-                    {n: w.shape[1] for n, w in matrices.items()},
+                    {n: pack(w) for n, w in matrices.items()}, {n: w.shape[1] for n, w in matrices.items()}
                 )
             )
             for n in MATRIX_NAMES:
                 setattr(lw, n, None)
-        self.panel_lm_head = pack_panels(weights.lm_head, weight_dtype)
+        self.panel_lm_head = pack(weights.lm_head)
 
     def linear(self, x, layer: int, name: str, bias=None, residual=None) -> torch.Tensor:
         pl = self.panel_layers[layer]
@@ -190,15 +198,9 @@ class NativeOps:
         return self.ops.panel_linear(hidden, self.panel_lm_head, self.config.vocab_size, NO_TENSOR, NO_TENSOR)
 
     def weight_bytes(self) -> int:
-        """The plain tensors, the panels' matrices (not their zero padding), and the LM head as its panels."""
-        num_bytes = self.weights.num_bytes()
-        for pl in self.panel_layers:
-            for n, width in pl.widths.items():
-                panels = pl.panels[n]
-                in_features = panels.shape[1] * (2 if panels.dtype == torch.bfloat16 else 1)  # bf16: rows of pairs
-                num_bytes += in_features * width * panels.element_size()
+        """The plain tensors and the panels' weights (not their zero padding); the LM head counts as its panels."""
         lm_head = self.weights.lm_head
-        return num_bytes - lm_head.numel() * (lm_head.element_size() - self.panel_lm_head.element_size())
+        return self.weights.num_bytes() + self._panel_bytes - lm_head.numel() * lm_head.element_size()
 
 
 TargetOps = TorchOps | OneDnnOps | NativeOps
