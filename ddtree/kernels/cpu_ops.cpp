@@ -369,7 +369,10 @@ void split_panel_linear_into(const float* xp, int64_t m_rows, int64_t k, const u
   uint16_t* const mid = hi + padded_rows * ldx;
   uint16_t* const lo = mid + padded_rows * ldx;
   for (int64_t m = 0; m < m_rows; ++m) {
-    for (int64_t i = 0; i < k; ++i) split3(xp[m * k + i], hi[m * ldx + i], mid[m * ldx + i], lo[m * ldx + i]);
+    const float* xr = xp + m * k;
+    uint16_t *hr = hi + m * ldx, *mr = mid + m * ldx, *lr = lo + m * ldx;
+#pragma omp simd
+    for (int64_t i = 0; i < k; ++i) split3(xr[i], hr[i], mr[i], lr[i]);
   }
   const int64_t block_values = steps * 2 * kSplitStep * kSplitBlockWidth;
   at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
@@ -385,12 +388,17 @@ void split_panel_linear_into(const float* xp, int64_t m_rows, int64_t k, const u
         for (int r = 0; r < rows; ++r) {
           float* yr = yp + (m0 + r) * n + j0;
           const float* rr = rp != nullptr ? rp + (m0 + r) * n + j0 : nullptr;
+          const float* t = sums + r * kSplitBlockWidth;
+          float v[kSplitBlockWidth];
+#pragma omp simd
+          for (int64_t c = 0; c < kSplitBlockWidth; ++c) {
+            v[c] = t[c] + (((t[256 + c] + t[512 + c]) + t[768 + c]) + t[1024 + c]);
+          }
           for (int64_t c = 0; c < width; ++c) {
-            const int64_t q = r * kSplitBlockWidth + c;
-            float v = sums[q] + (((sums[256 + q] + sums[512 + q]) + sums[768 + q]) + sums[1024 + q]);
-            if (bp != nullptr) v += bp[j0 + c];
-            if (rr != nullptr) v += rr[c];
-            yr[c] = v;
+            float out = v[c];
+            if (bp != nullptr) out += bp[j0 + c];
+            if (rr != nullptr) out += rr[c];
+            yr[c] = out;
           }
         }
       }
