@@ -9,7 +9,10 @@
     bf16_panels_pay() -> bool             whether bfloat16 panels run on bf16 dot products here (else float32 ones)
     pack_panels(w [K, N], dtype)          a weight matrix in the panel layout `panel_linear` reads: float32, or
                                           bfloat16 (x rounded to bf16, bf16 dot products, float32 sums: for the
-                                          drafter, whose numbers only shape proposals)
+                                          drafter, whose numbers only shape proposals; on AMX tiles where the CPU
+                                          has them)
+    split_panels_pay() -> bool            whether a float32 target's matrices run as split panels here (AMX)
+    pack_split_panels(w [K, N])           float32 weights as bf16 hi + lo in AMX tile layout, for `panel_linear`
     PanelLinear(w [K, N], bias, ops, weight_dtype)   x @ w (+ bias) on `panel_linear`; PanelLinear.of(nn.Linear, ...)
     use_panel_linears(module, ops, weight_dtype)     swaps every nn.Linear inside `module` for a PanelLinear
 

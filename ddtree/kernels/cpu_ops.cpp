@@ -21,7 +21,12 @@
 //     has it; elsewhere the same sums with float32 vectors, its flushing of subnormal inputs and sums to zero
 //     included, so that both builds give the same bits). Half the weight bytes of float32 panels and, with
 //     vdpbf16ps, half the instructions per product: for the drafter, whose results only shape the proposals (the
-//     target's verify decides every token), and for a target asked for bfloat16 on a CPU.
+//     target's verify decides every token), and for a target asked for bfloat16 on a CPU. Where the CPU has AMX
+//     (and the OS grants its tiles) they run on tiles of 16 rows: the same products, whose sums AMX rounds
+//     otherwise than vdpbf16ps does (last bits), each row still alike whatever the other rows of the call.
+//   With split panels [B, S, 2, 16, 32] int16 (`pack_split_panels`, AMX only): float32 weights as bf16 hi + lo,
+//     x as three bf16 parts, five tile products per step: every product exact, sums in float32 (see
+//     split_panel_linear_into). The float32 target's matrices on AMX CPUs: a few rows cost about one.
 //
 //   rms_norm(x [R, D], weight [D], eps) -> x / sqrt(mean(x^2) + eps) * weight, per row. At one token torch's
 //   rms_norm costs ~30 us per call here (several small kernels), 61 calls per step; this loop costs ~1 us.
@@ -352,6 +357,75 @@ inline void split_block(const uint16_t* const x_parts[3], int64_t ldx, int64_t s
 }
 #endif
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+// y = x @ W (+ bias) (+ residual) on bfloat16 panels [P, pairs, 64] with AMX tiles: the products vdpbf16ps makes,
+// 16 rows of x at a time. A panel's row of pairs is two tile rows of 16 columns (bytes 0-63 and 64-127), so the
+// panels load as they are; x comes as bf16 pairs [rows, ldx] zero-padded to whole steps of 16 pairs, and a panel's
+// last partial step is copied into a zero-padded tile first (the rows past it belong to the next panel).
+void bf16_tile_linear_into(const uint32_t* x_pairs, int64_t m_rows, int64_t ldx, int64_t pairs, const uint16_t* pp,
+                           int64_t num_panels, int64_t n, const float* bp, const float* rp, float* yp) {
+  constexpr int64_t kPairsPerStep = 16;
+  constexpr int64_t kRowValues = 2 * kPanelWidth;  // a panel's row: 32 columns x 2 bf16
+  const int tile_rows = static_cast<int>(std::min<int64_t>(m_rows, kSplitRowsPerTile));
+  const int64_t full_steps = pairs / kPairsPerStep, tail = pairs % kPairsPerStep;
+  at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
+    TileConfig config{};
+    config.palette_id = 1;
+    for (int t = 0; t < 3; ++t) {  // 0, 1: sums of columns 0-15 and 16-31; 2: x
+      config.rows[t] = static_cast<uint8_t>(tile_rows);
+      config.colsb[t] = 64;
+    }
+    for (int t = 3; t < 5; ++t) {  // the panel's 16 pairs of one step, columns 0-15 and 16-31
+      config.rows[t] = 16;
+      config.colsb[t] = 64;
+    }
+    _tile_loadconfig(&config);
+    alignas(64) float sums[kSplitRowsPerTile * kPanelWidth];
+    alignas(64) uint16_t tail_step[kPairsPerStep * kRowValues];
+    for (int64_t p = begin; p < end; ++p) {
+      const uint16_t* panel = pp + p * pairs * kRowValues;
+      if (tail) {
+        std::memset(tail_step, 0, sizeof(tail_step));
+        std::memcpy(tail_step, panel + full_steps * kPairsPerStep * kRowValues, tail * kRowValues * sizeof(uint16_t));
+      }
+      const int64_t j0 = p * kPanelWidth;
+      const int64_t width = std::min(kPanelWidth, n - j0);
+      for (int64_t m0 = 0; m0 < m_rows; m0 += tile_rows) {
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int64_t s = 0; s < full_steps + (tail ? 1 : 0); ++s) {
+          const uint16_t* w = s < full_steps ? panel + s * kPairsPerStep * kRowValues : tail_step;
+          const char* ahead = reinterpret_cast<const char*>(panel + (s + 2) * kPairsPerStep * kRowValues);
+          for (int line = 0; line < static_cast<int>(kPairsPerStep * kRowValues * sizeof(uint16_t) / 64); ++line) {
+            _mm_prefetch(ahead + 64 * line, _MM_HINT_T0);
+          }
+          _tile_loadd(2, x_pairs + m0 * ldx + s * kPairsPerStep, ldx * static_cast<int64_t>(sizeof(uint32_t)));
+          _tile_loadd(3, w, kRowValues * sizeof(uint16_t));
+          _tile_loadd(4, w + kPanelWidth, kRowValues * sizeof(uint16_t));
+          _tile_dpbf16ps(0, 2, 3);
+          _tile_dpbf16ps(1, 2, 4);
+        }
+        _tile_stored(0, sums, kPanelWidth * sizeof(float));
+        _tile_stored(1, sums + 16, kPanelWidth * sizeof(float));
+        const int rows = static_cast<int>(std::min<int64_t>(tile_rows, m_rows - m0));
+        for (int r = 0; r < rows; ++r) {
+          float* yr = yp + (m0 + r) * n + j0;
+          const float* rr = rp != nullptr ? rp + (m0 + r) * n + j0 : nullptr;
+          const float* t = sums + r * kPanelWidth;
+          for (int64_t c = 0; c < width; ++c) {
+            float v = t[c];
+            if (bp != nullptr) v += bp[j0 + c];
+            if (rr != nullptr) v += rr[c];
+            yr[c] = v;
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
 // y = x @ W (+ bias) (+ residual) on split panels: W [K, n] as bfloat16 pairs hi + lo (hi = bf16(W), lo =
 // bf16(W - hi): 16 significant bits of each weight), x as hi + mid + lo (all of its 24). A row's sum is
 // x_hi W_hi + (((x_hi W_lo + x_mid W_hi) + x_mid W_lo) + x_lo W_hi), each product exact and each of the five sums
@@ -465,13 +539,27 @@ torch::Tensor panel_linear(const torch::Tensor& x, const torch::Tensor& panels, 
     panel_linear_into(xp, m_rows, k, panels.data_ptr<float>(), num_panels, n, bp, rp, yp);
   } else {  // x rounded to bf16 pairs once, zero-padded to whole pairs
     const int64_t pairs = panels.size(1);
-    std::vector<uint32_t> x_pairs(m_rows * pairs, 0u);
+    const auto* pp = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    const bool tiles = amx_tiles_ready() && m_rows > 0;
+#else
+    const bool tiles = false;
+#endif
+    // on tiles: rows padded to whole tiles of 16 (when more than 16) and pairs to whole steps of 16, with zeros
+    const int64_t ldx = tiles ? (pairs + 15) / 16 * 16 : pairs;
+    const int64_t padded_rows = tiles && m_rows > kSplitRowsPerTile ? (m_rows + 15) / 16 * 16 : m_rows;
+    std::vector<uint32_t> x_pairs(padded_rows * ldx, 0u);
     for (int64_t m = 0; m < m_rows; ++m) {
       for (int64_t i = 0; i < k; ++i) {
-        x_pairs[m * pairs + i / 2] |= static_cast<uint32_t>(to_bf16(xp[m * k + i])) << (16 * (i % 2));
+        x_pairs[m * ldx + i / 2] |= static_cast<uint32_t>(to_bf16(xp[m * k + i])) << (16 * (i % 2));
       }
     }
-    const auto* pp = reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>());
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+    if (tiles) {
+      bf16_tile_linear_into(x_pairs.data(), m_rows, ldx, pairs, pp, num_panels, n, bp, rp, yp);
+      return y;
+    }
+#endif
     panel_linear_into(x_pairs.data(), m_rows, pairs, pp, num_panels, n, bp, rp, yp);
   }
   return y;
