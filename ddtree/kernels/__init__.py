@@ -110,8 +110,8 @@ SPLIT_BLOCK_WIDTH, SPLIT_STEP = 16, 32  # split panels: output columns per block
 
 def split_panels_pay() -> bool:
     """Whether float32 matrices run as split panels here (`pack_split_panels`): the native ops are built with AMX
-    tiles and the OS grants them (DDTREE_AMX=0 keeps float32 panels). On this project's CPU a verify of 6-16 tokens
-    then costs about what one token does (docs/runtime_benchmark.md)."""
+    tiles and the OS grants them (DDTREE_AMX=0 keeps float32 panels). On this project's CPU a verify of up to 8
+    tokens then costs about 1.1x one token, and 16 tokens 1.3x (docs/runtime_benchmark.md)."""
     if os.environ.get("DDTREE_AMX", "auto").strip().lower() in ("0", "false", "no", "off"):
         return False
     ops = cpu_ops()
