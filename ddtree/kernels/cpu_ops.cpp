@@ -228,12 +228,28 @@ __attribute__((always_inline)) inline void panel_rows(const uint32_t* x, int64_t
   }
 }
 
+// y rows [m0, m0 + rows), columns [j0, j0 + width) = a tile of sums (`ld` floats a row) (+ bias) (+ residual): where
+// every kernel's results reach y, bias first and residual second, so all of them round those two adds alike.
+inline void write_rows(const float* sums, int64_t ld, int rows, int64_t m0, int64_t j0, int64_t width, int64_t n,
+                       const float* bp, const float* rp, float* yp) {
+  for (int r = 0; r < rows; ++r) {
+    float* yr = yp + (m0 + r) * n + j0;
+    const float* rr = rp != nullptr ? rp + (m0 + r) * n + j0 : nullptr;
+    const float* t = sums + r * ld;
+    for (int64_t c = 0; c < width; ++c) {
+      float v = t[c];
+      if (bp != nullptr) v += bp[j0 + c];
+      if (rr != nullptr) v += rr[c];
+      yr[c] = v;
+    }
+  }
+}
+
 // y rows [0, m_rows) = x @ panels (+ bias) (+ residual): the loop of panel_linear for either panel dtype. `k` is
 // x's row stride in X elements (floats, or bf16 pairs) and a panel's rows (32 floats, or 32 bf16 pairs, each).
 template <typename X, typename W>
 void panel_linear_into(const X* xp, int64_t m_rows, int64_t k, const W* pp, int64_t num_panels, int64_t n,
                        const float* bp, const float* rp, float* yp) {
-  const bool has_bias = bp != nullptr, has_residual = rp != nullptr;
   at::parallel_for(0, num_panels, 1, [&](int64_t begin, int64_t end) {
     float tile[kMaxRowsPerTile * kPanelWidth];
     for (int64_t p = begin; p < end; ++p) {
@@ -243,17 +259,7 @@ void panel_linear_into(const X* xp, int64_t m_rows, int64_t k, const W* pp, int6
       for (int64_t m0 = 0; m0 < m_rows; m0 += kMaxRowsPerTile) {
         const int rows = static_cast<int>(std::min<int64_t>(kMaxRowsPerTile, m_rows - m0));
         panel_rows(xp + m0 * k, k, rows, k, panel, kPanelWidth, tile, kPanelWidth);
-        for (int r = 0; r < rows; ++r) {
-          float* yr = yp + (m0 + r) * n + j0;
-          const float* tr = tile + r * kPanelWidth;
-          const float* rr = has_residual ? rp + (m0 + r) * n + j0 : nullptr;
-          for (int64_t c = 0; c < width; ++c) {
-            float v = tr[c];
-            if (has_bias) v += bp[j0 + c];
-            if (has_residual) v += rr[c];
-            yr[c] = v;
-          }
-        }
+        write_rows(tile, kPanelWidth, rows, m0, j0, width, n, bp, rp, yp);
       }
     }
   });
@@ -408,17 +414,7 @@ void bf16_tile_linear_into(const uint32_t* x_pairs, int64_t m_rows, int64_t ldx,
         _tile_stored(0, sums, kPanelWidth * sizeof(float));
         _tile_stored(1, sums + 16, kPanelWidth * sizeof(float));
         const int rows = static_cast<int>(std::min<int64_t>(tile_rows, m_rows - m0));
-        for (int r = 0; r < rows; ++r) {
-          float* yr = yp + (m0 + r) * n + j0;
-          const float* rr = rp != nullptr ? rp + (m0 + r) * n + j0 : nullptr;
-          const float* t = sums + r * kPanelWidth;
-          for (int64_t c = 0; c < width; ++c) {
-            float v = t[c];
-            if (bp != nullptr) v += bp[j0 + c];
-            if (rr != nullptr) v += rr[c];
-            yr[c] = v;
-          }
-        }
+        write_rows(sums, kPanelWidth, rows, m0, j0, width, n, bp, rp, yp);
       }
     }
     _tile_release();
@@ -452,6 +448,7 @@ void split_panel_linear_into(const float* xp, int64_t m_rows, int64_t k, const u
   at::parallel_for(0, num_blocks, 1, [&](int64_t begin, int64_t end) {
     configure_split_tiles(tile_rows);  // per thread: the tile configuration is a thread's state
     alignas(64) float sums[5 * kSplitRowsPerTile * kSplitBlockWidth];
+    alignas(64) float row_sums[kSplitRowsPerTile * kSplitBlockWidth];
     for (int64_t b = begin; b < end; ++b) {
       const int64_t j0 = b * kSplitBlockWidth;
       const int64_t width = std::min(kSplitBlockWidth, n - j0);
@@ -459,22 +456,15 @@ void split_panel_linear_into(const float* xp, int64_t m_rows, int64_t k, const u
         const uint16_t* const x_parts[3] = {hi + m0 * ldx, mid + m0 * ldx, lo + m0 * ldx};
         split_block(x_parts, ldx, steps, pp + b * block_values, sums);
         const int rows = static_cast<int>(std::min<int64_t>(tile_rows, m_rows - m0));
-        for (int r = 0; r < rows; ++r) {
-          float* yr = yp + (m0 + r) * n + j0;
-          const float* rr = rp != nullptr ? rp + (m0 + r) * n + j0 : nullptr;
+        for (int r = 0; r < rows; ++r) {  // the five products' sums, in the order the docstring gives
           const float* t = sums + r * kSplitBlockWidth;
-          float v[kSplitBlockWidth];
+          float* v = row_sums + r * kSplitBlockWidth;
 #pragma omp simd
           for (int64_t c = 0; c < kSplitBlockWidth; ++c) {
             v[c] = t[c] + (((t[256 + c] + t[512 + c]) + t[768 + c]) + t[1024 + c]);
           }
-          for (int64_t c = 0; c < width; ++c) {
-            float out = v[c];
-            if (bp != nullptr) out += bp[j0 + c];
-            if (rr != nullptr) out += rr[c];
-            yr[c] = out;
-          }
         }
+        write_rows(row_sums, kSplitBlockWidth, rows, m0, j0, width, n, bp, rp, yp);
       }
     }
     _tile_release();
