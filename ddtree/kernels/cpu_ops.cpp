@@ -456,7 +456,7 @@ void split_panel_linear_into(const float* xp, int64_t m_rows, int64_t k, const u
         const uint16_t* const x_parts[3] = {hi + m0 * ldx, mid + m0 * ldx, lo + m0 * ldx};
         split_block(x_parts, ldx, steps, pp + b * block_values, sums);
         const int rows = static_cast<int>(std::min<int64_t>(tile_rows, m_rows - m0));
-        for (int r = 0; r < rows; ++r) {  // the five products' sums, in the order the docstring gives
+        for (int r = 0; r < rows; ++r) {  // the five products' sums, in the order given above the function
           const float* t = sums + r * kSplitBlockWidth;
           float* v = row_sums + r * kSplitBlockWidth;
 #pragma omp simd
