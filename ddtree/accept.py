@@ -10,10 +10,10 @@ if it matches a child, the walk continues at that child, whose own independent s
 distribution given the path, and so on. Every emitted token is therefore a fresh sample from the target given
 everything emitted before it, exactly as autoregressive sampling; the draft's probabilities are never used.
 
-The noise of a sample is keyed by (request seed, position of the packed token): every node at the same position
-shares it, and only one of them (the one on the accepted path) ever decides an emitted token, so each position's
-token is still an independent sample. The emitted text is then a function of the seed alone: the same with any tree,
-any budget, or no speculation at all.
+The randomness of a sample (one uniform number, turned into a token by the distribution's inverse CDF) is keyed by
+(request seed, position of the packed token): every node at the same position shares it, and only one of them (the
+one on the accepted path) ever decides an emitted token, so each position's token is still an independent sample.
+The emitted text is then a function of the seed alone: the same with any tree, any budget, or no speculation at all.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ddtree.kernels import loaded_cpu_ops
 from ddtree.packing import PackedBatch
 from ddtree.sampling_params import GREEDY_TEMPERATURE
 
@@ -142,32 +141,49 @@ def _sample(
         is_dropped_sorted[:, 0] = False  # the most likely token always stays (a top_p below float32's range is 0)
         is_dropped = torch.zeros_like(is_dropped_sorted).scatter_(1, order, is_dropped_sorted)
         scores = scores.masked_fill(is_dropped, float("-inf"))
-    # Exponential race (Gumbel-max): argmax_v p_v / E_v with E_v ~ Exp(1) i.i.d. is a sample from p.
-    noise = _exponential_noise(seq_index, positions, vocab, seeds)  # [n, V]
-    return (scores - noise.clamp_(min=torch.finfo(noise.dtype).tiny).log_()).argmax(dim=-1)
+    return _inverse_cdf_sample(scores, seq_index, positions, seeds)
 
 
-def _exponential_noise(
-    seq_index: torch.Tensor, positions: torch.Tensor, vocab: int, seeds: Sequence[int]
+# Tokens per block of the inverse CDF's two-level search (a multiple of the vector width)
+CDF_BLOCK = 256
+
+
+def _inverse_cdf_sample(
+    scores: torch.Tensor, seq_index: torch.Tensor, positions: torch.Tensor, seeds: Sequence[int]
 ) -> torch.Tensor:
-    """[n, V] Exp(1) noise; the row of a token is drawn from a generator seeded by (its request's seed, its position),
-    once per distinct (request, position) pair: a tree has at most L + 1 positions per request."""
-    device = seq_index.device
-    keys = torch.stack([seq_index, positions], dim=1)  # [n, 2]
-    unique_keys, row_of_key = torch.unique(keys, dim=0, return_inverse=True)
-    row_seeds = [_mix_seed(seeds[r], position) for r, position in unique_keys.tolist()]
-    noise = torch.empty(len(row_seeds), vocab, device=device)  # [unique pairs, V]
-    ops = loaded_cpu_ops() if device.type == "cpu" and len(row_seeds) > 1 else None
-    if ops is not None:  # the same values, rows drawn on torch's threads (cpu_ops.cpp: exponential_rows)
-        ops.exponential_rows(noise, row_seeds)
-    else:
-        for row, seed in zip(noise, row_seeds):
-            row.exponential_(generator=torch.Generator(device=device).manual_seed(seed))
-    return noise[row_of_key]
+    """[n, V] scores (log-probabilities up to a constant per row; -inf: filtered out) -> [n] one sample per row: the
+    first token whose cumulative probability exceeds u times the row's total, where u in [0, 1) is keyed by (the row's
+    request's seed, its position). One uniform per row, where an exponential race draws V of them.
+
+    The search runs in two levels: the running sum of block sums (blocks of CDF_BLOCK tokens) finds the block, and a
+    running sum inside that block finds the token. A float32 running sum over the whole vocabulary would move each
+    token's share by up to an ulp of the sum (~1e-7 of the total, more than many tokens' whole probability), and a
+    float64 one is a serial loop over it. Here the running sums are float64; each block's sum is a float32 one, off by
+    a few ulps of the block's own mass, and that difference falls on the block's last kept token. A filtered token
+    adds nothing to a sum, so it is never chosen."""
+    num_rows, vocab = scores.shape
+    keys = [(seeds[r], position) for r, position in zip(seq_index.tolist(), positions.tolist())]
+    # 52 bits: u <= 1 - 2^-52, so u x total rounds below the total, and some block's running sum exceeds it
+    uniforms = torch.tensor([_mix_seed(s, p) >> 12 for s, p in keys], dtype=torch.float64) * 2.0**-52  # [n]
+    weights = (scores - scores.amax(dim=-1, keepdim=True)).exp_()  # [n, V], the largest 1
+    if vocab % CDF_BLOCK:
+        weights = torch.nn.functional.pad(weights, (0, -vocab % CDF_BLOCK))  # zeros: never chosen
+    blocks = weights.view(num_rows, -1, CDF_BLOCK)  # [n, C, CDF_BLOCK]
+    ends = blocks.sum(dim=-1).double().cumsum_(dim=-1)  # [n, C]: the mass up to each block's end
+    thresholds = uniforms.to(scores.device)[:, None] * ends[:, -1:]  # [n, 1]
+    block = torch.searchsorted(ends, thresholds, right=True)  # [n, 1]: first end > threshold (a block of mass)
+    start = torch.where(block > 0, ends.gather(1, (block - 1).clamp(min=0)), 0.0)  # [n, 1], <= threshold
+    rows = blocks[torch.arange(num_rows, device=scores.device), block.squeeze(1)]  # [n, CDF_BLOCK]
+    inside = torch.searchsorted(rows.double().cumsum(dim=-1).add_(start), thresholds, right=True)  # [n, 1]
+    # The block's end (a sum) and its running sum differ in their last bits: a threshold between the two lands past
+    # the block's last token, and belongs to its last token kept.
+    offsets = torch.arange(CDF_BLOCK, device=scores.device)
+    last_kept = torch.where(rows > 0, offsets, 0).amax(dim=-1, keepdim=True)  # [n, 1]
+    return (block * CDF_BLOCK + torch.minimum(inside, last_kept)).squeeze(1)
 
 
 def _mix_seed(seed: int, position: int) -> int:
-    """A 64-bit generator seed from (request seed, position), SplitMix64 style: nearby inputs give unrelated seeds."""
+    """64 random bits from (request seed, position), SplitMix64 style: nearby inputs give unrelated values."""
     mask = (1 << 64) - 1
     z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xBF58476D1CE4E5B9) & mask
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask

@@ -271,6 +271,32 @@ def test_sampled_tokens_follow_the_filtered_distribution() -> None:
         assert chi_square_p_value(counts, probs) > 1e-4, (r, counts, probs)
 
 
+@pytest.mark.parametrize("vocab", [512, 600])  # whole blocks of CDF_BLOCK tokens, and a padded last block
+def test_sampled_tokens_across_blocks_follow_the_distribution(vocab) -> None:
+    """The inverse CDF finds the block, then the token in it: tokens at both edges of blocks, the last token of the
+    vocabulary included, come out at their probabilities."""
+    from ddtree.accept import CDF_BLOCK
+
+    assert CDF_BLOCK == 256
+    likely = [0, 3, 255, 256, 300, 510, vocab - 1]
+    base = torch.full((vocab,), -60.0)
+    base[likely] = torch.tensor([0.5, 1.0, -0.3, 0.2, 0.8, -0.5, 0.1])
+    num_rows = 20_000
+    tokens = target_tokens_sampled(
+        base.expand(num_rows, vocab),
+        torch.zeros(num_rows, dtype=torch.long),
+        torch.arange(num_rows),
+        [1.0],
+        [1.0],
+        [0],
+        [9],
+    )
+    counts = torch.bincount(tokens, minlength=vocab)
+    assert counts.sum() == num_rows and counts[likely].sum() == num_rows
+    probs = base.softmax(-1)[likely]
+    assert chi_square_p_value(counts[likely].tolist(), (probs / probs.sum()).tolist()) > 1e-4
+
+
 def test_seeded_requests_do_not_depend_on_the_rest_of_the_batch() -> None:
     vocab = 50
     g = torch.Generator().manual_seed(0)
@@ -337,6 +363,23 @@ def test_extreme_top_p_and_temperature_keep_their_meaning() -> None:
         many, torch.zeros(4000, dtype=torch.long), torch.arange(4000), [1e39], [1.0], [0], [3]
     )
     assert chi_square_p_value(torch.bincount(sampled, minlength=4).tolist(), [0.25] * 4) > 1e-4
+
+
+def test_sampling_never_picks_a_filtered_token_at_the_ends_of_the_uniform(monkeypatch) -> None:
+    """A sample is the first token whose cumulative probability exceeds u x the total: at the largest u the last
+    token kept (not a filtered one past it, nor an index past the vocabulary), at u = 0 the first token kept."""
+    import ddtree.accept as accept_module
+
+    logits = torch.tensor([[-30.0, 2.0, 1.0, 5.0, 0.5, -1.0]] * 2)  # top-2 keeps tokens 3 and 1
+    seq_index, positions = torch.tensor([0, 1]), torch.tensor([4, 4])
+    for bits, expected in ((2**64 - 1, 3), (0, 1)):  # u = 1 - 2^-52 and u = 0; kept: tokens 1 and 3
+        monkeypatch.setattr(accept_module, "_mix_seed", lambda seed, position, bits=bits: bits)
+        tokens = target_tokens_sampled(logits, seq_index, positions, [1.0, 2.0], [1.0, 1.0], [2, 2], [1, 2])
+        assert tokens.tolist() == [expected, expected]
+    # without a filter the last token of the vocabulary is reachable, and nothing past it
+    monkeypatch.setattr(accept_module, "_mix_seed", lambda seed, position: 2**64 - 1)
+    flat = torch.zeros(1, 6)
+    assert target_tokens_sampled(flat, torch.tensor([0]), torch.tensor([0]), [1.0], [1.0], [0], [0]).tolist() == [5]
 
 
 def test_sampling_input_validation() -> None:

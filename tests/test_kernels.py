@@ -612,34 +612,6 @@ def test_native_ops_release_the_gil(ops):
     assert ticks[0] > 20 * calls  # holding the GIL, the spinner would get about one tick per call
 
 
-def test_noise_rows_are_torchs_draws_whichever_thread_draws_them(ops, monkeypatch):
-    """Sampling's Exp(1) noise (ddtree/accept.py): the native op draws row i from a generator seeded seeds[i] on
-    torch's threads, and gives exactly the values a torch.Generator with that seed and Tensor.exponential_ give, as
-    the noise of a sampling round does with the native ops off (seeded outputs do not depend on them)."""
-    from ddtree.accept import _exponential_noise, _mix_seed
-
-    vocab, seeds = 1000, [7, 2**64 - 1, 0, 12345]
-    expected = torch.stack([torch.empty(vocab).exponential_(generator=torch.Generator().manual_seed(s)) for s in seeds])
-    before = torch.get_num_threads()
-    try:
-        for num_threads in (1, 2):
-            torch.set_num_threads(num_threads)
-            out = torch.empty(len(seeds), vocab)
-            ops.exponential_rows(out, seeds)
-            assert torch.equal(out, expected)
-    finally:
-        torch.set_num_threads(before)
-    with pytest.raises(RuntimeError, match="one seed per row"):
-        ops.exponential_rows(torch.empty(3, vocab), seeds)
-    seq_index, positions = torch.tensor([0, 0, 1, 2, 2, 0]), torch.tensor([5, 6, 5, 9, 9, 5])  # (0, 5) twice
-    assert kernels.loaded_cpu_ops() is ops  # (loaded by the fixture: the noise below is drawn natively)
-    native = _exponential_noise(seq_index, positions, vocab, [3, 4, 5])
-    monkeypatch.setenv("DDTREE_CPU_KERNELS", "0")
-    assert torch.equal(native, _exponential_noise(seq_index, positions, vocab, [3, 4, 5]))
-    first = torch.empty(vocab).exponential_(generator=torch.Generator().manual_seed(_mix_seed(3, 5)))
-    assert torch.equal(native[0], first) and torch.equal(native[5], first) and torch.equal(native[3], native[4])
-
-
 def test_ninja_of_the_environment_is_put_on_path(monkeypatch):
     """torch finds ninja on PATH only: `.venv/bin/python` run without activating the environment has the `ninja`
     package's binary off PATH, so the build puts it there (without it torch refuses to build: a warning, no kernels)."""

@@ -3,8 +3,8 @@
     cpu_ops() -> module | None      the target runner's float32 CPU ops (cpu_ops.cpp says why each exists):
                                     `panel_linear` (a GEMM over panel-packed weights that reads them once per
                                     call), `rms_norm`, `attention_block` (rotary + KV write + attention of
-                                    a request's new tokens), `silu_and_mul`, and sampling's `exponential_rows`
-                                    (noise rows drawn on torch's threads); None where they cannot be built
+                                    a request's new tokens) and `silu_and_mul`; None where they cannot be
+                                    built
     loaded_cpu_ops() -> module | None   the same, only once something in this process has loaded it
     bf16_panels_pay() -> bool             whether bfloat16 panels run on bf16 dot products here (else float32 ones)
     pack_panels(w [K, N], dtype)          a weight matrix in the panel layout `panel_linear` reads: float32, or

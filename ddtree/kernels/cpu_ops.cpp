@@ -45,14 +45,8 @@
 //
 //   silu_and_mul(gate_up [R, 2 I]) -> silu(gate_up[:, :I]) * gate_up[:, I:], the MLP's activation.
 //
-//   exponential_rows(out [n, V], seeds [n]): row i of `out` filled with Exp(1) noise from a CPU generator seeded
-//   with seeds[i], the values `torch.Generator().manual_seed(seeds[i])` and `Tensor.exponential_` give. torch draws
-//   a row in one serial loop over the vocabulary, and sampling draws one row per request and position; the rows are
-//   independent, so they are drawn on torch's threads, which are awake right after the verify's LM head (a thread
-//   pool's workers would have to be woken first; docs/engine.md has the timings).
 
 #include <torch/extension.h>
-#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -815,18 +809,6 @@ bool has_bf16_dot_products() {
 #endif
 }
 
-void exponential_rows(torch::Tensor out, const std::vector<uint64_t>& seeds) {
-  TORCH_CHECK(out.dim() == 2 && out.device().is_cpu() && out.scalar_type() == torch::kFloat32 && out.is_contiguous(),
-              "exponential_rows: out must be a contiguous float32 CPU tensor [n, V]");
-  TORCH_CHECK(static_cast<int64_t>(seeds.size()) == out.size(0), "exponential_rows: one seed per row of out");
-  at::parallel_for(0, out.size(0), 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
-      at::Generator generator = at::detail::createCPUGenerator(seeds[i]);
-      out[i].exponential_(1.0, generator);
-    }
-  });
-}
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using release_gil = py::call_guard<py::gil_scoped_release>;
   m.def("panel_linear", &panel_linear, release_gil(),
@@ -836,5 +818,4 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, release_gil(), "RMSNorm of float32 rows x [R, D] with weight [D]");
   m.def("attention_block", &attention_block, release_gil(), "one request's rotary + KV write + attention");
   m.def("silu_and_mul", &silu_and_mul, release_gil(), "silu(gate) * up of float32 rows [R, 2 I]");
-  m.def("exponential_rows", &exponential_rows, release_gil(), "rows of Exp(1) noise, row i from a generator seeded seeds[i]");
 }
