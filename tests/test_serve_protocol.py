@@ -722,6 +722,9 @@ def test_a_request_that_timed_out_in_the_queue_is_a_retriable_503():
                 stats=RequestStats(),
             )
 
+        def stop(self):  # (the replica's __del__)
+            pass
+
     server = object.__new__(DDTreeEngine)
     server.args, server.loop = parse_args({"max_queue_seconds": 7}), Loop()
 
