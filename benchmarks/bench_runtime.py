@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from ddtree.cost import verify_cost_counts
 from ddtree.models.target import TargetModel, measure_verify_cost_curve
 from ddtree.models.testing import random_draft_tree
 from ddtree.packing import pack
@@ -28,7 +29,7 @@ from ddtree.tree import build_tree
 from ddtree.workers import TargetWorker
 
 REPO = Path(__file__).resolve().parents[1]
-CURVE_TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+CURVE_TOKENS = verify_cost_counts(256)  # the engine's start-up profile: powers of two, and one past each from 8
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 

@@ -36,7 +36,7 @@ import torch
 from ddtree.budget import BudgetConfig, BudgetPolicy, RoundPlan, closed_batch_drafters
 from ddtree.config import EngineConfig
 from ddtree.contracts import Drafter, Pending, Target
-from ddtree.cost import CostModel
+from ddtree.cost import CostModel, verify_cost_counts
 from ddtree.detokenizer import OutputState
 from ddtree.guard import POLICY, ThroughputGuard
 from ddtree.ngram import NgramIndex
@@ -549,8 +549,9 @@ class Engine(WorkerRecovery):
     def measure_cost_model(self, token_counts: Iterable[int] | None = None) -> CostModel:
         """Time the verify pass over packed token counts and the drafter over batch sizes (start-up profile)."""
         cap = max(1, self.max_budget)
-        counts = sorted(set(token_counts or [1, 2, 4, 8, 16, 32, 64, 128, 256]) | {1})
-        counts = [n for n in counts if n <= max(self.config.max_num_seqs * (1 + cap), 1)] or [1]
+        max_tokens = max(self.config.max_num_seqs * (1 + cap), 1)
+        counts = sorted(set(token_counts or verify_cost_counts(max_tokens)) | {1})
+        counts = [n for n in counts if n <= max_tokens] or [1]
         verify_points = self.target.measure_verify_cost(counts)
         draft_points = self.drafter.measure_draft_cost([1, 4, 16], cap) if self.drafter is not None else [(1, 1e-3)]
         return CostModel(verify_points, draft_points)

@@ -4,7 +4,7 @@ import random
 import pytest
 
 from ddtree.budget import CLOSED_BATCH_SLACK, BudgetConfig, BudgetPolicy, closed_batch_drafters
-from ddtree.cost import CostModel
+from ddtree.cost import CostModel, verify_cost_counts
 
 
 def linear_cost(per_token=1.0, fixed=30.0, draft=10.0):
@@ -22,6 +22,22 @@ def test_cost_model_interpolates_and_refreshes():
         CostModel([], [(1, 1.0)])
     with pytest.raises(ValueError, match="two points"):
         CostModel([(8, 0.02), (8, 0.03)], [(1, 1.0)])
+
+
+def test_the_start_up_profile_times_both_sides_of_each_row_tile():
+    assert verify_cost_counts(600) == [1, 2, 4, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 256, 257]
+    assert verify_cost_counts(17) == [1, 2, 4, 8, 9, 16, 17]
+    assert verify_cost_counts(16) == [1, 2, 4, 8, 9, 16]
+    assert verify_cost_counts(1) == [1]
+
+    def tiled(n):  # rows in tiles of 16: each tile costs 10 ms, each row 0.1 ms on top, 30 ms fixed
+        return (30 + 10 * -(-n // 16) + 0.1 * n) / 1000
+
+    stepped = CostModel([(n, tiled(n)) for n in verify_cost_counts(64)], [(1, 0.01)])
+    powers = CostModel([(n, tiled(n)) for n in (1, 2, 4, 8, 16, 32, 64)], [(1, 0.01)])
+    for n in (17, 20, 33, 40):
+        assert stepped.verify_seconds(n) == pytest.approx(tiled(n), rel=0.05)
+    assert powers.verify_seconds(17) < tiled(17) * 0.85  # across the step: the first row past a tile comes cheap
 
 
 def test_the_price_of_part_of_a_verify_pass_is_what_it_adds_to_the_pass():
