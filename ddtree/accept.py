@@ -70,8 +70,8 @@ def target_tokens_sampled(
     and seeds have one entry per request.
     Temperature 0 (or below GREEDY_TEMPERATURE) means greedy (argmax); top_k 0 and top_p 1.0 disable those filters
     (applied in that order, after the temperature; top-k keeps ties at the k-th logit, top-p keeps the most probable
-    tokens until their mass reaches top_p). The noise of a token is keyed by (its request's seed, its position): a
-    seeded request draws the same tokens whatever else is in the batch and whatever its tree looks like.
+    tokens until their mass reaches top_p). The random number behind a token is keyed by (its request's seed, its
+    position): a seeded request draws the same tokens whatever else is in the batch and whatever its tree looks like.
     """
     if logits.dim() != 2:
         raise ValueError(f"logits must be [N, V], got shape {tuple(logits.shape)}")

@@ -167,8 +167,8 @@ class TargetWorker:
         self._next_seq_id += 1
         self._seq_ids[request_id] = seq_id
         self._params[request_id] = params
-        # Sampling noise is keyed by (seed, position) (ddtree.accept): a seeded request's text depends on its seed
-        # only, never on the trees or the batch. Unseeded requests draw their seed from torch's global generator.
+        # A sample's random number is keyed by (seed, position) (ddtree.accept): a seeded request's text depends on its
+        # seed only, never on the trees or the batch. Unseeded requests draw their seed from torch's global generator.
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
         self._seeds[request_id] = seed
         self._pending_features[request_id] = []
