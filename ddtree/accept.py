@@ -162,7 +162,8 @@ def _inverse_cdf_sample(
     a few ulps of the block's own mass, and that difference falls on the block's last kept token. A filtered token
     adds nothing to a sum, so it is never chosen."""
     num_rows, vocab = scores.shape
-    keys = [(seeds[r], position) for r, position in zip(seq_index.tolist(), positions.tolist())]
+    rows_of, row_positions = torch.stack([seq_index, positions.to(seq_index.device)]).tolist()  # one host copy
+    keys = [(seeds[r], position) for r, position in zip(rows_of, row_positions)]
     # 52 bits: u <= 1 - 2^-52, so u x total rounds below the total, and some block's running sum exceeds it
     uniforms = torch.tensor([_mix_seed(s, p) >> 12 for s, p in keys], dtype=torch.float64) * 2.0**-52  # [n]
     weights = (scores - scores.amax(dim=-1, keepdim=True)).exp_()  # [n, V], the largest 1

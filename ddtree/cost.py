@@ -63,11 +63,11 @@ class CostModel:
 
 
 def verify_cost_counts(max_tokens: int, largest: int = 256) -> list[int]:
-    """The packed token counts the start-up profile times, up to `max_tokens` (and `largest`): powers of two, and from
-    8 on one past each. Kernels run rows in tiles of a power of two (8 or 16 on CPU kernels, more on GPUs), so a
-    verify's cost steps where a row starts a new tile; a curve interpolated across the step (16 -> 32) would price
-    the first rows past it at a fraction of what they cost, and the policy would add them (an n-gram chain's one
-    token beside 16 plain rows) for far less than they take."""
+    """The packed token counts the start-up profile times: powers of two up to `max_tokens` and `largest`, and from
+    8 on the count one past each (where it is at most `max_tokens`). Kernels run rows in tiles of a power of two (8
+    or 16 on CPU kernels, more on GPUs), so a verify's cost steps where a row starts a new tile; a curve
+    interpolated across the step (16 -> 32) would price the first rows past it at a fraction of what they cost, and
+    the policy would add them (an n-gram chain's one token beside 16 plain rows) for far less than they take."""
     counts, n = [], 1
     while n <= min(max_tokens, largest):
         counts += [n, n + 1] if n >= 8 and n + 1 <= max_tokens else [n]

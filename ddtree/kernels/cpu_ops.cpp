@@ -44,7 +44,6 @@
 //   one SDPA call per layer; the tiles beat SDPA from 1 to 256 new tokens over 0-2048 cached ones, here.
 //
 //   silu_and_mul(gate_up [R, 2 I]) -> silu(gate_up[:, :I]) * gate_up[:, I:], the MLP's activation.
-//
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
