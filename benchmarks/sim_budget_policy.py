@@ -140,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         cost = measure_cost_model(args.max_budget)
         cost_path.write_text(json.dumps({"verify": cost.verify_points, "draft": cost.draft_points}))
-    cost.draft_points = [(n, seconds * args.draft_cost_scale) for n, seconds in cost.draft_points]
-    cost.refresh_weight = 0.0  # the replay's clock is this model: it never drifts
+    # the replay's clock is this model: it never drifts (no refresh)
+    draft_points = [(n, seconds * args.draft_cost_scale) for n, seconds in cost.draft_points]
+    cost = CostModel(cost.verify_points, draft_points, refresh_weight=0.0)
     print(
         "\nverify ms: "
         + ", ".join(f"{n}: {s * 1e3:.1f}" for n, s in cost.verify_points)

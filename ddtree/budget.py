@@ -272,8 +272,8 @@ class BudgetPolicy:
         extra = (
             self.cost.draft_seconds(num_speculative + 1)
             - self.cost.draft_seconds(num_speculative)
-            + self.cost.verify_seconds(base_tokens + round(self._expected_nodes(s)))
-            - self.cost.verify_seconds(base_tokens)
+            + self.cost.verify_seconds(base_tokens + round(self._expected_nodes(s)), num_requests)
+            - self.cost.verify_seconds(base_tokens, num_requests)
             - self._observed_gain(s) * seconds_per_token
         )
         if extra <= 0:
@@ -292,14 +292,18 @@ class BudgetPolicy:
         if len(speculating) < 2:
             return 1.0
         num_tokens = len(request_ids) + round(sum(self._expected_nodes(self.states[r]) for r in speculating))
-        sequential = self.cost.draft_seconds(len(speculating)) + self.cost.verify_seconds(num_tokens)
+        num_requests = len(request_ids)
+        sequential = self.cost.draft_seconds(len(speculating)) + self.cost.verify_seconds(num_tokens, num_requests)
         phase = max(
-            self.cost.draft_seconds((len(speculating) + 1) // 2), self.cost.verify_seconds((num_tokens + 1) // 2)
+            self.cost.draft_seconds((len(speculating) + 1) // 2),
+            self.cost.verify_seconds((num_tokens + 1) // 2, (num_requests + 1) // 2),
         )
         return sequential / (2 * phase)
 
     def _round_seconds(self, num_requests: int, num_speculative: int, num_nodes: float) -> float:
-        return self.cost.draft_seconds(num_speculative) + self.cost.verify_seconds(num_requests + round(num_nodes))
+        return self.cost.draft_seconds(num_speculative) + self.cost.verify_seconds(
+            num_requests + round(num_nodes), num_requests
+        )
 
     def _gain(self, s: RequestBudgetState) -> float:
         if s.gain is not None:
@@ -333,13 +337,14 @@ class BudgetPolicy:
         path_probs: list[list[float]],
         num_autoregressive: int,
         num_drafted: int | None = None,
-        packed: tuple[int, float] = (0, 0.0),
+        packed: tuple[int, float, int] = (0, 0.0, 0),
     ) -> list[int]:
         """Node count per request with a tree. `path_probs[i]` are request i's node values in pop order: the first
         `num_drafted` requests (default: all) were drafted (values calibrated per request); the others carry only
         an n-gram chain (values from `ngram_values`, no drafter cost). `num_autoregressive` requests verify their
-        root alone. `packed`: tokens that trees allocated earlier put into the same verify pass, and the tokens
-        they are expected to commit (pipelined mode: the group drafted in the previous phase)."""
+        root alone. `packed`: tokens that trees allocated earlier put into the same verify pass, the tokens they
+        are expected to commit, and their requests (pipelined mode: the group drafted in the previous phase; newly
+        admitted prompts)."""
         num_drafted = len(request_ids) if num_drafted is None else num_drafted
         if self.config.fixed_budget is not None:
             return [min(self.config.fixed_budget, len(p)) for p in path_probs]
@@ -357,9 +362,11 @@ class BudgetPolicy:
             owners.extend([i] * len(probs))
         order = sorted(range(len(values)), key=values.__getitem__, reverse=True)
         num_requests = len(request_ids) + num_autoregressive
-        num_packed_tokens, packed_expected = packed
+        num_packed_tokens, packed_expected, num_packed_requests = packed
         draft_seconds = self.cost.draft_seconds(num_drafted)
-        verify_seconds = self.cost.verify_seconds_range(num_requests + num_packed_tokens, len(values) + 1)
+        verify_seconds = self.cost.verify_seconds_range(
+            num_requests + num_packed_tokens, len(values) + 1, num_requests + num_packed_requests
+        )
         expected = itertools.accumulate((values[j] for j in order), initial=num_requests + packed_expected)
         rates = [e / (draft_seconds + v) for e, v in zip(expected, verify_seconds)]
         best_k = rates.index(max(rates))  # the first maximum: the fewest nodes at the best rate
@@ -373,7 +380,7 @@ class BudgetPolicy:
         plan: RoundPlan,
         drafted: list[ProposedTree],
         chains: dict[str, list[int]],
-        packed: tuple[int, float] = (0, 0.0),
+        packed: tuple[int, float, int] = (0, 0.0, 0),
     ) -> RoundAllocation:
         """The round's allocation with n-gram chains (`chains`: per request id, possibly empty): a drafted request's
         chain merges into its tree (`drafted`, one per `plan.speculative_ids`); a request planned autoregressive

@@ -67,6 +67,9 @@ class Target(Protocol):
 
     def measure_verify_cost(self, token_counts: list[int]) -> list[tuple[int, float]]: ...
 
+    def measure_batch_cost(self, request_counts: list[int]) -> list[tuple[int, float]]:
+        """Seconds of a verify pass over R one-token requests, for each R (`measure_batch_cost_curve`)."""
+
 
 @runtime_checkable
 class Drafter(Protocol):

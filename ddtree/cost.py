@@ -1,4 +1,4 @@
-"""The cost model: seconds per verify pass by packed tokens, and per drafter forward by requests.
+"""The cost model: seconds per verify pass by packed tokens and requests, and per drafter forward by requests.
 
 Measured at start-up (`Engine.measure_cost_model`) and refreshed from every round's own timings, so that a
 measurement on a quiet machine does not misprice a loaded one. Plain floats and lists: the budget policy
@@ -13,53 +13,97 @@ from dataclasses import dataclass
 
 @dataclass
 class CostModel:
-    """Seconds per verify pass as a function of packed tokens, and per drafter forward as a function of requests.
+    """Seconds per verify pass as a function of packed tokens and requests, and per drafter forward as a function
+    of requests.
 
-    Piecewise-linear in the measured points (measured at start-up); live timings refresh them (an EMA of the ratio
-    observed / predicted, shared between the two points around the observation, the ratio bounded so that one
-    stalled round moves the curve by at most `refresh_weight` x (MAX_REFRESH_RATIO - 1)). The curve priced is the
-    points' non-decreasing envelope (more work never costs less: a measured dip is noise, and would make large
-    batches look nearly free), extrapolated past the last point at its last segment's slope or, if less, the
-    curve's average slope."""
+    A verify pass of N tokens over R requests is priced as load(R) x (f(N) + g(R)), all three piecewise-linear:
+    - f: one request's pass of N tokens (`verify_points`, measured at start-up);
+    - g: what its other R - 1 requests add beyond their tokens (`batch_points`, a pass over R one-token requests
+      measured at start-up, less f(R)): each request attends to a cache of its own, so 8 requests' roots cost
+      more than 8 tokens of one request, while a token that a tree or a chain adds to a request costs what f says;
+    - load: the live factor by requests, 1 at start-up.
+    Every observed pass moves the load at the two request counts around its own toward the ratio observed / priced
+    (an EMA of weight `refresh_weight`, shared between the two by their interpolation shares), and f at the two
+    token counts around its own by a quarter of that weight. The load carries what the start-up profile could not
+    see (a loaded machine, contexts longer than the profile's) to every size of a batch: refreshed only at the size
+    each pass ran at (the rounds of a loaded batch run at one size, most of them), a price learned there would
+    leave the sizes beside it at their start-up level, and the rows that a chain or a tree adds beyond it would look
+    nearly free. f's slower refresh mends a start-up profile whose shape is off (timed while the machine was busy).
+    The ratio is bounded (MAX_REFRESH_RATIO), so one stalled round moves a price by a bounded step.
 
-    verify_points: list[tuple[int, float]]  # (num_tokens, seconds), increasing num_tokens
+    f and g are priced as their points' non-decreasing envelopes (more work never costs less: a measured dip is
+    noise, and would make large batches look nearly free), extrapolated past the last point at its last segment's
+    slope or, if less, the curve's average slope; the load is flat past its first and last points. The drafter's
+    curve (`draft_points`, seconds by requests) is refreshed at its own points, by `refresh_weight`."""
+
+    verify_points: list[tuple[int, float]]  # (num_tokens, seconds) of one request's pass, increasing num_tokens
     draft_points: list[tuple[int, float]]  # (num_requests, seconds), increasing num_requests
+    # (num_requests, seconds) of a pass over that many one-token requests; None: requests add nothing of their own
+    batch_points: list[tuple[int, float]] | None = None
     refresh_weight: float = 0.2
 
     def __post_init__(self) -> None:
-        for name, pts in (("verify_points", self.verify_points), ("draft_points", self.draft_points)):
+        named = [("verify_points", self.verify_points), ("draft_points", self.draft_points)]
+        for name, pts in named + [("batch_points", self.batch_points or [(1, 1.0)])]:
             if not pts or any(n <= 0 or s <= 0 for n, s in pts):
                 raise ValueError(f"CostModel.{name} needs positive (count, seconds) points, got {pts!r}")
             if len({int(n) for n, _ in pts}) != len(pts):
                 raise ValueError(f"CostModel.{name} has two points at one count: {pts!r}")
         self.verify_points = sorted((int(n), float(s)) for n, s in self.verify_points)
         self.draft_points = sorted((int(n), float(s)) for n, s in self.draft_points)
+        batch = sorted((int(r), float(s)) for r, s in self.batch_points or [] if int(r) > 1)
         self._verify_curve = _envelope(self.verify_points)
+        # g: (1, 0) first, never below 0
+        self.request_points = [(1, 0.0)] + [(r, max(0.0, s - _interpolate(self.verify_points, r))) for r, s in batch]
+        self._request_curve = _envelope(self.request_points)
+        self.load_points = [(r, 1.0) for r, _ in self.request_points]
         self._draft_curve = _envelope(self.draft_points)
 
-    def verify_seconds(self, num_tokens: int) -> float:
-        return _interpolate(self._verify_curve, num_tokens)
+    def verify_seconds(self, num_tokens: int, num_requests: int = 1) -> float:
+        return self.load(num_requests) * (_interpolate(self._verify_curve, num_tokens) + self._g(num_requests))
 
-    def verify_seconds_of_part(self, num_tokens: int, num_part: int) -> float:
-        """What `num_part` of a verify pass's `num_tokens` packed tokens add to it: the pass's price less that of
-        the pass without them (the curve is non-decreasing, so never negative)."""
-        return self.verify_seconds(num_tokens) - self.verify_seconds(max(1, num_tokens - num_part))
+    def load(self, num_requests: int) -> float:
+        """The live factor of a pass over `num_requests` requests (1 until passes are observed)."""
+        return _interpolate_flat(self.load_points, num_requests)
 
-    def verify_seconds_range(self, first: int, count: int) -> list[float]:
-        """`verify_seconds(n)` for n = first, first + 1, ..., first + count - 1, in one sweep of the points."""
-        return _interpolate_range(self._verify_curve, first, count)
+    def verify_seconds_of_part(
+        self, num_tokens: int, num_part: int, num_requests: int = 1, num_part_requests: int = 0
+    ) -> float:
+        """What `num_part` of a verify pass's `num_tokens` packed tokens, and `num_part_requests` of its
+        `num_requests` requests, add to it: the pass's price less that of the pass without them, at the pass's
+        load (never negative: the curves are non-decreasing)."""
+        load = self.load(num_requests)
+        rest_tokens, rest_requests = max(1, num_tokens - num_part), max(1, num_requests - num_part_requests)
+        return load * (
+            _interpolate(self._verify_curve, num_tokens)
+            - _interpolate(self._verify_curve, rest_tokens)
+            + self._g(num_requests)
+            - self._g(rest_requests)
+        )
+
+    def verify_seconds_range(self, first: int, count: int, num_requests: int = 1) -> list[float]:
+        """`verify_seconds(n, num_requests)` for n = first, first + 1, ..., first + count - 1, in one sweep of the
+        points."""
+        load, extra = self.load(num_requests), self._g(num_requests)
+        return [load * (s + extra) for s in _interpolate_range(self._verify_curve, first, count)]
 
     def draft_seconds(self, num_requests: int) -> float:
         return 0.0 if num_requests == 0 else _interpolate(self._draft_curve, num_requests)
 
-    def observe_verify(self, num_tokens: int, seconds: float) -> None:
-        _refresh(self.verify_points, num_tokens, seconds, self.refresh_weight)
+    def observe_verify(self, num_tokens: int, seconds: float, num_requests: int = 1) -> None:
+        ratio = _bounded(seconds / self.verify_seconds(num_tokens, num_requests))
+        _scale_around(self.load_points, num_requests, ratio, self.refresh_weight)
+        _scale_around(self.verify_points, num_tokens, ratio, self.refresh_weight * SHAPE_REFRESH_SHARE)
         self._verify_curve = _envelope(self.verify_points)
 
     def observe_draft(self, num_requests: int, seconds: float) -> None:
         if num_requests > 0:
-            _refresh(self.draft_points, num_requests, seconds, self.refresh_weight)
+            ratio = _bounded(seconds / _interpolate(self.draft_points, num_requests))
+            _scale_around(self.draft_points, num_requests, ratio, self.refresh_weight)
             self._draft_curve = _envelope(self.draft_points)
+
+    def _g(self, num_requests: int) -> float:
+        return 0.0 if num_requests <= 1 else _interpolate(self._request_curve, num_requests)
 
 
 def verify_cost_counts(max_tokens: int, largest: int = 256) -> list[int]:
@@ -75,6 +119,17 @@ def verify_cost_counts(max_tokens: int, largest: int = 256) -> list[int]:
     return counts
 
 
+def batch_cost_counts(max_num_seqs: int) -> list[int]:
+    """The request counts the start-up profile times a batch of one-token requests at: powers of two from 2 below
+    `max_num_seqs`, and `max_num_seqs` itself (past it, the curve extrapolates linearly: a request's own cost)."""
+    counts, r = [], 2
+    while r < max_num_seqs:
+        counts.append(r)
+        r *= 2
+    return counts + [max_num_seqs] if max_num_seqs > 1 else []
+
+
+SHAPE_REFRESH_SHARE = 0.25  # f's refresh weight, as a share of the load's
 MAX_REFRESH_RATIO = 2.0  # an observation counts as at most this many times (at least 1 / this) its prediction
 
 
@@ -101,6 +156,15 @@ def _interpolate(points: list[tuple[int, float]], x: int) -> float:
         return y1 + _extrapolation_slope(points) * (x - x1)
     (x0, y0), (x1, y1) = points[i - 1], points[i]
     return max(y0 + (y1 - y0) * (x - x0) / (x1 - x0), 1e-9)
+
+
+def _interpolate_flat(points: list[tuple[int, float]], x: int) -> float:
+    """Linear between the points, flat before the first and past the last."""
+    if x <= points[0][0]:
+        return points[0][1]
+    if x >= points[-1][0]:
+        return points[-1][1]
+    return _interpolate(points, x)
 
 
 def _extrapolation_slope(points: list[tuple[int, float]]) -> float:
@@ -137,11 +201,14 @@ def _interpolate_range(points: list[tuple[int, float]], first: int, count: int) 
     return out
 
 
-def _refresh(points: list[tuple[int, float]], x: int, seconds: float, weight: float) -> None:
-    """Scale the points around `x` toward the ratio observed / what they predict there (the points themselves, not
-    the envelope priced: a point below the envelope must still converge to what is observed at it), each by its
-    share of the interpolation there (the nearest point alone before the first and past the last one)."""
-    ratio = min(max(seconds / _interpolate(points, x), 1.0 / MAX_REFRESH_RATIO), MAX_REFRESH_RATIO)
+def _bounded(ratio: float) -> float:
+    return min(max(ratio, 1.0 / MAX_REFRESH_RATIO), MAX_REFRESH_RATIO)
+
+
+def _scale_around(points: list[tuple[int, float]], x: int, ratio: float, weight: float) -> None:
+    """Scale the points around `x` toward `ratio` (observed / what the points themselves predict there, not the
+    envelope priced: a point below the envelope must still converge to what is observed at it), each by its share
+    of the interpolation there (the nearest point alone before the first and past the last one)."""
     xs = [n for n, _ in points]
     i = bisect.bisect_left(xs, x)
     if i == 0 or i == len(points) or xs[i] == x:

@@ -36,7 +36,7 @@ import torch
 from ddtree.budget import BudgetConfig, BudgetPolicy, RoundPlan, closed_batch_drafters
 from ddtree.config import EngineConfig
 from ddtree.contracts import Drafter, Pending, Target
-from ddtree.cost import CostModel, verify_cost_counts
+from ddtree.cost import CostModel, batch_cost_counts, verify_cost_counts
 from ddtree.detokenizer import OutputState
 from ddtree.guard import POLICY, ThroughputGuard
 from ddtree.ngram import NgramIndex
@@ -450,7 +450,7 @@ class Engine(WorkerRecovery):
         cost = self.budget.cost
         if batch.draft_seconds is not None and not batch.resumes_drafting:  # (a switch's catch-up is no draft cost)
             cost.observe_draft(batch.num_drafting, batch.draft_seconds)
-        cost.observe_verify(batch.num_verified_tokens, batch.verify_seconds)
+        cost.observe_verify(batch.num_verified_tokens, batch.verify_seconds, len(batch.entries) + len(batch.prompts))
         for e in batch.entries:
             without_draft = self.budget.observe_proposal(e.chain, e.accepted + [e.bonus], e.request_id)
             stats = self.requests[e.request_id].stats
@@ -495,7 +495,12 @@ class Engine(WorkerRecovery):
         num_tokens = sum(1 + len(e.accepted) for e in batch.entries)
         seconds = time.perf_counter() - batch.started_at
         if batch.prompts:
-            seconds -= self.budget.cost.verify_seconds_of_part(batch.num_verified_tokens, sum(map(len, batch.prompts)))
+            seconds -= self.budget.cost.verify_seconds_of_part(
+                batch.num_verified_tokens,
+                sum(map(len, batch.prompts)),
+                len(batch.entries) + len(batch.prompts),
+                len(batch.prompts),
+            )
         self.guard.observe(
             len(batch.entries),
             batch.arm,
@@ -503,7 +508,7 @@ class Engine(WorkerRecovery):
             seconds,
             measured=not batch.resumes_drafting,
             speculated=batch.speculates,
-            plain_seconds=self.budget.cost.verify_seconds(len(batch.entries)),
+            plain_seconds=self.budget.cost.verify_seconds(len(batch.entries), len(batch.entries)),
         )
 
     def _append_tokens(
@@ -547,11 +552,14 @@ class Engine(WorkerRecovery):
     # Cost model
 
     def measure_cost_model(self, token_counts: Iterable[int] | None = None) -> CostModel:
-        """Time the verify pass over packed token counts and the drafter over batch sizes (start-up profile)."""
+        """Time the verify pass over packed token counts (one request) and over batches of one-token requests, and
+        the drafter over batch sizes (start-up profile)."""
         cap = max(1, self.max_budget)
         max_tokens = max(self.config.max_num_seqs * (1 + cap), 1)
         counts = sorted(set(token_counts or verify_cost_counts(max_tokens)) | {1})
         counts = [n for n in counts if n <= max_tokens] or [1]
         verify_points = self.target.measure_verify_cost(counts)
+        request_counts = batch_cost_counts(self.config.max_num_seqs)
+        batch_points = self.target.measure_batch_cost(request_counts) if request_counts else []
         draft_points = self.drafter.measure_draft_cost([1, 4, 16], cap) if self.drafter is not None else [(1, 1e-3)]
-        return CostModel(verify_points, draft_points)
+        return CostModel(verify_points, draft_points, batch_points or None)

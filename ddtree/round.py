@@ -85,12 +85,13 @@ class RoundBatch:
             [e.request_id for e in drafting], [e.request_id for e in plain], [e.max_budget for e in drafting]
         )
 
-    def closed_load(self) -> tuple[int, float]:
-        """What the closed entries and the prompts put into the verify pass: tokens, and tokens they are expected to
-        commit (a prompt commits its first token)."""
+    def closed_load(self) -> tuple[int, float, int]:
+        """What the closed entries and the prompts put into the verify pass: tokens, the tokens they are expected to
+        commit (a prompt commits its first token), and requests."""
         closed = [e for e in self.entries if not e.is_open]
         num_tokens = sum(e.num_tokens for e in closed) + sum(len(p) for p in self.prompts)
-        return num_tokens, sum(1 + e.predicted for e in closed) + len(self.prompt_ids)
+        expected = sum(1 + e.predicted for e in closed) + len(self.prompt_ids)
+        return num_tokens, expected, len(closed) + len(self.prompt_ids)
 
     def close(self) -> None:
         for e in self.entries:

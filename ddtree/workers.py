@@ -361,6 +361,11 @@ class TargetWorker:
         measure_verify_cost_curve(self.model, [1, max(token_counts)], num_repeats=1)
         return measure_verify_cost_curve(self.model, token_counts)
 
+    def measure_batch_cost(self, request_counts: list[int]) -> list[tuple[int, float]]:
+        from ddtree.models.target import measure_batch_cost_curve
+
+        return measure_batch_cost_curve(self.model, request_counts)
+
     def _target_tokens(
         self, request_ids: list[str], logits: torch.Tensor, seq_index: torch.Tensor, positions: torch.Tensor
     ) -> torch.Tensor:

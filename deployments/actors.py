@@ -54,6 +54,7 @@ from deployments.worker_ops import (
     FeatureBatch,
     Free,
     FreeDraft,
+    MeasureBatchCost,
     MeasureDraftCost,
     MeasureVerifyCost,
     Prefill,
@@ -183,6 +184,8 @@ class TargetActor:
                 self._disconnect_drafter()
         elif isinstance(op, MeasureVerifyCost):
             result = w.measure_verify_cost(op.token_counts)
+        elif isinstance(op, MeasureBatchCost):
+            result = w.measure_batch_cost(op.request_counts)
         else:
             raise TypeError(f"not a target operation: {op!r}")
         if w.keep_features and feature_ids:

@@ -28,6 +28,7 @@ from deployments.worker_ops import (
     DraftTopK,
     Free,
     FreeDraft,
+    MeasureBatchCost,
     MeasureDraftCost,
     MeasureVerifyCost,
     Prefill,
@@ -219,6 +220,9 @@ class TargetProxy:
 
     def measure_verify_cost(self, token_counts):
         return self._submit(MeasureVerifyCost(list(token_counts))).result()
+
+    def measure_batch_cost(self, request_counts):
+        return self._submit(MeasureBatchCost(list(request_counts))).result()
 
     def drafter_lost(self) -> None:
         """The drafter actor died: the target keeps every feature from now on (the requests that were drafting lost

@@ -1,8 +1,9 @@
 """What crosses between an engine replica and its worker actors: the typed operations and their wire formats.
 
-Operations are typed (`Allocate`, `Prefill`, `Verify`, `Free`, `SendFeatures`, `DisconnectDrafter`, `MeasureVerifyCost`;
-`Draft`, `FreeDraft`, `MeasureDraftCost`), each answered with a `Reply` that carries the seconds spent inside the
-worker. Target features travel from the target to the drafter as numbered `FeatureBatch`es (deployments/actors.py).
+Operations are typed (`Allocate`, `Prefill`, `Verify`, `Free`, `SendFeatures`, `DisconnectDrafter`, `MeasureVerifyCost`,
+`MeasureBatchCost`; `Draft`, `FreeDraft`, `MeasureDraftCost`), each answered with a `Reply` that carries the seconds
+spent inside the worker. Target features travel from the target to the drafter as numbered `FeatureBatch`es
+(deployments/actors.py).
 
 What crosses between processes is numpy arrays and lists, never torch tensors (`trees_to_wire`, `tensor_to_wire`):
 numpy arrays pickle as single buffers, torch tensors through torch's own reducer (~0.3 ms apiece here).
@@ -120,6 +121,11 @@ class MeasureVerifyCost:
 
 
 @dataclass(frozen=True)
+class MeasureBatchCost:
+    request_counts: list[int]
+
+
+@dataclass(frozen=True)
 class Draft:
     request_ids: list[str]
     roots: list[int]
@@ -139,7 +145,7 @@ class MeasureDraftCost:
     max_k: int
 
 
-TargetOp = Allocate | Prefill | Verify | Free | SendFeatures | DisconnectDrafter | MeasureVerifyCost
+TargetOp = Allocate | Prefill | Verify | Free | SendFeatures | DisconnectDrafter | MeasureVerifyCost | MeasureBatchCost
 DrafterOp = Draft | FreeDraft | MeasureDraftCost
 
 

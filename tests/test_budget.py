@@ -61,18 +61,56 @@ def test_cost_curve_never_falls_and_one_stall_moves_it_little():
     assert drafts == sorted(drafts) and drafts[-1] >= 0.0051
     c = CostModel([(1, 0.020), (4, 0.021), (16, 0.030)], [(1, 0.005)])
     c.observe_verify(1, 2.0)  # one 2 s stall of a one-token verify (predicted 20 ms)
-    assert c.verify_seconds(1) == pytest.approx(0.020 * (1 + 0.2 * (2.0 - 1.0)))  # the ratio counts as 2
-    # a point under the envelope (a dip) converges to what is observed at it, and follows when costs rise
+    # the ratio counts as 2: the load moves by refresh_weight of it, one request's curve by a quarter of that
+    assert c.verify_seconds(1) == pytest.approx(0.020 * (1 + 0.2 * (2.0 - 1.0)) * (1 + 0.05 * (2.0 - 1.0)))
+    # a size under the envelope (a dip) is priced at what is observed at it, and follows when costs rise
     c = CostModel([(1, 0.010), (128, 0.040), (256, 0.030), (512, 0.080)], [(1, 0.005)])
     for _ in range(200):
         c.observe_verify(256, 0.030)
-    assert c.verify_points[2][1] == pytest.approx(0.030, rel=1e-6)
+    assert c.verify_seconds(256) == pytest.approx(0.030, rel=1e-6)
     for _ in range(60):
         c.observe_verify(256, 0.060)
     assert c.verify_seconds(256) == pytest.approx(0.060, rel=0.02)
-    c = CostModel([(1, 0.020), (11, 0.030)], [(1, 0.005)])
-    c.observe_verify(6, 0.025 * 1.5)  # half way: both points move by half the step
-    assert c.verify_points == [(1, pytest.approx(0.020 * 1.05)), (11, pytest.approx(0.030 * 1.05))]
+    c = CostModel([(1, 0.020), (16, 0.030)], [(1, 0.005)], batch_points=[(2, 0.021), (4, 0.023)])
+    c.observe_verify(4, 1.5 * c.verify_seconds(4, 3), num_requests=3)  # half way between 2 and 4: half the step
+    assert c.load_points == [(1, 1.0), (2, pytest.approx(1.05)), (4, pytest.approx(1.05))]
+
+
+def test_a_pass_over_many_requests_costs_what_their_caches_add():
+    """8 requests' roots cost more than one request's 8 tokens (each attends to a cache of its own, on CPU kernels
+    in a call of its own); a token a tree adds to one of them costs what one request's curve says."""
+    c = CostModel([(1, 0.010), (8, 0.012), (16, 0.016)], [(1, 0.005)], batch_points=[(8, 0.020), (16, 0.032)])
+    assert c.verify_seconds(8) == pytest.approx(0.012)  # one request of 8 tokens
+    assert c.verify_seconds(8, 8) == pytest.approx(0.020)  # eight of one token
+    assert c.verify_seconds(16, 8) == pytest.approx(0.016 + 0.008)
+    assert c.verify_seconds(4, 4) == pytest.approx(0.010 + 0.002 / 7 * 3 + 0.008 / 7 * 3)
+    # both extrapolated, at their last segment's slope or their average slope, the steeper
+    assert c.verify_seconds(24, 24) == pytest.approx(0.016 + 0.004 / 8 * 8 + 0.016 + 0.016 / 15 * 8)
+    assert c.verify_seconds_range(8, 9, 8) == [c.verify_seconds(n, 8) for n in range(8, 17)]
+    assert c.verify_seconds_of_part(16, 8, 9, 1) == pytest.approx(c.verify_seconds(16, 9) - c.verify_seconds(8, 8))
+    assert CostModel([(1, 0.010), (8, 0.012)], [(1, 0.005)], batch_points=[(8, 0.011)]).verify_seconds(8, 8) == 0.012
+    with pytest.raises(ValueError, match="batch_points"):
+        CostModel([(1, 0.010)], [(1, 0.005)], batch_points=[(8, 0.0)])
+
+
+def test_the_load_learned_at_one_size_prices_the_rows_beside_it():
+    """Rounds of 8 requests that all run plain, on a machine 1.4x slower than the start-up profile: the price of a
+    round of 8 requests that adds 1 to 24 rows (chains, trees) follows at every size, so those rows keep their
+    cost; refreshed by tokens alone, the sizes beside 8 would keep their start-up level, and the first rows past 8
+    would be priced at nothing by the envelope. The load is by requests: one request's pass keeps its price."""
+    startup = [(1, 0.028), (2, 0.028), (4, 0.028), (8, 0.031), (9, 0.031), (16, 0.034), (17, 0.050), (32, 0.055)]
+    batch = [(2, 0.030), (4, 0.033), (8, 0.040), (16, 0.058)]
+    c = CostModel(startup, [(1, 0.005)], batch_points=batch)
+    before = [c.verify_seconds(n, 8) for n in range(8, 33)]
+    for _ in range(40):
+        c.observe_verify(8, 0.040 * 1.4, num_requests=8)
+    assert c.verify_seconds(8, 8) == pytest.approx(1.4 * before[0], rel=0.01)
+    # beside it, most of the level: one request's curve learns slowly where passes run (a quarter of the rate)
+    assert all(1.3 * s < c.verify_seconds(n, 8) < 1.41 * s for n, s in zip(range(9, 33), before[1:]))
+    assert c.verify_seconds(17, 8) - c.verify_seconds(16, 8) > 1.3 * 0.016
+    fresh = CostModel(startup, [(1, 0.005)], batch_points=batch)
+    assert [c.verify_seconds(n) for n in (1, 33)] == [fresh.verify_seconds(n) for n in (1, 33)]
+    assert fresh.verify_seconds(8) < c.verify_seconds(8) < 1.1 * fresh.verify_seconds(8)
 
 
 def test_a_closed_batch_drafts_for_the_requests_within_the_slack_of_the_most_tokens_left():
@@ -439,8 +477,8 @@ def test_allocate_prices_nodes_after_the_tokens_already_packed():
     policy.add("a")
     chain = [[0.6, 0.45, 0.3]]
     assert policy.allocate(["a"], chain, 0, num_drafted=0) == [3]  # free inside the flat part
-    assert policy.allocate(["a"], chain, 0, num_drafted=0, packed=(8, 3.0)) == [0]
-    assert policy.allocate(["a"], chain, 0, num_drafted=0, packed=(4, 1.0)) == [3]  # still inside it
+    assert policy.allocate(["a"], chain, 0, num_drafted=0, packed=(8, 3.0, 2)) == [0]
+    assert policy.allocate(["a"], chain, 0, num_drafted=0, packed=(4, 1.0, 1)) == [3]  # still inside it
 
 
 def test_requests_that_leave_undrafted_bring_drafting_back():

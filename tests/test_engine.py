@@ -472,11 +472,25 @@ def test_the_cost_model_sees_what_a_call_costs_the_round(workers, monkeypatch, p
         monkeypatch.setattr(
             engine.budget.cost,
             f"observe_{kind}",
-            lambda n, seconds, method=method, kind=kind: (observed[kind].append(seconds), method(n, seconds)),
+            lambda n, seconds, *r, method=method, kind=kind: (observed[kind].append(seconds), method(n, seconds, *r)),
         )
     llm.generate(PROMPTS[:2], greedy(12))
     for seconds in observed.values():
         assert seconds and (all(s >= 1.0 for s in seconds) if not pipeline else all(s < 1.0 for s in seconds))
+
+
+def test_the_start_up_profile_times_one_request_and_batches_of_requests(workers):
+    """The cost model's start-up profile: one request's verify pass by tokens, and passes over batches of one-token
+    requests up to max_num_seqs (what each request adds beyond its tokens); none for a batch of one."""
+    target, drafter, tok = workers
+    for max_num_seqs, counts in ((6, [1, 2, 4, 6]), (1, [1])):
+        engine = Engine(
+            EngineConfig(speculation="ddtree", budget="auto", max_num_seqs=max_num_seqs), target, drafter, tok
+        )
+        cost = engine.budget.cost
+        assert [r for r, _ in cost.request_points] == counts and [r for r, _ in cost.load_points] == counts
+        assert all(s >= 0 for _, s in cost.request_points) and cost.verify_seconds(6, 6) >= cost.verify_seconds(6)
+        assert target.model.kv.num_bytes_used == 0  # the profile's requests are freed
 
 
 def test_fallback_skips_the_drafter_and_recovers(workers):

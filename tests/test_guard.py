@@ -599,7 +599,7 @@ def test_a_round_that_takes_in_prompts_is_measured_net_of_their_price(workers):
 
     engine.guard.observe = observe
     priced = []
-    engine.budget.cost.verify_seconds_of_part = lambda n, part: (priced.append((n, part)), 100.0)[1]
+    engine.budget.cost.verify_seconds_of_part = lambda *args: (priced.append(args), 100.0)[1]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     engine.add_request("a b a b a b a b", params)
     for _ in range(3):
@@ -610,9 +610,13 @@ def test_a_round_that_takes_in_prompts_is_measured_net_of_their_price(workers):
     engine.add_request(prompt, params)
     engine.step()
     assert engine.timings.num_prompts_in_verify == 1
-    (num_requests, seconds, measured), (num_tokens, num_prompt_tokens) = observed[num_before], priced[0]
+    (num_requests, seconds, measured), (num_tokens, num_prompt_tokens, num_in_pass, num_prompts) = (
+        observed[num_before],
+        priced[0],
+    )
     assert num_requests == 1 and measured and -100.0 < seconds < -99.0  # (the round took well under a second)
     assert num_prompt_tokens == len(engine.tokenizer.encode(prompt)) and num_tokens > num_prompt_tokens
+    assert (num_in_pass, num_prompts) == (2, 1)  # the running request and the prompt; the prompt's request priced
     while engine.has_unfinished_requests():
         engine.step()
     assert len(priced) == 1 and all(s > 0 for _, s, _ in observed[num_before + 1 :])

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from ddtree.models.target import TargetModel, measure_verify_cost_curve
+from ddtree.models.target import TargetModel, measure_batch_cost_curve, measure_verify_cost_curve
 from ddtree.models.testing import random_draft_tree, write_random_target
 from ddtree.packing import pack
 
@@ -301,6 +301,17 @@ def test_verify_cost_curve(checkpoints):
     assert [n for n, _ in curve] == [1, 4, 16]
     assert all(s > 0 for _, s in curve)
     assert runner.kv.num_bytes_used == 0  # its scratch request is freed
+
+
+def test_batch_cost_curve(checkpoints):
+    runner = TargetModel.load(checkpoints["llama"], max_kv_bytes=2**22)
+    curve = measure_batch_cost_curve(runner, [2, 4, 8], num_context_tokens=8, num_repeats=1)
+    assert [r for r, _ in curve] == [2, 4, 8] and all(s > 0 for _, s in curve)
+    assert runner.kv.num_bytes_used == 0  # its scratch requests are freed
+    # counts past what the free cache holds are left out
+    assert runner.kv.allocate(5, runner.kv.num_slots - 3 * 9) is not None  # room for 3 requests of 8 + 1 tokens
+    assert [r for r, _ in measure_batch_cost_curve(runner, [2, 4], num_context_tokens=8, num_repeats=1)] == [2]
+    assert runner.kv.num_bytes_used == runner.kv.bytes_for(runner.kv.num_slots - 3 * 9)
 
 
 def test_bfloat16_runs_close_to_float32(checkpoints):

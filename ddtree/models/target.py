@@ -25,6 +25,7 @@ Public API (engine side):
     runner.head() -> TargetHead      only the embedding and LM head, for a drafter living elsewhere
     runner.tokenizer                                 from the same source (loaded on first use)
     measure_verify_cost_curve(runner, token_counts) -> list[(num_tokens, seconds)]
+    measure_batch_cost_curve(runner, request_counts) -> list[(num_requests, seconds)]
 """
 
 from __future__ import annotations
@@ -56,7 +57,13 @@ from ddtree.models.target_weights import (
 )
 from ddtree.packing import PackedBatch
 
-__all__ = ["TargetHead", "TargetModel", "kv_budget_bytes_per_token", "measure_verify_cost_curve"]
+__all__ = [
+    "TargetHead",
+    "TargetModel",
+    "kv_budget_bytes_per_token",
+    "measure_batch_cost_curve",
+    "measure_verify_cost_curve",
+]
 
 ATTENTION_BACKENDS = ("sdpa", "flex")
 DEFAULT_MAX_PREFILL_TOKENS = 512
@@ -460,3 +467,52 @@ def measure_verify_cost_curve(
         return curve
     finally:
         runner.free(seq_id)
+
+
+def measure_batch_cost_curve(
+    runner: TargetModel,
+    request_counts: list[int],
+    num_context_tokens: int = 128,
+    num_repeats: int = 3,
+) -> list[tuple[int, float]]:
+    """Seconds of one verify forward over the roots of R requests (one token each, after `num_context_tokens`
+    cached ones each) for each R in `request_counts`, the minimum over `num_repeats` runs: beside
+    `measure_verify_cost_curve`'s one request of R tokens, what a request costs a pass beyond its tokens (each
+    request's attention reads its own cache, in a call of its own on CPU kernels). Uses and frees KV slots of the
+    sequence ids -1, -2, ..., -max(request_counts); counts beyond what the free KV cache holds are left out."""
+    from ddtree.packing import pack
+    from ddtree.tree import DraftTree
+
+    if not request_counts or min(request_counts) < 1:
+        raise ValueError("request_counts must be positive")
+    seq_ids: list[int] = []
+    try:
+        for i in range(max(request_counts)):
+            if runner.kv.allocate(-1 - i, num_context_tokens + 1) is None:
+                break
+            seq_ids.append(-1 - i)
+        gen = torch.Generator().manual_seed(0)
+        vocab = runner.config.vocab_size
+        if num_context_tokens and seq_ids:
+            runner.prefill(seq_ids, torch.randint(0, vocab, (len(seq_ids), num_context_tokens), generator=gen).tolist())
+        curve = []
+        for r in sorted(set(request_counts)):
+            if r > len(seq_ids):
+                break
+            ids = seq_ids[:r]
+            roots = torch.randint(0, vocab, (r,), generator=gen).tolist()
+            trees = [DraftTree.empty(runner.device) for _ in ids]
+            packed = pack(trees, roots, [runner.kv.num_committed(s) for s in ids], device=runner.device)
+            best = float("inf")
+            for _ in range(num_repeats):
+                start = time.perf_counter()
+                runner.verify(ids, packed)
+                if runner.device.type == "cuda":
+                    torch.cuda.synchronize()
+                best = min(best, time.perf_counter() - start)
+                runner.commit_many(ids, [[] for _ in ids])
+            curve.append((r, best))
+        return curve
+    finally:
+        for s in seq_ids:
+            runner.free(s)
