@@ -6,7 +6,8 @@
 
 Prints one table per thread count (bandwidth measured in the same run, model bytes / read bandwidth = bound; targets:
 decode step <= bound / 0.7, verify of 32 packed tree tokens <= 2.5 decode steps, 16-request decode <= 3 steps)
-and the verify cost curve the scheduler uses. The measurements run round-robin, --repeats rounds; times are the
+and the verify cost curves the scheduler uses (one request by tokens; R one-token requests against one request of R
+tokens: what each request adds beyond its tokens). The measurements run round-robin, --repeats rounds; times are the
 minimum (median in brackets): other jobs on a shared machine only ever add time.
 """
 
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 
 from ddtree.cost import verify_cost_counts
-from ddtree.models.target import TargetModel, measure_verify_cost_curve
+from ddtree.models.target import TargetModel, measure_batch_cost_curve, measure_verify_cost_curve
 from ddtree.models.testing import random_draft_tree
 from ddtree.packing import pack
 from ddtree.sampling_params import SamplingParams
@@ -30,6 +31,7 @@ from ddtree.workers import TargetWorker
 
 REPO = Path(__file__).resolve().parents[1]
 CURVE_TOKENS = verify_cost_counts(256)  # the engine's start-up profile: powers of two, and one past each from 8
+CURVE_REQUESTS = [2, 4, 8, 16, 32]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -143,6 +145,9 @@ def run(runner: TargetModel, torch_kernels_runner: TargetModel | None, args, num
     curve = measure_verify_cost_curve(
         runner, CURVE_TOKENS, num_context_tokens=args.context, num_repeats=max(3, args.repeats // 3)
     )
+    batch_curve = measure_batch_cost_curve(
+        runner, CURVE_REQUESTS, num_context_tokens=args.context, num_repeats=max(3, args.repeats // 3)
+    )
 
     model_bytes = runner.num_weight_bytes
     copy_bandwidth = 2 * 512 * 2**20 / t["copy"][0]
@@ -200,6 +205,14 @@ def run(runner: TargetModel, torch_kernels_runner: TargetModel | None, args, num
     print("|---|---|---|---|")
     for n, sec in curve:
         print(f"| {n} | {sec * 1e3:.1f} | {sec * 1e3 / n:.2f} | {sec / d1[0]:.2f} |")
+    one_request = dict(curve)
+    print("\nverify cost by requests (measure_batch_cost_curve: R requests of one token each, min of runs):\n")
+    print("| requests R | ms | one request of R tokens, ms | ms per request beyond its token |")
+    print("|---|---|---|---|")
+    for r, sec in batch_curve:
+        single = one_request.get(r)
+        extra = "" if single is None else f"{(sec - single) * 1e3 / (r - 1):.2f}"
+        print(f"| {r} | {sec * 1e3:.1f} | {'' if single is None else f'{single * 1e3:.1f}'} | {extra} |")
 
 
 def main():

@@ -206,9 +206,8 @@ def _bounded(ratio: float) -> float:
 
 
 def _scale_around(points: list[tuple[int, float]], x: int, ratio: float, weight: float) -> None:
-    """Scale the points around `x` toward `ratio` (observed / what the points themselves predict there, not the
-    envelope priced: a point below the envelope must still converge to what is observed at it), each by its share
-    of the interpolation there (the nearest point alone before the first and past the last one)."""
+    """Move the points around `x` toward `ratio` (observed / priced there) by `weight`, each by its share of the
+    interpolation at `x` (the nearest point alone before the first and past the last one)."""
     xs = [n for n, _ in points]
     i = bisect.bisect_left(xs, x)
     if i == 0 or i == len(points) or xs[i] == x:
