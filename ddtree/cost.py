@@ -60,7 +60,7 @@ class CostModel:
         self._draft_curve = _envelope(self.draft_points)
 
     def verify_seconds(self, num_tokens: int, num_requests: int = 1) -> float:
-        return self.load(num_requests) * (_interpolate(self._verify_curve, num_tokens) + self._g(num_requests))
+        return self.load(num_requests) * self._base(num_tokens, num_requests)
 
     def load(self, num_requests: int) -> float:
         """The live factor of a pass over `num_requests` requests (1 until passes are observed)."""
@@ -72,14 +72,8 @@ class CostModel:
         """What `num_part` of a verify pass's `num_tokens` packed tokens, and `num_part_requests` of its
         `num_requests` requests, add to it: the pass's price less that of the pass without them, at the pass's
         load (never negative: the curves are non-decreasing)."""
-        load = self.load(num_requests)
-        rest_tokens, rest_requests = max(1, num_tokens - num_part), max(1, num_requests - num_part_requests)
-        return load * (
-            _interpolate(self._verify_curve, num_tokens)
-            - _interpolate(self._verify_curve, rest_tokens)
-            + self._g(num_requests)
-            - self._g(rest_requests)
-        )
+        rest = self._base(max(1, num_tokens - num_part), max(1, num_requests - num_part_requests))
+        return self.load(num_requests) * (self._base(num_tokens, num_requests) - rest)
 
     def verify_seconds_range(self, first: int, count: int, num_requests: int = 1) -> list[float]:
         """`verify_seconds(n, num_requests)` for n = first, first + 1, ..., first + count - 1, in one sweep of the
@@ -101,6 +95,10 @@ class CostModel:
             ratio = _bounded(seconds / _interpolate(self.draft_points, num_requests))
             _scale_around(self.draft_points, num_requests, ratio, self.refresh_weight)
             self._draft_curve = _envelope(self.draft_points)
+
+    def _base(self, num_tokens: int, num_requests: int) -> float:
+        """f(N) + g(R): the start-up price, before the load."""
+        return _interpolate(self._verify_curve, num_tokens) + self._g(num_requests)
 
     def _g(self, num_requests: int) -> float:
         return 0.0 if num_requests <= 1 else _interpolate(self._request_curve, num_requests)

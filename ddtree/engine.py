@@ -450,7 +450,7 @@ class Engine(WorkerRecovery):
         cost = self.budget.cost
         if batch.draft_seconds is not None and not batch.resumes_drafting:  # (a switch's catch-up is no draft cost)
             cost.observe_draft(batch.num_drafting, batch.draft_seconds)
-        cost.observe_verify(batch.num_verified_tokens, batch.verify_seconds, len(batch.entries) + len(batch.prompts))
+        cost.observe_verify(batch.num_verified_tokens, batch.verify_seconds, batch.num_verified_requests)
         for e in batch.entries:
             without_draft = self.budget.observe_proposal(e.chain, e.accepted + [e.bonus], e.request_id)
             stats = self.requests[e.request_id].stats
@@ -498,7 +498,7 @@ class Engine(WorkerRecovery):
             seconds -= self.budget.cost.verify_seconds_of_part(
                 batch.num_verified_tokens,
                 sum(map(len, batch.prompts)),
-                len(batch.entries) + len(batch.prompts),
+                batch.num_verified_requests,
                 len(batch.prompts),
             )
         self.guard.observe(

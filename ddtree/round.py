@@ -69,6 +69,11 @@ class RoundBatch:
         return [e.request_id for e in self.entries]
 
     @property
+    def num_verified_requests(self) -> int:
+        """Requests in the verify pass: the entries and the admitted prompts."""
+        return len(self.entries) + len(self.prompts)
+
+    @property
     def drafting(self) -> list[RoundEntry]:
         return [e for e in self.entries if e.drafts]
 

@@ -455,15 +455,7 @@ def measure_verify_cost_curve(
             )
             # on the runner's device, as the engine packs (FlexAttention's mask reads the packed tensors on the GPU)
             packed = pack([tree.to(runner.device)], [1], [runner.kv.num_committed(seq_id)], device=runner.device)
-            best = float("inf")
-            for _ in range(num_repeats):
-                start = time.perf_counter()
-                runner.verify([seq_id], packed)
-                if runner.device.type == "cuda":
-                    torch.cuda.synchronize()
-                best = min(best, time.perf_counter() - start)
-                runner.commit(seq_id, [])
-            curve.append((n, best))
+            curve.append((n, _fastest_verify(runner, [seq_id], packed, num_repeats)))
         return curve
     finally:
         runner.free(seq_id)
@@ -503,16 +495,22 @@ def measure_batch_cost_curve(
             roots = torch.randint(0, vocab, (r,), generator=gen).tolist()
             trees = [DraftTree.empty(runner.device) for _ in ids]
             packed = pack(trees, roots, [runner.kv.num_committed(s) for s in ids], device=runner.device)
-            best = float("inf")
-            for _ in range(num_repeats):
-                start = time.perf_counter()
-                runner.verify(ids, packed)
-                if runner.device.type == "cuda":
-                    torch.cuda.synchronize()
-                best = min(best, time.perf_counter() - start)
-                runner.commit_many(ids, [[] for _ in ids])
-            curve.append((r, best))
+            curve.append((r, _fastest_verify(runner, ids, packed, num_repeats)))
         return curve
     finally:
         for s in seq_ids:
             runner.free(s)
+
+
+def _fastest_verify(runner: TargetModel, seq_ids: list[int], packed: PackedBatch, num_repeats: int) -> float:
+    """The least seconds of `num_repeats` verify forwards of `packed` (synchronised on a GPU), each one's entries
+    dropped after it, so that every run starts from the same cache."""
+    best = float("inf")
+    for _ in range(num_repeats):
+        start = time.perf_counter()
+        runner.verify(seq_ids, packed)
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+        runner.commit_many(seq_ids, [[] for _ in seq_ids])
+    return best
