@@ -318,8 +318,13 @@ class TargetModel:
         if is_root_only or self.attention == "flex":
             masks = [None] * packed.num_requests  # root-only segments see everything; flex uses `packed`
         else:
+            # a root alone sees its whole cache and itself, which is what no mask means: only trees get a dense mask
+            # (built per request on the host, and the masked kernel path per layer, while most of a loaded batch's
+            # requests verify their root alone beside a few trees)
             num_trees = packed.num_requests - num_prompts
-            masks = [packed.dense_mask(r).to(self.device) for r in range(num_trees)] + [None] * num_prompts
+            masks = [
+                None if packed.segment_len(r) == 1 else packed.dense_mask(r).to(self.device) for r in range(num_trees)
+            ] + [None] * num_prompts
         batch = ForwardBatch(
             list(seq_ids),
             list(packed.query_starts),
