@@ -104,17 +104,22 @@ class CostModel:
         return 0.0 if num_requests <= 1 else _interpolate(self._request_curve, num_requests)
 
 
-def verify_cost_counts(max_tokens: int, largest: int = 256) -> list[int]:
-    """The packed token counts the start-up profile times: powers of two up to `max_tokens` and `largest`, and from
-    8 on the count one past each (where it is at most `max_tokens`). Kernels run rows in tiles of a power of two (8
-    or 16 on CPU kernels, more on GPUs), so a verify's cost steps where a row starts a new tile; a curve
-    interpolated across the step (16 -> 32) would price the first rows past it at a fraction of what they cost, and
-    the policy would add them (an n-gram chain's one token beside 16 plain rows) for far less than they take."""
-    counts, n = [], 1
-    while n <= min(max_tokens, largest):
-        counts += [n, n + 1] if n >= 8 and n + 1 <= max_tokens else [n]
+def verify_cost_counts(max_tokens: int, largest: int = 256, row_tile: int = 8, tiled_up_to: int = 64) -> list[int]:
+    """The packed token counts the start-up profile times: powers of two up to `max_tokens` and `largest`, every
+    multiple of `row_tile` up to `tiled_up_to`, and from `row_tile` on the count one past each (where it is at most
+    `max_tokens`). Kernels run rows in tiles (8 rows of a panel on the CPU kernels, a power of two on GPUs), so a
+    verify's cost steps where a row starts a new tile; a curve interpolated across the step (16 -> 32) would price
+    the first rows past it at a fraction of what they cost, and the policy would add them (an n-gram chain's one
+    token beside 24 plain rows) for far less than they take. Up to `tiled_up_to` a step is a large share of a
+    pass."""
+    top = min(max_tokens, largest)
+    counts = {n for n in range(row_tile, min(top, tiled_up_to) + 1, row_tile)}
+    n = 1
+    while n <= top:
+        counts.add(n)
         n *= 2
-    return counts
+    counts |= {c + 1 for c in counts if c >= row_tile and c + 1 <= max_tokens}
+    return sorted(counts)
 
 
 def batch_cost_counts(max_num_seqs: int) -> list[int]:

@@ -25,19 +25,23 @@ def test_cost_model_interpolates_and_refreshes():
 
 
 def test_the_start_up_profile_times_both_sides_of_each_row_tile():
-    assert verify_cost_counts(600) == [1, 2, 4, 8, 9, 16, 17, 32, 33, 64, 65, 128, 129, 256, 257]
+    tiles = [1, 2, 4, 8, 9, 16, 17, 24, 25, 32, 33, 40, 41, 48, 49, 56, 57, 64, 65]
+    assert verify_cost_counts(600) == tiles + [128, 129, 256, 257]
     assert verify_cost_counts(17) == [1, 2, 4, 8, 9, 16, 17]
     assert verify_cost_counts(16) == [1, 2, 4, 8, 9, 16]
+    assert verify_cost_counts(30) == [1, 2, 4, 8, 9, 16, 17, 24, 25]
     assert verify_cost_counts(1) == [1]
 
-    def tiled(n):  # rows in tiles of 16: each tile costs 10 ms, each row 0.1 ms on top, 30 ms fixed
-        return (30 + 10 * -(-n // 16) + 0.1 * n) / 1000
+    def tiled(n):  # rows in tiles of 8: each tile costs 3 ms, each row 0.5 ms on top, 30 ms fixed
+        return (30 + 3 * -(-n // 8) + 0.5 * n) / 1000
 
     stepped = CostModel([(n, tiled(n)) for n in verify_cost_counts(64)], [(1, 0.01)])
-    powers = CostModel([(n, tiled(n)) for n in (1, 2, 4, 8, 16, 32, 64)], [(1, 0.01)])
-    for n in (17, 20, 33, 40):
-        assert stepped.verify_seconds(n) == pytest.approx(tiled(n), rel=0.05)
-    assert powers.verify_seconds(17) < tiled(17) * 0.85  # across the step: the first row past a tile comes cheap
+    powers = CostModel([(n, tiled(n)) for n in (1, 2, 4, 8, 9, 16, 17, 32, 33, 64, 65)], [(1, 0.01)])
+    for n in (17, 20, 24, 25, 33, 40, 41, 57):
+        assert stepped.verify_seconds(n) == pytest.approx(tiled(n), rel=1e-9)
+    # across a step between the powers of two, the first row past a tile comes cheap: beside 24 roots a token of a
+    # chain is priced at a third of what it costs
+    assert powers.verify_seconds(25) - powers.verify_seconds(24) < (tiled(25) - tiled(24)) / 3
 
 
 def test_the_price_of_part_of_a_verify_pass_is_what_it_adds_to_the_pass():
