@@ -13,6 +13,10 @@ Per round:
 - `allocate()` (after drafting): merges all speculating requests' nodes in decreasing calibrated value and keeps the
   total that maximises expected committed tokens per second of the whole round. A probe's nodes are valued
   uncalibrated (c_r = 1): its stale calibration would give it no nodes, and a probe with no nodes learns nothing.
+- Both choices keep speculation only where the round's predicted tokens per second beat plain decoding's by more than
+  `speculation_margin` (5%): the prediction errs toward speculating, since the values that get chosen are the ones
+  that look high, and near break-even (a few chain rows beside 16 roots) that bias decides. Plain decoding is what
+  the margin falls back to, so a wrong "no" costs at most the margin.
 - `observe()` (after verify): updates the calibration and the gain of each request that speculated; a probe that
   pays (drafting this request alone beats one autoregressive step) brings it back.
 
@@ -95,6 +99,12 @@ def check_max_probe_overhead(value) -> None:
         raise ValueError(f"max_probe_overhead must be in (0, 1], got {value!r}")
 
 
+def check_speculation_margin(value) -> None:
+    """One check for both configs that take it."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ValueError(f"speculation_margin must be in [0, 1], got {value!r}")
+
+
 @dataclass
 class BudgetConfig:
     fixed_budget: int | None = None  # None: adaptive ("auto"); an int: every speculating request gets exactly this
@@ -107,6 +117,9 @@ class BudgetConfig:
     min_probe_interval: int = 4  # backoff: first rest in fallback, in rounds
     max_probe_interval: int = 64  # backoff cap, in rounds
     max_probe_overhead: float = 0.03  # probes may cost at most this fraction of a fallback request's time
+    # a round speculates only where its predicted tokens per second beat plain decoding's by more than this share:
+    # the model's error (values chosen because they look high, costs of rows beside the sizes it measured)
+    speculation_margin: float = 0.05
     allow_fallback: bool = True
 
     def __post_init__(self) -> None:
@@ -134,6 +147,7 @@ class BudgetConfig:
                 f"got {self.max_probe_interval!r}"
             )
         check_max_probe_overhead(self.max_probe_overhead)
+        check_speculation_margin(self.speculation_margin)
 
 
 @dataclass
@@ -231,7 +245,8 @@ class BudgetPolicy:
         candidates = sorted(candidates, key=lambda rid: -self._gain(self.states[rid]))
         # Every prefix is priced, not only until the rate first drops: a drafter forward that costs about the same
         # for 1 or 16 requests (a GPU's) makes one more request alone look worse than none, several better.
-        best = (num_requests / self._round_seconds(num_requests, 0, 0.0), 0, 0.0, 0.0)  # (rate, count, gain, nodes)
+        plain_rate = num_requests / self._round_seconds(num_requests, 0, 0.0)
+        best = (plain_rate, 0, 0.0, 0.0)  # (rate, count, gain, nodes)
         gain = nodes = 0.0
         for count, rid in enumerate(candidates, start=1):
             s = self.states[rid]
@@ -239,7 +254,9 @@ class BudgetPolicy:
             rate = (num_requests + gain) / self._round_seconds(num_requests, count, nodes)
             if rate >= best[0]:
                 best = (rate, count, gain, nodes)
-        _, count, gain, nodes = best
+        rate, count, gain, nodes = best
+        if rate < plain_rate * (1 + self.config.speculation_margin):
+            return [], 0.0, 0.0
         return candidates[:count], gain, nodes
 
     def _is_probe_due(
@@ -370,6 +387,8 @@ class BudgetPolicy:
         expected = itertools.accumulate((values[j] for j in order), initial=num_requests + packed_expected)
         rates = [e / (draft_seconds + v) for e, v in zip(expected, verify_seconds)]
         best_k = rates.index(max(rates))  # the first maximum: the fewest nodes at the best rate
+        if rates[best_k] < rates[0] * (1 + self.config.speculation_margin):
+            best_k = 0
         counts = [0] * len(request_ids)
         for j in order[:best_k]:
             counts[owners[j]] += 1
@@ -495,10 +514,11 @@ class BudgetPolicy:
                 self._enter_fallback(s)
 
     def plan_would_keep(self, s: RequestBudgetState) -> bool:
-        """A probe pays when drafting one request alone beats one autoregressive step in tokens per second."""
+        """A probe pays when drafting one request alone beats one autoregressive step in tokens per second, by the
+        margin a round's plan asks (`speculation_margin`)."""
         nodes = self._expected_nodes(s)
         spec = (1 + self._gain(s)) / (self.cost.draft_seconds(1) + self.cost.verify_seconds(1 + round(nodes)))
-        return spec > 1.0 / self.cost.verify_seconds(1)
+        return spec > (1 + self.config.speculation_margin) / self.cost.verify_seconds(1)
 
 
 def _extend_chain_values(values: list[float], chain_length: int) -> None:

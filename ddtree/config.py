@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ddtree.budget import check_max_probe_overhead
+from ddtree.budget import check_max_probe_overhead, check_speculation_margin
 from ddtree.guard import check_max_explore_share
 
 SPECULATION_MODES = ("ddtree", "dflash", "off")
@@ -24,6 +24,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own context window
     allow_fallback: bool = True  # auto mode: requests whose drafts do not pay decode autoregressively
     max_probe_overhead: float = 0.03  # fallback probes may cost at most this fraction of a request's time
+    # auto mode: a round speculates only where the policy predicts it faster than plain decoding by more than this
+    # share (what the cost model and the acceptance estimates may err by)
+    speculation_margin: float = 0.05
     # auto mode: up to this many n-gram (prompt lookup) tokens from the request's own history join its tree, or
     # form the tree of a request in fallback (no drafter call); the allocation keeps those that pay. 0: none.
     ngram_tokens: int = 3
@@ -51,6 +54,7 @@ class EngineConfig:
         if isinstance(self.budget, int) and self.budget < 1:
             raise ValueError(f"budget must be 'auto' or a positive integer, got {self.budget!r}")
         check_max_probe_overhead(self.max_probe_overhead)
+        check_speculation_margin(self.speculation_margin)
         if not isinstance(self.pipeline, bool) and self.pipeline != "auto":
             raise ValueError(f"pipeline must be true, false or 'auto', got {self.pipeline!r}")
         if isinstance(self.ngram_tokens, bool) or not isinstance(self.ngram_tokens, int) or self.ngram_tokens < 0:

@@ -113,6 +113,7 @@ class Engine(WorkerRecovery):
             max_budget=max(1, self.max_budget),
             allow_fallback=config.allow_fallback,
             max_probe_overhead=config.max_probe_overhead,
+            speculation_margin=config.speculation_margin,
         )
         self.budget = BudgetPolicy(budget_config, cost if cost is not None else self.measure_cost_model())
         self.scheduler = Scheduler(config.max_num_seqs, config.max_waiting)

@@ -37,7 +37,8 @@ class LLM:
     "dflash" (the drafter's argmax chain, the single-path baseline) or "off" (plain autoregressive decoding).
     `budget`: "auto" (adaptive per request and per round) or a fixed node count per speculative request.
     `allow_fallback` (auto budget): requests whose drafts do not pay decode autoregressively, probed again at most
-    `max_probe_overhead` of their time (docs/engine.md, "Budgets and fallback"). `ngram_tokens` (auto budget): up
+    `max_probe_overhead` of their time (docs/engine.md, "Budgets and fallback"); a round speculates only where the
+    policy predicts it faster than plain decoding by more than `speculation_margin`. `ngram_tokens` (auto budget): up
     to this many tokens proposed from the request's own history (prompt lookup) join its tree, or are verified
     alone by a request in fallback; 0 turns them off. `max_explore_share` (auto budget): the engine runs, per batch
     size, the faster of "as the policy plans" and plain decoding, as measured, and the other in at most this share
@@ -64,6 +65,7 @@ class LLM:
         attention: str = "auto",
         allow_fallback: bool = True,
         max_probe_overhead: float = 0.03,
+        speculation_margin: float = 0.05,
         ngram_tokens: int = 3,
         pipeline: bool | str = "auto",
         max_explore_share: float = 0.03,
@@ -81,6 +83,7 @@ class LLM:
             max_model_len=max_model_len,
             allow_fallback=allow_fallback,
             max_probe_overhead=max_probe_overhead,
+            speculation_margin=speculation_margin,
             ngram_tokens=ngram_tokens,
             pipeline=pipeline,
             max_explore_share=max_explore_share,

@@ -136,6 +136,13 @@ class AppArgs(BaseModel):
         le=1,
         description="Fallback probes may cost at most this fraction of a request's time.",
     )
+    speculation_margin: float = Field(
+        _ENGINE.speculation_margin,
+        ge=0,
+        le=1,
+        description="In 'auto' budget mode, a round speculates only where the policy predicts it faster than plain "
+        "decoding by more than this share.",
+    )
     max_explore_share: float = Field(
         _ENGINE.max_explore_share,
         ge=0,

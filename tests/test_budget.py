@@ -153,6 +153,40 @@ def test_allocate_stops_when_tokens_cost_more_than_they_return():
     assert counts == [3]
 
 
+def test_rows_that_beat_plain_decoding_by_less_than_the_margin_are_not_verified():
+    """16 requests' roots at 1 ms per row beyond a 30 ms pass: the best of a chain, its first two nodes (worth 1.05
+    tokens), is predicted 2.1% faster than the roots alone. Within the default 5% margin it is left out; without a
+    margin it is verified."""
+    cost = linear_cost(per_token=1.0, fixed=30.0)
+    chain = [[0.6, 0.45, 0.3]]
+    for margin, expected in ((0.05, [0]), (0.0, [2])):
+        policy = BudgetPolicy(BudgetConfig(speculation_margin=margin), cost)
+        policy.add("a")
+        assert policy.allocate(["a"], chain, num_autoregressive=15, num_drafted=0) == expected
+    # far past the margin, the same policy verifies it
+    policy = BudgetPolicy(BudgetConfig(), cost)
+    policy.add("a")
+    assert policy.allocate(["a"], [[1.0, 1.0, 0.9]], num_autoregressive=0, num_drafted=0) == [3]
+
+
+def test_plan_speculates_only_where_it_beats_plain_decoding_by_the_margin():
+    """Two requests whose drafts are predicted 2.5% faster than plain rounds: within the margin both decode
+    plainly; with a gain that clears it, both draft."""
+    cost = CostModel([(1, 0.030), (64, 0.030), (128, 0.060)], [(1, 0.010), (16, 0.010)])
+    for gain, expected in ((0.37, []), (1.5, ["a", "b"])):
+        policy = BudgetPolicy(BudgetConfig(max_budget=8), cost)
+        for rid in "ab":
+            policy.add(rid)
+            policy.states[rid].gain, policy.states[rid].nodes = gain, 8.0
+        # 2 requests + gains over 30 ms of verify + 10 ms of drafting, against 2 tokens per 30 ms
+        assert policy.plan(["a", "b"]).speculative_ids == expected
+    loose = BudgetPolicy(BudgetConfig(max_budget=8, speculation_margin=0.0), cost)
+    for rid in "ab":
+        loose.add(rid)
+        loose.states[rid].gain, loose.states[rid].nodes = 0.37, 8.0
+    assert loose.plan(["a", "b"]).speculative_ids == ["a", "b"]
+
+
 def test_verify_seconds_range_equals_pointwise_interpolation():
     for points in ([(1, 0.5)], [(4, 1.0), (9, 1.5)], [(1, 1.0), (2, 1.5), (8, 1.6), (64, 4.0), (65, 9.0)]):
         c = CostModel(points, [(1, 0.1)])
@@ -188,6 +222,9 @@ def test_allocate_equals_a_scan_of_every_total():
             rate = expected_tokens / (cost.draft_seconds(num_drafted) + cost.verify_seconds(total + k))
             if rate > best_rate:
                 best, best_rate = k, rate
+        plain_rate = total / (cost.draft_seconds(num_drafted) + cost.verify_seconds(total))
+        if best_rate < plain_rate * (1 + policy.config.speculation_margin):
+            best = 0
         expected = [sum(1 for _, i in nodes[:best] if i == r) for r in range(len(rids))]
         assert policy.allocate(rids, probs, num_ar, num_drafted=num_drafted) == expected, trial
 
@@ -373,6 +410,8 @@ def test_one_rejected_round_does_not_send_a_new_request_to_fallback():
         ("ema_weight", 0.0),
         ("ngram_ema_weight", 1.5),
         ("initial_gain", -1.0),
+        ("speculation_margin", -0.1),
+        ("speculation_margin", True),
     ],
 )
 def test_invalid_config_names_the_field(field, value):
