@@ -30,7 +30,7 @@ from ddtree.tree import build_tree
 from ddtree.workers import TargetWorker
 
 REPO = Path(__file__).resolve().parents[1]
-CURVE_TOKENS = verify_cost_counts(256)  # the engine's start-up profile: powers of two, and one past each from 8
+CURVE_TOKENS = verify_cost_counts(256)  # the engine's start-up profile: powers of two, row tiles, one past each
 CURVE_REQUESTS = [2, 4, 8, 16, 32]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
