@@ -255,7 +255,7 @@ class BudgetPolicy:
             if rate >= best[0]:
                 best = (rate, count, gain, nodes)
         rate, count, gain, nodes = best
-        if rate < plain_rate * (1 + self.config.speculation_margin):
+        if not self._beats_plain(rate, plain_rate):
             return [], 0.0, 0.0
         return candidates[:count], gain, nodes
 
@@ -316,6 +316,10 @@ class BudgetPolicy:
             self.cost.verify_seconds((num_tokens + 1) // 2, (num_requests + 1) // 2),
         )
         return sequential / (2 * phase)
+
+    def _beats_plain(self, rate: float, plain_rate: float) -> bool:
+        """A round's predicted tokens per second clear plain decoding's by the margin (`speculation_margin`)."""
+        return rate >= plain_rate * (1 + self.config.speculation_margin)
 
     def _round_seconds(self, num_requests: int, num_speculative: int, num_nodes: float) -> float:
         return self.cost.draft_seconds(num_speculative) + self.cost.verify_seconds(
@@ -387,7 +391,7 @@ class BudgetPolicy:
         expected = itertools.accumulate((values[j] for j in order), initial=num_requests + packed_expected)
         rates = [e / (draft_seconds + v) for e, v in zip(expected, verify_seconds)]
         best_k = rates.index(max(rates))  # the first maximum: the fewest nodes at the best rate
-        if rates[best_k] < rates[0] * (1 + self.config.speculation_margin):
+        if not self._beats_plain(rates[best_k], rates[0]):
             best_k = 0
         counts = [0] * len(request_ids)
         for j in order[:best_k]:

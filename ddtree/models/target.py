@@ -313,18 +313,17 @@ class TargetModel:
                     f"request {s}: batch packed with {packed.num_cached[r]} cached tokens, cache holds "
                     f"{h.num_committed}"
                 )
-        slots = self._reserve(seq_ids, [packed.segment_len(r) for r in range(packed.num_requests)])
-        is_root_only = all(packed.segment_len(r) == 1 for r in range(packed.num_requests))
-        if is_root_only or self.attention == "flex":
-            masks = [None] * packed.num_requests  # root-only segments see everything; flex uses `packed`
-        else:
-            # a root alone sees its whole cache and itself, which is what no mask means: only trees get a dense mask
-            # (built per request on the host, and the masked kernel path per layer, while most of a loaded batch's
-            # requests verify their root alone beside a few trees)
-            num_trees = packed.num_requests - num_prompts
-            masks = [
-                None if packed.segment_len(r) == 1 else packed.dense_mask(r).to(self.device) for r in range(num_trees)
-            ] + [None] * num_prompts
+        lens = [packed.segment_len(r) for r in range(packed.num_requests)]
+        slots = self._reserve(seq_ids, lens)
+        is_root_only = all(n == 1 for n in lens)
+        # A dense mask per tree only (flex reads `packed` instead): a root alone sees its whole cache and itself, and
+        # a prompt is causal, which is what no mask means. In a loaded batch most requests verify their root alone
+        # beside a few trees, and each mask is built on the host and runs the masked kernel path on every layer.
+        num_trees = packed.num_requests - num_prompts
+        masks = [
+            None if self.attention == "flex" or r >= num_trees or n == 1 else packed.dense_mask(r).to(self.device)
+            for r, n in enumerate(lens)
+        ]
         batch = ForwardBatch(
             list(seq_ids),
             list(packed.query_starts),
