@@ -421,10 +421,14 @@ def main(argv: list[str] | None = None) -> int:
     for name, _, actors in modes[1:]:
         print(
             f"worker calls of '{name}', ms each (there: submission until the worker began, pickling and the worker's "
-            "wake-up included; back: the worker's end until the result was read):"
+            "wake-up included; back: the worker's end until the result was read, of which wait: until it began to "
+            "arrive):"
         )
-        for op, (calls, there, back) in sorted(actors.hops.by_op.items(), key=lambda kv: -kv[1][0]):
-            print(f"  {op:<14}{calls:>6} calls  there {1000 * there / calls:6.3f}  back {1000 * back / calls:6.3f}")
+        for op, (calls, there, back, wait) in sorted(actors.hops.by_op.items(), key=lambda kv: -kv[1][0]):
+            print(
+                f"  {op:<14}{calls:>6} calls  there {1000 * there / calls:6.3f}  back {1000 * back / calls:6.3f}"
+                f"  (wait {1000 * wait / calls:6.3f})"
+            )
     print(
         f"bare no-op actor round trip: {1000 * noop:.2f} ms; a call taking features actor A returned earlier "
         f"(8 x 1728 fp32) to actor B: {1000 * handoff:.2f} ms"

@@ -81,6 +81,8 @@ class Run:
     cpu_wall: float = 0.0
     # summed over passes: the engine's stage seconds and counts (`RoundTimings` deltas), offline and served alike
     stages: dict[str, float] = field(default_factory=dict)
+    # served runs, summed over passes: per worker operation, [calls, hop seconds there, hop seconds back]
+    hops_by_op: dict[str, list] = field(default_factory=dict)
 
     @property
     def median(self) -> float:
@@ -427,6 +429,11 @@ def _add_breakdown(run: Run, before: dict, after: dict, wall: float) -> None:
     for k, v in total.items():
         run.per_round[k] = run.per_round.get(k, 0.0) + v
     run.num_rounds += rounds
+    ops_before = before.get("actor_hops_by_op", {})
+    for op, values in after.get("actor_hops_by_op", {}).items():
+        entry = run.hops_by_op.setdefault(op, [0] + [0.0] * (len(values) - 1))
+        for i, (value, value_before) in enumerate(zip(values, ops_before.get(op, [0] * len(values)))):
+            entry[i] += value - value_before
 
 
 def _add_mix(run: Run, before: dict, after: dict, num_tokens: int, wall: float) -> None:
@@ -480,6 +487,26 @@ def _print_stages(args, results: dict) -> None:
             print(f"| {mode} | {c} | " + " | ".join(cells) + " |")
 
 
+def _print_hops(args, results: dict) -> None:
+    """Each served run's hops by worker operation: calls per round, ms per call there and back (back = waiting for
+    the reply to arrive + reading it), and ms per round."""
+    print("\nServed hops by worker operation (calls per round; ms per call):\n")
+    print("| mode | concurrency | operation | calls per round | there | back: wait | back: read | ms per round |")
+    print("|---|---|---|---|---|---|---|---|")
+    for c in args.concurrency:
+        for mode in args.modes:
+            run = results[("served", mode, c)]
+            rounds = max(run.num_rounds, 1)
+            for op, (calls, there, back, wait) in sorted(run.hops_by_op.items(), key=lambda kv: -kv[1][0]):
+                if not calls:
+                    continue
+                print(
+                    f"| {mode} | {c} | {op} | {calls / rounds:.2f} | {1000 * there / calls:.3f} "
+                    f"| {1000 * wait / calls:.3f} | {1000 * (back - wait) / calls:.3f} "
+                    f"| {1000 * (there + back) / rounds:.3f} |"
+                )
+
+
 def print_table(args, results: dict) -> None:
     print(
         f"\n{len(args.modes)} mode(s), {3 * args.num_prompts} prompts, max_tokens={args.max_tokens}, T=0, "
@@ -516,6 +543,7 @@ def print_table(args, results: dict) -> None:
                 f"| {off_mix} | {_mix_columns(srv)} | {equal} |"
             )
     _print_stages(args, results)
+    _print_hops(args, results)
     served = [(mode, c, results[("served", mode, c)]) for c in args.concurrency for mode in args.modes]
     if all(run.cpu_wall for _, _, run in served):
         print(f"\nCores used while served (CPU seconds over the served runs' wall time; {os.cpu_count()} cores):\n")

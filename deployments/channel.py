@@ -105,10 +105,14 @@ def _recv_exact(sock: socket.socket, num_bytes: int) -> bytearray:
     return buffer
 
 
-def _recv(sock: socket.socket, poller: _Poller | None, codec: Codec) -> object:
+def _recv(sock: socket.socket, poller: _Poller | None, codec: Codec, arrived: list | None = None) -> object:
+    """The next message. `arrived`: a list whose one item is set to time.perf_counter() when its first bytes were
+    read (what follows is reading the rest and decoding it)."""
     if poller is not None:
         poller.wait()
     (size,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+    if arrived is not None:
+        arrived[0] = time.perf_counter()
     return codec.decode(_recv_exact(sock, size))
 
 
@@ -249,6 +253,9 @@ class ChannelClient:
         self._num_sent = 0
         self._num_received = 0
         self._replies: collections.deque = collections.deque()  # received, not yet taken: (index, reply)
+        # time.perf_counter() when the last reply `receive` returned began to arrive (its decoding came after)
+        self.arrived_at = 0.0
+        self._arrived = [0.0]
 
     def send(self, message: object) -> int:
         """Send; the returned ticket names the reply for `receive` (request/reply servers)."""
@@ -261,22 +268,24 @@ class ChannelClient:
 
     def receive(self, ticket: int) -> object:
         """The reply to the message `send` returned `ticket` for (replies to earlier tickets are kept for theirs)."""
-        for i, (index, reply) in enumerate(self._replies):
+        for i, (index, reply, arrived_at) in enumerate(self._replies):
             if index == ticket:
                 del self._replies[i]
+                self.arrived_at = arrived_at
                 return _unwrap(reply, self.name)
         if not self._num_received <= ticket < self._num_sent:  # (below: its reply was taken already)
             raise ValueError(f"no reply pending for ticket {ticket}")
         while True:
             try:
-                reply = _recv(self._sock, self._poller, self.codec)
+                reply = _recv(self._sock, self._poller, self.codec, self._arrived)
             except (EOFError, OSError) as exc:
                 raise ChannelClosedError(f"the channel to the {self.name} closed (its actor died?): {exc}") from exc
             index = self._num_received
             self._num_received += 1
             if index == ticket:
+                self.arrived_at = self._arrived[0]
                 return _unwrap(reply, self.name)
-            self._replies.append((index, reply))
+            self._replies.append((index, reply, self._arrived[0]))
 
     def call(self, message: object) -> object:
         return self.receive(self.send(message))

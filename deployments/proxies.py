@@ -44,23 +44,35 @@ from deployments.worker_ops import (
 @dataclass
 class HopTimes:
     """Seconds the proxies spent in worker calls beyond what the workers spent working (summed), split into the
-    way there (submission until the worker began) and back (the worker's end until the result was read)."""
+    way there (submission until the worker began) and back (the worker's end until the result was read). The way
+    back splits again at the moment the reply began to arrive: before it, the worker encoding and sending it and
+    this process waking up ("wait"); after it, reading and decoding it ("read")."""
 
     seconds: float = 0.0
     num_calls: int = 0
     there_seconds: float = 0.0
-    # per operation (Verify, Draft, ...): [calls, seconds there, seconds back] (fixed size: one entry per op type)
+    # per operation (Verify, Draft, ...): [calls, seconds there, seconds back, of them seconds waiting] (fixed size:
+    # one entry per op type)
     by_op: dict[str, list] = field(default_factory=dict)
 
-    def add(self, wall_seconds: float, inside_seconds: float, there_seconds: float = 0.0, op: str = "") -> None:
+    def add(
+        self,
+        wall_seconds: float,
+        inside_seconds: float,
+        there_seconds: float = 0.0,
+        op: str = "",
+        wait_seconds: float = 0.0,
+    ) -> None:
         hop, there = max(0.0, wall_seconds - inside_seconds), max(0.0, there_seconds)
+        back = max(0.0, hop - there)
         self.seconds += hop
         self.there_seconds += there
         self.num_calls += 1
-        entry = self.by_op.setdefault(op, [0, 0.0, 0.0])
+        entry = self.by_op.setdefault(op, [0, 0.0, 0.0, 0.0])
         entry[0] += 1
         entry[1] += there
-        entry[2] += max(0.0, hop - there)
+        entry[2] += back
+        entry[3] += min(back, max(0.0, wait_seconds))
 
 
 class PendingCall:
@@ -90,7 +102,9 @@ class PendingCall:
             self.wall_seconds = time.perf_counter() - self.start
             self.seconds = reply.seconds
             if self.books_hops:
-                self.hops.add(self.wall_seconds, reply.seconds, reply.started_at - self.start, self.op_name)
+                # (one clock per node: the worker's started_at and the channel's arrival compare with ours)
+                wait = self.channel.arrived_at - (reply.started_at + reply.seconds)
+                self.hops.add(self.wall_seconds, reply.seconds, reply.started_at - self.start, self.op_name, wait)
             if self.on_reply is not None:
                 self.on_reply(reply)
             self._value = reply.result if self.convert is None else self.convert(reply.result)

@@ -37,10 +37,14 @@ def test_calls_come_back_in_order_and_two_can_be_in_flight(echo):
     with pytest.raises(ChannelClosedError, match="cannot reach"):
         ChannelClient(echo.address, "echo")  # and no second peer can connect
     array = np.arange(100_000, dtype=np.float32)  # larger than a socket buffer
+    sent_at = time.perf_counter()
     first, second = client.send({"sleep": 0.05}), client.send(array)
     tag, value = client.receive(second)  # read out of order: the first reply is kept for its ticket
     assert tag == "echo" and np.array_equal(value, array)
+    second_arrived_at = client.arrived_at
+    assert sent_at + 0.05 <= second_arrived_at <= time.perf_counter()
     assert client.receive(first) == ("echo", {"sleep": 0.05})
+    assert sent_at + 0.05 <= client.arrived_at <= second_arrived_at  # when it came, not when it was taken
     with pytest.raises(ValueError, match="no reply pending"):
         client.receive(first)
     client.close()

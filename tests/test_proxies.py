@@ -134,3 +134,40 @@ def test_a_drafters_frees_are_read_by_its_next_call_or_once_enough_have_gathered
     finally:
         drafter.channel.close()
         server.close()
+
+
+class _SlowWire:
+    """The worker codec, with a reply that takes `send_s` to encode (in the worker) and `read_s` to decode (in the
+    caller)."""
+
+    def __init__(self, send_s: float, read_s: float) -> None:
+        self.send_s, self.read_s = send_s, read_s
+
+    def encode(self, message):
+        if isinstance(message, Reply):
+            time.sleep(self.send_s)
+        return WIRE.encode(message)
+
+    def decode(self, data):
+        message = WIRE.decode(data)
+        if isinstance(message, Reply):
+            time.sleep(self.read_s)
+        return message
+
+
+def test_a_calls_way_back_splits_into_waiting_for_the_reply_and_reading_it():
+    codec = _SlowWire(send_s=0.06, read_s=0.03)
+    server = ChannelServer("node", "target", handle=ScriptedTarget().handle, codec=codec)
+    hops = HopTimes()
+    proxy = _target_proxy(server, hops)
+    proxy.channel.codec = codec
+    try:
+        assert proxy.allocate("a", 10, SamplingParams(max_tokens=8))
+    finally:
+        proxy.channel.close()
+        server.close()
+    calls, there, back, wait = hops.by_op["Allocate"]
+    assert calls == 1 and there < 0.03
+    assert 0.06 <= wait < 0.09  # the worker's encoding and sending, and the wake-up here
+    assert 0.03 <= back - wait < 0.06  # reading and decoding here
+    assert hops.seconds == pytest.approx(there + back)
