@@ -93,6 +93,30 @@ class RequestBudgetState:
         return self.calibration_num / max(self.calibration_den, 1e-6)
 
 
+@dataclass(frozen=True)
+class _ProbePrice:
+    """A round's terms of a probe's price, the same for every request it might probe (`BudgetPolicy._probe_price`)."""
+
+    num_requests: int
+    base_tokens: int  # the round's packed tokens without the probe
+    seconds_per_token: float  # a fallback request's share of the round's time per committed token
+    draft_extra: float  # drafter seconds one more drafting request adds
+    base_verify: float  # verify seconds of `base_tokens`
+
+    def cost_interval(self, policy: BudgetPolicy, s: RequestBudgetState) -> int:
+        """Fewest autoregressive rounds between probes of `s` that keep their extra seconds within
+        `max_probe_overhead` of its time."""
+        extra = (
+            self.draft_extra
+            + policy.cost.verify_seconds(self.base_tokens + round(policy._expected_nodes(s)), self.num_requests)
+            - self.base_verify
+            - policy._observed_gain(s) * self.seconds_per_token
+        )
+        if extra <= 0:
+            return 0
+        return math.ceil(extra / (policy.config.max_probe_overhead * self.seconds_per_token))
+
+
 def check_max_probe_overhead(value) -> None:
     """One check for both configs that take it (the engine's runs before any model loads)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
@@ -221,13 +245,17 @@ class BudgetPolicy:
         resting = [rid for rid in request_ids if self.states[rid].is_fallback]
         chosen, gain, nodes = self._choose_speculative(candidates, num_requests)
         chosen_set = set(chosen)
-        # Probes are priced against the round without them.
-        num_tokens_expected = num_requests + gain
-        probing = [
-            rid
-            for rid in resting
-            if self._is_probe_due(self.states[rid], num_requests, len(chosen), nodes, num_tokens_expected)
-        ]
+        # Probes are priced against the round without them (once per round: `_ProbePrice`), and only for requests
+        # whose backoff has passed, since a probe needs both.
+        probing = []
+        price = None
+        for rid in resting:
+            s = self.states[rid]
+            if s.num_rounds_rested < s.probe_interval:
+                continue
+            price = price or self._probe_price(num_requests, len(chosen), nodes, num_requests + gain)
+            if s.num_rounds_rested >= price.cost_interval(self, s):
+                probing.append(rid)
         chosen_set.update(probing)
         for rid in candidates:
             if rid not in chosen_set:
@@ -259,17 +287,19 @@ class BudgetPolicy:
             return [], 0.0, 0.0
         return candidates[:count], gain, nodes
 
-    def _is_probe_due(
-        self,
-        s: RequestBudgetState,
-        num_requests: int,
-        num_speculative: int,
-        num_nodes: float,
-        num_tokens_expected: float,
-    ) -> bool:
-        return s.num_rounds_rested >= max(
-            s.probe_interval,
-            self.probe_cost_interval(s, num_requests, num_speculative, num_nodes, num_tokens_expected),
+    def _probe_price(
+        self, num_requests: int, num_speculative: int, num_nodes: float, num_tokens_expected: float
+    ) -> _ProbePrice:
+        """What a probe is priced against in a round of `num_requests` requests of which `num_speculative` draft
+        `num_nodes` nodes in all and commit `num_tokens_expected` tokens (see the module docstring)."""
+        base_tokens = num_requests + round(num_nodes)
+        round_seconds = self._round_seconds(num_requests, num_speculative, num_nodes)
+        return _ProbePrice(
+            num_requests,
+            base_tokens,
+            round_seconds / max(num_tokens_expected, 1e-9),
+            self.cost.draft_seconds(num_speculative + 1) - self.cost.draft_seconds(num_speculative),
+            self.cost.verify_seconds(base_tokens, num_requests),
         )
 
     def probe_cost_interval(
@@ -283,19 +313,7 @@ class BudgetPolicy:
         """Fewest autoregressive rounds between probes of `s` for which its probes' expected extra seconds stay
         within `max_probe_overhead` of its time, in a round of `num_requests` requests of which `num_speculative`
         draft `num_nodes` nodes in all and commit `num_tokens_expected` tokens (see the module docstring)."""
-        base_tokens = num_requests + round(num_nodes)
-        round_seconds = self._round_seconds(num_requests, num_speculative, num_nodes)
-        seconds_per_token = round_seconds / max(num_tokens_expected, 1e-9)
-        extra = (
-            self.cost.draft_seconds(num_speculative + 1)
-            - self.cost.draft_seconds(num_speculative)
-            + self.cost.verify_seconds(base_tokens + round(self._expected_nodes(s)), num_requests)
-            - self.cost.verify_seconds(base_tokens, num_requests)
-            - self._observed_gain(s) * seconds_per_token
-        )
-        if extra <= 0:
-            return 0
-        return math.ceil(extra / (self.config.max_probe_overhead * seconds_per_token))
+        return self._probe_price(num_requests, num_speculative, num_nodes, num_tokens_expected).cost_interval(self, s)
 
     def pipeline_speedup(self, request_ids: list[str]) -> float:
         """Predicted speed of two request groups in flight over one round for all, for these running requests.
@@ -442,9 +460,12 @@ class BudgetPolicy:
     def _merged(
         self, request_id: str, token_ids: list[int], parents: list[int], values: list[float], chain: list[int]
     ) -> ProposedTree:
-        token_ids, parents, depths, values = merge_chain(
-            token_ids, parents, values, chain, self.ngram_values(len(chain), request_id)
-        )
+        chain_values = self.ngram_values(len(chain), request_id)
+        if not token_ids and all(a >= b for a, b in zip(chain_values, chain_values[1:])):
+            # a chain alone, its values already in tree order (each node after its parent): the path as it is
+            n = min(len(chain), len(chain_values))
+            return ProposedTree(chain_values[:n], chain[:n], list(range(-1, n - 1)), list(range(1, n + 1)))
+        token_ids, parents, depths, values = merge_chain(token_ids, parents, values, chain, chain_values)
         return ProposedTree(values, token_ids, parents, depths)
 
     def ngram_values(self, chain_length: int, request_id: str | None = None) -> list[float]:

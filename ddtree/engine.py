@@ -410,10 +410,12 @@ class Engine(WorkerRecovery):
                 entries[rid].chain = chains[rid] or None
         allocation = self.budget.allocate_round(plan, proposed, chains, batch.closed_load())
         for i, (rid, tree, n) in enumerate(zip(allocation.request_ids, allocation.trees, allocation.counts)):
+            is_drafted = i < allocation.num_drafted
+            if not is_drafted and not n:  # a plain entry with no node kept: the root alone
+                continue
             # On the host: the target worker packs the round's trees there and uploads the batch once
-            kept = kept_tree(tree, trees[i] if i < allocation.num_drafted else None, n)
-            if i < allocation.num_drafted or kept.num_nodes:  # (a plain entry with no node kept: the root alone)
-                entries[rid].tree, entries[rid].predicted = kept, sum(tree.values[:n])
+            kept = kept_tree(tree, trees[i] if is_drafted else None, n)
+            entries[rid].tree, entries[rid].predicted = kept, sum(tree.values[:n])
         batch.close()
         self.timings.tree += time.perf_counter() - t0
 

@@ -588,3 +588,20 @@ def test_each_request_values_its_chains_at_what_its_own_chains_earned():
     assert policy.ngram_values(3, "new") == population
     policy.remove("code")
     assert policy.ngram_values(3, "code") == population  # (a request that left: the population's)
+
+
+@pytest.mark.parametrize("values", [[0.9, 0.6, 0.6, 0.2], [0.3, 0.5, 0.1, 0.1]])
+def test_a_chain_verified_alone_is_the_tree_merging_it_into_no_tree_gives(values):
+    """A request in fallback verifies its chain as a tree of its own: the path as it comes where its values already
+    decrease, else re-ordered as `merge_chain` orders any merged tree (the same nodes either way)."""
+    from ddtree.budget import RoundPlan
+    from ddtree.ngram import merge_chain
+
+    policy = BudgetPolicy(BudgetConfig(), linear_cost())
+    policy.add("a")
+    policy.states["a"].ngram_acceptance = list(values)
+    chain = [11, 12, 13, 14]
+    allocation = policy.allocate_round(RoundPlan([], ["a"], []), [], {"a": chain})
+    (tree,) = allocation.trees
+    token_ids, parents, depths, tree_values = merge_chain([], [], [], chain, values)
+    assert (tree.token_ids, tree.parents, tree.depths, tree.values) == (token_ids, parents, depths, tree_values)
