@@ -103,19 +103,6 @@ class _ProbePrice:
     draft_extra: float  # drafter seconds one more drafting request adds
     base_verify: float  # verify seconds of `base_tokens`
 
-    def cost_interval(self, policy: BudgetPolicy, s: RequestBudgetState) -> int:
-        """Fewest autoregressive rounds between probes of `s` that keep their extra seconds within
-        `max_probe_overhead` of its time."""
-        extra = (
-            self.draft_extra
-            + policy.cost.verify_seconds(self.base_tokens + round(policy._expected_nodes(s)), self.num_requests)
-            - self.base_verify
-            - policy._observed_gain(s) * self.seconds_per_token
-        )
-        if extra <= 0:
-            return 0
-        return math.ceil(extra / (policy.config.max_probe_overhead * self.seconds_per_token))
-
 
 def check_max_probe_overhead(value) -> None:
     """One check for both configs that take it (the engine's runs before any model loads)."""
@@ -254,7 +241,7 @@ class BudgetPolicy:
             if s.num_rounds_rested < s.probe_interval:
                 continue
             price = price or self._probe_price(num_requests, len(chosen), nodes, num_requests + gain)
-            if s.num_rounds_rested >= price.cost_interval(self, s):
+            if s.num_rounds_rested >= self._probe_cost_interval(price, s):
                 probing.append(rid)
         chosen_set.update(probing)
         for rid in candidates:
@@ -302,18 +289,18 @@ class BudgetPolicy:
             self.cost.verify_seconds(base_tokens, num_requests),
         )
 
-    def probe_cost_interval(
-        self,
-        s: RequestBudgetState,
-        num_requests: int,
-        num_speculative: int,
-        num_nodes: float,
-        num_tokens_expected: float,
-    ) -> int:
+    def _probe_cost_interval(self, price: _ProbePrice, s: RequestBudgetState) -> int:
         """Fewest autoregressive rounds between probes of `s` for which its probes' expected extra seconds stay
-        within `max_probe_overhead` of its time, in a round of `num_requests` requests of which `num_speculative`
-        draft `num_nodes` nodes in all and commit `num_tokens_expected` tokens (see the module docstring)."""
-        return self._probe_price(num_requests, num_speculative, num_nodes, num_tokens_expected).cost_interval(self, s)
+        within `max_probe_overhead` of its time, in the round `price` describes (see the module docstring)."""
+        extra = (
+            price.draft_extra
+            + self.cost.verify_seconds(price.base_tokens + round(self._expected_nodes(s)), price.num_requests)
+            - price.base_verify
+            - self._observed_gain(s) * price.seconds_per_token
+        )
+        if extra <= 0:
+            return 0
+        return math.ceil(extra / (self.config.max_probe_overhead * price.seconds_per_token))
 
     def pipeline_speedup(self, request_ids: list[str]) -> float:
         """Predicted speed of two request groups in flight over one round for all, for these running requests.
