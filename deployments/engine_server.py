@@ -163,7 +163,7 @@ class DDTreeEngine:
                 "actor_hop_seconds": self.actors.hops.seconds,
                 "actor_hop_calls": self.actors.hops.num_calls,
                 "actor_hop_there_seconds": self.actors.hops.there_seconds,
-                # per operation (Verify, Draft, Allocate, ...): [calls, seconds there, seconds back]
+                # per operation (Verify, Draft, Allocate, ...): [calls, seconds there, seconds back, of them waiting]
                 "actor_hops_by_op": {op: list(v) for op, v in self.actors.hops.by_op.items()},
                 "num_metrics_errors": self.loop.num_callback_errors,
                 # a lost drafter (None: live, or speculation off); losses so far and drafter actors restarted
