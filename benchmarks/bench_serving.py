@@ -109,7 +109,8 @@ def parse(argv=None):
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override an app arg of the served runs (YAML value), e.g. --set stream_interval_ms=50",
+        help="override an app arg of the served runs (YAML value), e.g. --set stream_interval_ms=50; without "
+        "--set max_num_seqs, every engine seats the largest --concurrency, and with it, that many (the rest queue)",
     )
     p.add_argument(
         "--served-only",
@@ -256,6 +257,9 @@ def main(argv=None) -> int:
         base_args[key] = yaml.safe_load(value)
     messages = load_eval_conversations(args.num_prompts)
     max_c = max(args.concurrency)
+    # Seats: as many as the most clients, unless --set gave max_num_seqs (then the clients beyond it queue, as a
+    # server's do)
+    seats_given = any(item.partition("=")[0] == "max_num_seqs" for item in args.set)
 
     # Offline: one set of workers in this process, an engine per mode (as `ddtree bench`).
     parsed = parse_args({**base_args, **MODES[args.modes[0]]})
@@ -277,7 +281,8 @@ def main(argv=None) -> int:
         plain_target, _, _ = build_workers(parsed.model, None, device="cpu", dtype=parsed.dtype, need_drafter=False)
     engines = {}
     for mode in args.modes:
-        mode_args = parse_args({**base_args, **MODES[mode], "max_num_seqs": max(max_c, parsed.max_num_seqs)})
+        seats = parsed.max_num_seqs if seats_given else max(max_c, parsed.max_num_seqs)
+        mode_args = parse_args({**base_args, **MODES[mode], "max_num_seqs": seats})
         # the served app's engine settings (in one process `pipeline: auto` never pipelines, as on `cpu` served)
         config = mode_args.engine_config()
         is_plain = mode_args.speculation == "off"
@@ -293,7 +298,8 @@ def main(argv=None) -> int:
     serve.start(http_options={"host": "127.0.0.1", "port": PROXY_PORT})
     urls = {}
     for mode in args.modes:
-        mode_args = {**base_args, **MODES[mode], "max_num_seqs": max(max_c, base_args.get("max_num_seqs") or 1)}
+        seats = base_args["max_num_seqs"] if seats_given else max(max_c, base_args.get("max_num_seqs") or 1)
+        mode_args = {**base_args, **MODES[mode], "max_num_seqs": seats}
         serve.run(build_app(mode_args), name=mode, route_prefix=f"/{mode}")
         ports = [PROXY_PORT] if args.serve_proxy else range(DIRECT_INGRESS_PORT, DIRECT_INGRESS_PORT + len(args.modes))
         urls[mode] = app_url(mode, ports)
