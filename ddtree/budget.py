@@ -447,12 +447,9 @@ class BudgetPolicy:
     def _merged(
         self, request_id: str, token_ids: list[int], parents: list[int], values: list[float], chain: list[int]
     ) -> ProposedTree:
-        chain_values = self.ngram_values(len(chain), request_id)
-        if not token_ids and all(a >= b for a, b in zip(chain_values, chain_values[1:])):
-            # a chain alone, its values already in tree order (each node after its parent): the path as it is
-            n = min(len(chain), len(chain_values))
-            return ProposedTree(chain_values[:n], chain[:n], list(range(-1, n - 1)), list(range(1, n + 1)))
-        token_ids, parents, depths, values = merge_chain(token_ids, parents, values, chain, chain_values)
+        token_ids, parents, depths, values = merge_chain(
+            token_ids, parents, values, chain, self.ngram_values(len(chain), request_id)
+        )
         return ProposedTree(values, token_ids, parents, depths)
 
     def ngram_values(self, chain_length: int, request_id: str | None = None) -> list[float]:

@@ -53,6 +53,11 @@ def merge_chain(
     a tree node under a chain node keeps its own smaller value), so sorting by decreasing value (stable, parents
     before children on ties) leaves the tree prefix-closed: any first k nodes form a tree.
     Returns (token_ids, parents, depths, values)."""
+    if not token_ids and all(a >= b for a, b in zip(chain_values, chain_values[1:])):
+        # a chain alone whose values already decrease: its path is the tree, in order (a fallback request's chain,
+        # every round)
+        n = min(len(chain), len(chain_values))
+        return list(chain[:n]), list(range(-1, n - 1)), list(range(1, n + 1)), list(chain_values[:n])
     tokens, parent_of, value_of = list(token_ids), list(parents), list(values)
     children: dict[int, dict[int, int]] = {}
     for node, (parent, token) in enumerate(zip(parent_of, tokens)):

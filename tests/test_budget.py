@@ -605,3 +605,10 @@ def test_a_chain_verified_alone_is_the_tree_merging_it_into_no_tree_gives(values
     (tree,) = allocation.trees
     token_ids, parents, depths, tree_values = merge_chain([], [], [], chain, values)
     assert (tree.token_ids, tree.parents, tree.depths, tree.values) == (token_ids, parents, depths, tree_values)
+    # the same nodes either way: each chain token once, under the one before it, at its own depth and value
+    by_token = {t: (p, d, v) for t, p, d, v in zip(token_ids, parents, depths, tree_values)}
+    assert sorted(by_token) == chain
+    for depth, (token, value) in enumerate(zip(chain, values), start=1):
+        parent, node_depth, node_value = by_token[token]
+        assert node_depth == depth and node_value == value
+        assert (parent == -1) if depth == 1 else token_ids[parent] == chain[depth - 2]
