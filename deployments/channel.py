@@ -105,15 +105,14 @@ def _recv_exact(sock: socket.socket, num_bytes: int) -> bytearray:
     return buffer
 
 
-def _recv(sock: socket.socket, poller: _Poller | None, codec: Codec, arrived: list | None = None) -> object:
-    """The next message. `arrived`: a list whose one item is set to time.perf_counter() when its first bytes were
-    read (what follows is reading the rest and decoding it)."""
+def _recv(sock: socket.socket, poller: _Poller | None, codec: Codec) -> tuple[object, float]:
+    """The next message, and time.perf_counter() when its first bytes were read (what follows is reading the rest
+    and decoding it)."""
     if poller is not None:
         poller.wait()
     (size,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
-    if arrived is not None:
-        arrived[0] = time.perf_counter()
-    return codec.decode(_recv_exact(sock, size))
+    arrived_at = time.perf_counter()
+    return codec.decode(_recv_exact(sock, size)), arrived_at
 
 
 def check_poll_seconds(value) -> None:
@@ -200,7 +199,7 @@ class ChannelServer:
         poller = _poller(conn, self.poll_seconds)
         while True:
             try:
-                message = _recv(conn, poller, self.codec)
+                message, _ = _recv(conn, poller, self.codec)
             except (EOFError, OSError):
                 if self._on_close is not None:
                     self._on_close()
@@ -255,7 +254,6 @@ class ChannelClient:
         self._replies: collections.deque = collections.deque()  # received, not yet taken: (index, reply)
         # time.perf_counter() when the last reply `receive` returned began to arrive (its decoding came after)
         self.arrived_at = 0.0
-        self._arrived = [0.0]
 
     def send(self, message: object) -> int:
         """Send; the returned ticket names the reply for `receive` (request/reply servers)."""
@@ -277,15 +275,15 @@ class ChannelClient:
             raise ValueError(f"no reply pending for ticket {ticket}")
         while True:
             try:
-                reply = _recv(self._sock, self._poller, self.codec, self._arrived)
+                reply, arrived_at = _recv(self._sock, self._poller, self.codec)
             except (EOFError, OSError) as exc:
                 raise ChannelClosedError(f"the channel to the {self.name} closed (its actor died?): {exc}") from exc
             index = self._num_received
             self._num_received += 1
             if index == ticket:
-                self.arrived_at = self._arrived[0]
+                self.arrived_at = arrived_at
                 return _unwrap(reply, self.name)
-            self._replies.append((index, reply, self._arrived[0]))
+            self._replies.append((index, reply, arrived_at))
 
     def call(self, message: object) -> object:
         return self.receive(self.send(message))
