@@ -160,6 +160,7 @@ class DDTreeEngine:
                 "num_running": engine.num_running,
                 "num_waiting": engine.num_waiting,
                 "timings": engine.timings.as_dict(),
+                "num_generated_tokens": self.metrics.num_generated_tokens,  # output tokens emitted so far
                 "actor_hop_seconds": self.actors.hops.seconds,
                 "actor_hop_calls": self.actors.hops.num_calls,
                 "actor_hop_there_seconds": self.actors.hops.there_seconds,

@@ -74,6 +74,7 @@ class EngineMetrics:
         self.kv_every_s = kv_every_s
         self.flush_every_s = flush_every_s
         self.tokens = Counter("ddtree_generated_tokens_total", "Output tokens emitted.")
+        self.num_generated_tokens = 0  # the counter's value, read by `DDTreeEngine.info` (on the loop thread)
         self.tokens_per_second = Gauge("ddtree_output_tokens_per_second", "Output tokens/s over a sliding window.")
         self.tau = Histogram(
             "ddtree_acceptance_length", "Accepted length per speculative request-round.", boundaries=_TAU_BOUNDARIES
@@ -150,6 +151,7 @@ class EngineMetrics:
         pending = self.pending
         num_tokens = sum(len(o.new_token_ids) for o in report.outputs)
         pending.tokens += num_tokens
+        self.num_generated_tokens += num_tokens
         self._window.append((now, num_tokens))
 
         for out in report.outputs:

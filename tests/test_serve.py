@@ -273,16 +273,19 @@ def test_completions_equal_offline_llm_at_t0(client, offline):
         assert len(ddtree["acceptance_lengths"]) == ddtree["num_speculative_rounds"]
 
 
-def test_chat_equals_offline_llm_at_t0(client, offline):
+def test_chat_equals_offline_llm_at_t0(served, client, offline):
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "why is the sky blue?"}]
     prompt_ids = offline.tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=True, return_dict=False
     )
     ref = offline.generate([list(prompt_ids)], SamplingParams(temperature=0.0, max_tokens=20))[0]
+    before = _engine_info(served)["num_generated_tokens"]
     out = client.chat.completions.create(model=MODEL_NAME, messages=messages, max_tokens=20, temperature=0)
     assert out.choices[0].message.role == "assistant"
     assert out.choices[0].message.content == ref.text
     assert out.usage.completion_tokens == len(ref.token_ids)
+    # the replica's running count of emitted tokens (info(), what benchmarks read between their snapshots)
+    assert _engine_info(served)["num_generated_tokens"] - before == len(ref.token_ids)
 
 
 def test_stop_is_honoured_and_sampling_runs(client, offline):

@@ -259,12 +259,13 @@ def test_metrics_take_rounds_without_ray_calls_and_flush_their_totals(workers):
     # every round was taken, none recorded yet: the totals wait for the flush
     assert metrics.num_flushes == 0
     assert pending.num_rounds == len(pending.round_seconds) == timings["num_rounds"] - timings0["num_rounds"]
-    assert pending.tokens == sum(len(f.token_ids) for f in finals)
+    assert pending.tokens == metrics.num_generated_tokens == sum(len(f.token_ids) for f in finals)
     assert len(pending.taus) == len(pending.budgets) == sum(len(f.stats.acceptance_lengths) for f in finals) > 0
     for stage in STAGES:
         assert pending.stage_seconds[stage] == pytest.approx(timings[stage] - timings0[stage])
     metrics.flush()
     assert metrics.num_flushes == 1 and metrics.pending.num_rounds == 0 and metrics.pending.tokens == 0
+    assert metrics.num_generated_tokens == sum(len(f.token_ids) for f in finals)  # (a running total: not flushed)
     metrics.flush()  # (nothing pending: no Ray call)
     assert metrics.num_flushes == 1
 
