@@ -12,7 +12,17 @@ mode 2, served mode 2, ..., then the same in reverse order of modes, and so on f
 machine's drift (and whatever a served run leaves running behind it) hits every row alike; tokens/s is the median
 over passes. `--served-only` leaves the offline runs out, so that served runs follow served runs only.
 
+Each served app verifies on a load of the target of its own, and two loads of the same weights differ in speed by up
+to a few percent (where the weights land in memory; docs/engine.md), which a ratio between two apps' runs would
+count as the modes' difference. `--reload-workers` gives every app a fresh load before each pass after the first:
+its target actor's process is killed and the replica's own recovery starts a new target and drafter (docs/serving.md,
+"Fault tolerance"), and one unmeasured served run warms the new load up. The median over passes then spans as many
+loads per mode as passes.
+
 The table gives output tokens/s (completion tokens over the wall time of the whole run), the served/offline ratio,
+the served tokens/s until the prompts ran out ("steady": the replica's emitted tokens, `info()`, from the start to the
+moment a client first found no prompt left; from then on the seats empty one by one, and how long that tail lasts
+depends on how far apart the last requests end, which speculation sets apart and `off`'s lock-step keeps together),
 and a served round broken down, per engine round, into compute (inside the worker actors, plus the engine's own
 work between calls), actor hops (the actor calls' wall time minus the time inside the actors) and the rest of a
 served round's wall time beyond those (serving: HTTP, the ingress, streaming, the loop's wake-ups). For offline
@@ -69,6 +79,8 @@ MODES = {
 @dataclass
 class Run:
     tokens_per_second: list[float] = field(default_factory=list)
+    # served: output tokens/s from the start until a client first found no prompt left (`run_served`'s on_drain)
+    steady_tokens_per_second: list[float] = field(default_factory=list)
     outputs: dict[int, str] = field(default_factory=dict)  # prompt index -> text (T=0: the same every pass)
     ttft: list[float] = field(default_factory=list)
     per_round: dict[str, float] = field(default_factory=dict)  # ms per engine round, served runs
@@ -87,6 +99,10 @@ class Run:
     @property
     def median(self) -> float:
         return statistics.median(self.tokens_per_second) if self.tokens_per_second else 0.0
+
+    @property
+    def steady_median(self) -> float:
+        return statistics.median(self.steady_tokens_per_second) if self.steady_tokens_per_second else 0.0
 
 
 def parse(argv=None):
@@ -125,6 +141,12 @@ def parse(argv=None):
         help="send the requests through Serve's proxy, not to the apps' replicas directly (Serve's direct ingress, "
         "as `make serve` serves)",
     )
+    p.add_argument(
+        "--reload-workers",
+        action="store_true",
+        help="before each pass after the first, a fresh load of every app's workers (its target actor killed, the "
+        "replica's recovery starting new ones), then one unmeasured served run of it: passes sample loads",
+    )
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     args.modes = args.modes.split(",")
@@ -160,6 +182,22 @@ def app_url(mode: str, ports) -> str:
     raise RuntimeError(f"no port of {list(ports)} serves /{mode}/health")
 
 
+def reload_workers(handle, timeout_s: float = 300.0) -> float:
+    """Kill the app's target actor's process and wait until the replica's recovery has a new target (and drafter)
+    serving (`info()`: one more target restart, no target lost); the seconds that took."""
+    import signal
+
+    t0 = time.monotonic()
+    before = handle.info.remote().result()
+    os.kill(before["worker_pids"]["target"], signal.SIGKILL)
+    while time.monotonic() - t0 < timeout_s:
+        time.sleep(0.5)
+        info = handle.info.remote().result()
+        if info["num_target_restarts"] > before["num_target_restarts"] and info["target_lost"] is None:
+            return time.monotonic() - t0
+    raise RuntimeError(f"the app's target actor was killed and no new one served within {timeout_s:.0f} s")
+
+
 def run_offline(engine, prompts: list[list[int]], params, concurrency: int) -> tuple[float, dict[int, str], int]:
     """Closed loop in the engine: `concurrency` requests in flight, a finished one replaced at once; returns
     tokens/s, text per prompt, output tokens."""
@@ -179,9 +217,11 @@ def run_offline(engine, prompts: list[list[int]], params, concurrency: int) -> t
 
 
 async def run_served(
-    url: str, model: str, messages: list[list[dict]], max_tokens: int, concurrency: int
+    url: str, model: str, messages: list[list[dict]], max_tokens: int, concurrency: int, on_drain=None
 ) -> tuple[float, dict[int, str], list[float], int]:
-    """Closed loop of `concurrency` streaming clients; returns tokens/s, text per prompt, TTFTs, output tokens."""
+    """Closed loop of `concurrency` streaming clients; returns tokens/s, text per prompt, TTFTs, output tokens.
+    `on_drain(seconds)`: called (in a thread) once, when a client first finds no prompt left, with the seconds since
+    the start: from then on the seats empty one by one."""
     import aiohttp
 
     queue: asyncio.Queue = asyncio.Queue()
@@ -224,12 +264,16 @@ async def run_served(
             outputs[i] = "".join(texts)
             if first is not None:
                 ttfts.append(first)
+        if on_drain is not None and not drained:
+            drained.append(True)  # (the first client out of prompts only)
+            await asyncio.to_thread(on_drain, time.perf_counter() - started)
 
+    drained: list[bool] = []
+    started = time.perf_counter()
     connector = aiohttp.TCPConnector(limit=concurrency + 4)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as http:
-        t0 = time.perf_counter()
         await asyncio.gather(*(client(http) for _ in range(concurrency)))
-        seconds = time.perf_counter() - t0
+        seconds = time.perf_counter() - started
     return num_tokens / seconds, outputs, ttfts, num_tokens
 
 
@@ -315,6 +359,11 @@ def main(argv=None) -> int:
                         run_offline(engines[mode], prompts, params, c)
                     asyncio.run(run_served(urls[mode], model_name, messages, args.max_tokens, c))
             for p in range(args.passes):
+                if args.reload_workers and p > 0:
+                    for mode in args.modes:
+                        seconds = reload_workers(serve.get_app_handle(mode))
+                        asyncio.run(run_served(urls[mode], model_name, messages, args.max_tokens, c))
+                        print(f"  c={c} pass {p + 1} {mode}: workers reloaded in {seconds:.1f} s", flush=True)
                 # ABBA: the order flips every pass, so that no mode always runs right after another's served run
                 for mode in args.modes if p % 2 == 0 else args.modes[::-1]:
                     off_run = None
@@ -334,21 +383,35 @@ def main(argv=None) -> int:
                     served_run = results.setdefault(("served", mode, c), Run())
                     handle = serve.get_app_handle(mode)
                     before = handle.info.remote().result()
+                    drain: list[tuple[float, dict]] = []  # (seconds since the start, info()) when prompts ran out
+
+                    def on_drain(seconds: float, handle=handle, drain=drain) -> None:
+                        info = handle.info.remote().result()  # (read between two rounds)
+                        drain.append((seconds, info))
+
                     cpu_before, t0 = cpu_snapshot(), time.perf_counter()
                     rate, outs, ttfts, num_tokens = asyncio.run(
-                        run_served(urls[mode], model_name, messages, args.max_tokens, c)
+                        run_served(urls[mode], model_name, messages, args.max_tokens, c, on_drain)
                     )
                     wall = time.perf_counter() - t0
                     _add_cpu(served_run, cpu_before, cpu_snapshot(), wall)
                     after = handle.info.remote().result()
                     served_run.tokens_per_second.append(rate)
+                    seconds, drained = drain[0]
+                    steady = (drained["num_generated_tokens"] - before["num_generated_tokens"]) / seconds
+                    served_run.steady_tokens_per_second.append(steady)
                     served_run.outputs = outs
                     served_run.ttft += ttfts
                     _add_breakdown(served_run, before, after, wall)
                     _add_mix(served_run, before["timings"], after["timings"], num_tokens, wall)
                     served_run.engine_state = {"guard": after["guard"], "timings": after["timings"]}
                     offline = f"offline {off_run.tokens_per_second[-1]:.1f}, " if off_run is not None else ""
-                    print(f"  c={c} pass {p + 1} {mode}: {offline}served {rate:.1f} tok/s", flush=True)
+                    summary = _pass_summary(before["timings"], after["timings"], num_tokens, wall)
+                    print(
+                        f"  c={c} pass {p + 1} {mode}: {offline}served {rate:.1f} tok/s, {steady:.1f} until the "
+                        f"prompts ran out ({summary})",
+                        flush=True,
+                    )
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -362,6 +425,7 @@ def main(argv=None) -> int:
                         "mode": m,
                         "concurrency": c,
                         "tokens_per_second": r.tokens_per_second,
+                        "steady_tokens_per_second": r.steady_tokens_per_second,
                         "per_round_ms": r.per_round,
                         "mix": r.mix,
                         "ttft_p50_s": statistics.median(r.ttft) if r.ttft else None,
@@ -455,6 +519,22 @@ def _add_mix(run: Run, before: dict, after: dict, num_tokens: int, wall: float) 
     run.stages["wall"] = run.stages.get("wall", 0.0) + wall
 
 
+def _pass_summary(before: dict, after: dict, num_tokens: int, wall: float) -> str:
+    """One served run's rounds in a few words: requests per round, tokens per request-round, wall ms per round, the
+    share of rounds the closed loop ran plain."""
+    rounds = after["num_rounds"] - before["num_rounds"]
+    request_rounds = sum(
+        after[k] - before[k] for k in ("num_speculative_request_rounds", "num_autoregressive_request_rounds")
+    )
+    if not rounds or not request_rounds:
+        return "no rounds"
+    plain = (after["num_plain_rounds"] - before["num_plain_rounds"]) / rounds
+    return (
+        f"batch {request_rounds / rounds:.1f}, {num_tokens / request_rounds:.2f} tokens per request-round, "
+        f"{1000 * wall / rounds:.1f} ms per round, {plain:.0%} of rounds plain"
+    )
+
+
 def _mix_columns(run: Run) -> str:
     """'speculative share | tokens per request-round' of a run (a prefill's first token counts in the tokens)."""
     spec = run.mix.get("num_speculative_request_rounds", 0)
@@ -519,11 +599,12 @@ def print_table(args, results: dict) -> None:
         f"{args.passes} pass(es); tokens/s: median over passes\n"
     )
     print(
-        "| mode | concurrency | offline tok/s | served tok/s | served / offline | served x off | batch | round ms "
+        "| mode | concurrency | offline tok/s | served tok/s | served / offline | served x off | steady tok/s "
+        "| steady x off | batch | round ms "
         "| compute ms | hops ms (there) | serving ms | spec share offline | tok/req-round offline "
         "| spec share served | tok/req-round served | T=0 equal |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for c in args.concurrency:
         for mode in args.modes:
             off, srv = results.get(("offline", mode, c)), results[("served", mode, c)]
@@ -541,9 +622,11 @@ def print_table(args, results: dict) -> None:
                 reference = off
             equal = reference.outputs == srv.outputs
             x_off = f"{srv.median / base.median:.2f}" if base and base.median else "-"
+            steady_x_off = f"{srv.steady_median / base.steady_median:.2f}" if base and base.steady_median else "-"
             batch = (srv.mix["num_speculative_request_rounds"] + srv.mix["num_autoregressive_request_rounds"]) / rounds
             print(
                 f"| {mode} | {c} | {off_rate} | {srv.median:.1f} | {ratio} | {x_off} "
+                f"| {srv.steady_median:.1f} | {steady_x_off} "
                 f"| {batch:.1f} "
                 f"| {wall:.1f} | {compute:.1f} | {hops:.2f} ({there:.2f}) | {wall - compute - hops:.1f} "
                 f"| {off_mix} | {_mix_columns(srv)} | {equal} |"
