@@ -390,16 +390,20 @@ def main(argv=None) -> int:
                         drain.append((seconds, info))
 
                     cpu_before, t0 = cpu_snapshot(), time.perf_counter()
+                    # (more clients than prompts: some find none at the start, and no window has every seat busy)
+                    drains = on_drain if c <= len(messages) else None
                     rate, outs, ttfts, num_tokens = asyncio.run(
-                        run_served(urls[mode], model_name, messages, args.max_tokens, c, on_drain)
+                        run_served(urls[mode], model_name, messages, args.max_tokens, c, drains)
                     )
                     wall = time.perf_counter() - t0
                     _add_cpu(served_run, cpu_before, cpu_snapshot(), wall)
                     after = handle.info.remote().result()
                     served_run.tokens_per_second.append(rate)
-                    seconds, drained = drain[0]
-                    steady = (drained["num_generated_tokens"] - before["num_generated_tokens"]) / seconds
-                    served_run.steady_tokens_per_second.append(steady)
+                    steady = None
+                    if drain:
+                        seconds, drained = drain[0]
+                        steady = (drained["num_generated_tokens"] - before["num_generated_tokens"]) / seconds
+                        served_run.steady_tokens_per_second.append(steady)
                     served_run.outputs = outs
                     served_run.ttft += ttfts
                     _add_breakdown(served_run, before, after, wall)
@@ -408,8 +412,9 @@ def main(argv=None) -> int:
                     offline = f"offline {off_run.tokens_per_second[-1]:.1f}, " if off_run is not None else ""
                     summary = _pass_summary(before["timings"], after["timings"], num_tokens, wall)
                     print(
-                        f"  c={c} pass {p + 1} {mode}: {offline}served {rate:.1f} tok/s, {steady:.1f} until the "
-                        f"prompts ran out ({summary})",
+                        f"  c={c} pass {p + 1} {mode}: {offline}served {rate:.1f} tok/s"
+                        + (f", {steady:.1f} until the prompts ran out" if steady is not None else "")
+                        + f" ({summary})",
                         flush=True,
                     )
     finally:
@@ -626,7 +631,7 @@ def print_table(args, results: dict) -> None:
             batch = (srv.mix["num_speculative_request_rounds"] + srv.mix["num_autoregressive_request_rounds"]) / rounds
             print(
                 f"| {mode} | {c} | {off_rate} | {srv.median:.1f} | {ratio} | {x_off} "
-                f"| {srv.steady_median:.1f} | {steady_x_off} "
+                f"| {f'{srv.steady_median:.1f}' if srv.steady_median else '-'} | {steady_x_off} "
                 f"| {batch:.1f} "
                 f"| {wall:.1f} | {compute:.1f} | {hops:.2f} ({there:.2f}) | {wall - compute - hops:.1f} "
                 f"| {off_mix} | {_mix_columns(srv)} | {equal} |"
