@@ -73,6 +73,9 @@ MODES = {
     # the round's threads at the nice value they start with instead of `round_nice`'s default
     "off-nice0": {"speculation": "off", "round_nice": None},
     "auto-nice0": {"speculation": "ddtree", "budget": "auto", "round_nice": None},
+    # the replica's thread switch interval at Python's default (5 ms) instead of `gil_switch_interval_ms`'s
+    "off-gil5ms": {"speculation": "off", "gil_switch_interval_ms": None},
+    "auto-gil5ms": {"speculation": "ddtree", "budget": "auto", "gil_switch_interval_ms": None},
 }
 
 

@@ -218,6 +218,15 @@ class AppArgs(BaseModel):
         "processes (Ray's, Serve's), whose wake-ups otherwise stall the model's parallel regions on CPU serving. "
         "Needs CAP_SYS_NICE (root): without it they keep their value, with a warning. None: left as they are.",
     )
+    gil_switch_interval_ms: float | None = Field(
+        0.2,
+        gt=0,
+        allow_inf_nan=False,
+        description="Python's thread switch interval in the engine replica's process (sys.setswitchinterval): how "
+        "long a thread that wants the GIL waits before the thread holding it must let go. The engine loop thread "
+        "takes each worker's reply while the event loop thread streams outputs and serves HTTP; at Python's 5 ms a "
+        "reply can wait that long for the GIL. None: Python's default.",
+    )
     worker_env: dict[str, str] = Field(
         default_factory=dict,
         description="Environment variables of the worker actors, set over their defaults (deployments/config.py: "

@@ -11,6 +11,7 @@ import contextlib
 import copy
 import logging
 import os
+import sys
 import threading
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +40,8 @@ class DDTreeEngine:
         from deployments.metrics import EngineMetrics
 
         self.args = parse_args(args)
+        if self.args.gil_switch_interval_ms is not None:  # (the whole replica process: its threads share one GIL)
+            sys.setswitchinterval(self.args.gil_switch_interval_ms / 1000)
         layout = self.args.worker_layout()
         self.actors = start_worker_actors(WorkerSpec.from_args(self.args), layout.target, layout.drafter)
         config = self.args.engine_config()
@@ -177,6 +180,7 @@ class DDTreeEngine:
                 "num_target_losses": engine.num_target_losses,
                 "num_target_restarts": self.actors.num_target_restarts,
                 "pid": os.getpid(),  # the replica's process
+                "gil_switch_interval_s": sys.getswitchinterval(),
                 "worker_pids": {
                     "target": self.actors.target_proxy.pid,
                     "drafter": getattr(self.actors.drafter_proxy, "pid", None),

@@ -244,6 +244,13 @@ def _thread_nice_values(pid: int) -> set[int]:
     return values
 
 
+def test_the_replica_takes_the_apps_gil_switch_interval(served, app_args):
+    """The replica's process switches threads at `gil_switch_interval_ms` (ray_config.yaml's value), not at Python's
+    5 ms: the engine loop thread takes a worker's reply while the event loop thread streams."""
+    assert app_args["gil_switch_interval_ms"] < 5
+    assert _engine_info(served)["gil_switch_interval_s"] == pytest.approx(app_args["gil_switch_interval_ms"] / 1000)
+
+
 def test_the_rounds_threads_run_at_the_apps_round_nice(served, client, app_args):
     """The replica's engine loop and both worker actors' compute threads take `round_nice` (ray_config.yaml's
     value); each process's other threads keep theirs."""

@@ -191,3 +191,13 @@ def test_the_apps_round_nice_reaches_the_worker_spec_and_is_checked():
     for bad in (-21, 20, 1.5, "high"):
         with pytest.raises(ValueError, match="round_nice"):
             AppArgs(round_nice=bad)
+
+
+def test_the_replicas_gil_switch_interval_is_checked():
+    from deployments.config import AppArgs
+
+    assert AppArgs().gil_switch_interval_ms == 0.2
+    assert AppArgs(gil_switch_interval_ms=None).gil_switch_interval_ms is None  # (Python's own)
+    for bad in (0, -1.0, float("inf"), float("nan"), "fast"):
+        with pytest.raises(ValueError, match="gil_switch_interval_ms"):
+            AppArgs(gil_switch_interval_ms=bad)
