@@ -458,6 +458,8 @@ _ROLES = (
     (b"ServeController", "controller"),
 )
 CPU_COLUMNS = ("target", "drafter", "replica", "proxy", "controller", "other", "clients", "idle")
+# the engine's request-rounds (`RoundTimings`), speculative and plain: together, requests per round times rounds
+REQUEST_ROUNDS = ("num_speculative_request_rounds", "num_autoregressive_request_rounds")
 
 
 def cpu_snapshot() -> dict[str, float] | None:
@@ -518,7 +520,7 @@ def _add_mix(run: Run, before: dict, after: dict, num_tokens: int, wall: float) 
     """Adds a run's output tokens and its request-rounds, speculative and in fallback, its stage seconds and counts
     (`RoundTimings` deltas) and its wall seconds."""
     delta = {"tokens": num_tokens}
-    for k in ("num_speculative_request_rounds", "num_autoregressive_request_rounds"):
+    for k in REQUEST_ROUNDS:
         delta[k] = after[k] - before[k]
     for k, v in delta.items():
         run.mix[k] = run.mix.get(k, 0) + v
@@ -531,9 +533,7 @@ def _pass_summary(before: dict, after: dict, num_tokens: int, wall: float) -> st
     """One served run's rounds in a few words: requests per round, tokens per request-round, wall ms per round, the
     share of rounds the closed loop ran plain."""
     rounds = after["num_rounds"] - before["num_rounds"]
-    request_rounds = sum(
-        after[k] - before[k] for k in ("num_speculative_request_rounds", "num_autoregressive_request_rounds")
-    )
+    request_rounds = sum(after[k] - before[k] for k in REQUEST_ROUNDS)
     if not rounds or not request_rounds:
         return "no rounds"
     plain = (after["num_plain_rounds"] - before["num_plain_rounds"]) / rounds
@@ -631,7 +631,7 @@ def print_table(args, results: dict) -> None:
             equal = reference.outputs == srv.outputs
             x_off = f"{srv.median / base.median:.2f}" if base and base.median else "-"
             steady_x_off = f"{srv.steady_median / base.steady_median:.2f}" if base and base.steady_median else "-"
-            batch = (srv.mix["num_speculative_request_rounds"] + srv.mix["num_autoregressive_request_rounds"]) / rounds
+            batch = sum(srv.mix[k] for k in REQUEST_ROUNDS) / rounds
             print(
                 f"| {mode} | {c} | {off_rate} | {srv.median:.1f} | {ratio} | {x_off} "
                 f"| {f'{srv.steady_median:.1f}' if srv.steady_median else '-'} | {steady_x_off} "

@@ -251,7 +251,7 @@ class ChannelClient:
         self._poller = _poller(self._sock, poll_seconds)
         self._num_sent = 0
         self._num_received = 0
-        self._replies: collections.deque = collections.deque()  # received, not yet taken: (index, reply)
+        self._replies: collections.deque = collections.deque()  # received, not yet taken: (index, reply, arrived_at)
         # time.perf_counter() when the last reply `receive` returned began to arrive (its decoding came after)
         self.arrived_at = 0.0
 
