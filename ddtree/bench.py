@@ -3,8 +3,9 @@
 Every mode runs the same prompts in the same process on the same loaded weights, one request at a time (or
 `--concurrency` at once), so the table compares like with like; ratios are against `off` and against HF generate.
 The modes alternate group by group (the first `--concurrency` prompts on every mode, then the next ones, ...), and
-with `--passes N` the whole run repeats N times, so that a slow spell of a shared machine hits every mode alike;
-tokens/s is the median over passes, with the range beside it.
+with `--passes N` the whole run repeats N times, every other pass in the reverse order of modes, so that a slow spell
+of a shared machine, or a drift within a pass, hits every mode alike; tokens/s is the median over passes, with the
+range beside it, and a mode's ratio to `off` the median of its passes' ratios (each pass's modes ran side by side).
 """
 
 from __future__ import annotations
@@ -172,18 +173,28 @@ def step_open(engine: Engine, prompts: list[list[int]], params: SamplingParams) 
 
 
 def run_pass(
-    engines: list[tuple[str, Engine]], prompts: list[list[int]], params: SamplingParams, concurrency: int, record
+    engines: list[tuple[str, Engine]],
+    prompts: list[list[int]],
+    params: SamplingParams,
+    concurrency: int,
+    record,
+    reverse: bool = False,
 ) -> None:
     """One pass of every engine over the prompts, in groups of `concurrency`: each group runs on every engine in
-    turn before the next group, so a slow spell of the machine (seconds, not minutes) hits all modes alike.
-    `record(result)` gets each engine's pass once its last group has run."""
+    turn before the next group, so a slow spell of the machine (seconds, not minutes) hits all modes alike; with
+    `reverse`, the engines take their turns last to first (`run` reverses every other pass: a machine that speeds up
+    or slows down within a group's turns favours neither the first mode nor the last). `record(result)` gets each
+    engine's pass once its last group has run, in `engines`' order."""
     results = [ModeResult(name) for name, _ in engines]
+    turns = list(zip(results, engines))
+    if reverse:
+        turns.reverse()
     starts = range(0, len(prompts), concurrency)
     for start in starts:
-        for result, (name, engine) in zip(results, engines):
+        for result, (name, engine) in turns:
             result.extend(run_engine(engine, prompts[start : start + concurrency], params, name))
-            if start == starts[-1]:
-                record(result)
+    for result in results:
+        record(result)
 
 
 def run_hf(model_dir: str, prompts: list[list[int]], max_tokens: int, eos_token_id: int) -> ModeResult:
@@ -363,12 +374,12 @@ def run(args) -> int:
             for p in range(args.passes):
                 if "hf" in modes and c == 1 and params.is_greedy:
                     record(c, run_hf(target.model_dir, prompts, args.max_tokens, tokenizer.eos_token_id))
-                run_pass(engines, prompts, params, c, lambda result: record(c, result))
+                run_pass(engines, prompts, params, c, lambda result: record(c, result), reverse=p % 2 == 1)
                 print(f"  done: concurrency {c}, pass {p + 1} of {args.passes}", flush=True)
-    except KeyboardInterrupt:  # Ctrl-C: the runs finished so far are reported and saved, then the command stops
+    except KeyboardInterrupt:  # Ctrl-C: the passes finished so far are reported and saved, then the command stops
         if by_key:
             print(
-                f"\ninterrupted in pass {p + 1} of {args.passes}: the table and results.json hold the runs "
+                f"\ninterrupted in pass {p + 1} of {args.passes}: the table and results.json hold the passes "
                 f"finished so far",
                 flush=True,
             )

@@ -28,6 +28,14 @@ class ModeResult:
             return statistics.median(self.pass_rates)
         return self.num_tokens / self.seconds if self.seconds else 0.0
 
+    def ratio_to(self, base: ModeResult) -> float:
+        """This mode's speed over `base`'s: the median of the passes' ratios where both ran the same passes (the modes
+        of a pass ran side by side, so what the machine drifts between passes cancels out), else the medians'."""
+        pairs = list(zip(self.pass_rates, base.pass_rates))
+        if pairs and len(self.pass_rates) == len(base.pass_rates) and all(b > 0 for _, b in pairs):
+            return statistics.median(a / b for a, b in pairs)
+        return self.tokens_per_second / base.tokens_per_second if base.tokens_per_second else 0.0
+
     def extend(self, run: ModeResult) -> None:
         """Add a later group of the same pass."""
         self._add_counts(run)
@@ -76,7 +84,7 @@ def print_concurrency_table(by_key: dict[tuple[int, str], ModeResult], label: st
             spec = r.timings.get("num_speculative_request_rounds", 0)
             drafted = f"{100 * spec / rounds:.0f}%" if rounds and r.name != "off" and "hf" not in r.name else "-"
             per_round = f"{r.num_tokens / rounds:.2f}" if rounds else "-"
-            x_off = f"{r.tokens_per_second / off.tokens_per_second:.2f}" if off else "-"
+            x_off = f"{r.ratio_to(off):.2f}" if off else "-"
             tau = f"{r.tau:.2f}" if r.tau is not None else "-"
             name = r.name + (" (best B)" if fixed and r is best else "")
             speed = f"{r.tokens_per_second:.1f}"
@@ -103,6 +111,7 @@ def save_concurrency(by_key: dict[tuple[int, str], ModeResult], args) -> None:
             "concurrency": c,
             "mode": r.name,
             "tokens_per_second": r.tokens_per_second,
+            "x_off": r.ratio_to(by_key[c, "off"]) if (c, "off") in by_key else None,
             "tau": r.tau,
             "num_tokens": r.num_tokens,
             "timings": r.timings,
@@ -129,8 +138,8 @@ def print_table(results: list[ModeResult], label: str = "T=0") -> None:
         def ms(k: str, r=r, rounds=rounds) -> str:
             return f"{1000 * r.timings[k] / rounds:.1f}" if k in r.timings else "-"
 
-        x_off = f"{r.tokens_per_second / off.tokens_per_second:.2f}" if off else "-"
-        x_hf = f"{r.tokens_per_second / hf.tokens_per_second:.2f}" if hf else "-"
+        x_off = f"{r.ratio_to(off):.2f}" if off else "-"
+        x_hf = f"{r.ratio_to(hf):.2f}" if hf else "-"
         tau = f"{r.tau:.2f}" if r.tau is not None else "-"
         nodes = f"{sum(r.budgets) / len(r.budgets):.1f}" if r.budgets else "-"
         spec = r.timings.get("num_speculative_request_rounds", 0)
@@ -154,10 +163,12 @@ def print_table(results: list[ModeResult], label: str = "T=0") -> None:
 def save(results: list[ModeResult], args) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    off = next((r for r in results if r.name == "off"), None)
     rows = [
         {
             "mode": r.name,
             "tokens_per_second": r.tokens_per_second,
+            "x_off": r.ratio_to(off) if off else None,
             "tau": r.tau,
             "num_tokens": r.num_tokens,
             "mean_nodes_per_draft": sum(r.budgets) / len(r.budgets) if r.budgets else None,

@@ -4,6 +4,8 @@ import json
 
 import pytest
 
+from ddtree import bench
+from ddtree.bench_report import ModeResult
 from ddtree.cli import main
 from tests.factories import make_tiny_drafter, make_tiny_target
 
@@ -117,6 +119,7 @@ def test_bench_sweeps_concurrency_in_one_table(tmp_path, capsys):
         )
     }
     assert all(r["num_tokens"] == 3 * 6 for r in rows)
+    assert all(r["x_off"] == 1.0 for r in rows if r["mode"] == "off") and all(r["x_off"] > 0 for r in rows)
 
 
 def test_bench_samples_seeded_and_checks_every_mode_against_off(tmp_path, capsys):
@@ -359,7 +362,9 @@ def test_bench_refuses_bad_arguments_and_prompt_files_before_loading(tmp_path):
         main(["bench", "--model", missing, "--num-prompts", "0", "--out", str(tmp_path / "o")])
 
 
-def test_bench_without_speculative_modes_needs_no_drafter_and_ctrl_c_keeps_finished_runs(tmp_path, capsys, monkeypatch):
+def test_bench_without_speculative_modes_needs_no_drafter_and_ctrl_c_keeps_finished_passes(
+    tmp_path, capsys, monkeypatch
+):
     import ddtree.bench as bench
 
     target = make_tiny_target(tmp_path / "target", logit_scale=8.0)
@@ -385,19 +390,22 @@ def test_bench_without_speculative_modes_needs_no_drafter_and_ctrl_c_keeps_finis
     assert main(common + ["--modes", "off"]) == 0  # a custom target, no --drafter: fine without speculation
     real_run_engine, calls = bench.run_engine, []
 
-    def interrupted_at_the_third(*args, **kwargs):
+    def interrupted_at_the_fifth(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 3:
+        if len(calls) == 5:
             raise KeyboardInterrupt
         return real_run_engine(*args, **kwargs)
 
-    monkeypatch.setattr(bench, "run_engine", interrupted_at_the_third)
+    monkeypatch.setattr(bench, "run_engine", interrupted_at_the_fifth)
     with pytest.raises(KeyboardInterrupt):
         main(common + ["--drafter", str(drafter), "--modes", "off,ddtree", "--budgets", "4,2,4", "--passes", "2"])
     printed = capsys.readouterr().out
-    assert "interrupted in pass 1 of 2" in printed
+    assert "interrupted in pass 2 of 2" in printed
     rows = {r["mode"]: r for r in json.loads((out / "results.json").read_text())}
-    assert list(rows) == ["off", "ddtree B=2"]  # the two runs finished (budgets distinct, in increasing order)
+    # the first pass, whole (budgets distinct, in increasing order); of the second, two runs of three: not kept, so
+    # that every mode's passes pair with off's
+    assert list(rows) == ["off", "ddtree B=2", "ddtree B=4"]
+    assert all(len(r["tokens_per_second_per_pass"]) == 1 for r in rows.values())
 
 
 def test_generate_reads_stdin_and_stops_and_chat_survives_a_bad_turn(tmp_path, capsys, monkeypatch):
@@ -495,3 +503,39 @@ def test_bench_serving_modes_are_valid_app_args_and_unknown_ones_are_refused():
         timeout=120,
     )
     assert bad.returncode == 2 and "unknown fast; choose from off, auto, dflash, auto-no-ngram" in bad.stderr
+
+
+def test_every_other_pass_runs_the_modes_last_to_first_and_records_whole_passes(monkeypatch):
+    """A pass runs each group on every engine in turn, the odd passes in reverse order, so a drift within a group's
+    turns favours no mode; each engine's pass is recorded once, after the pass, in the engines' order."""
+    turns = []
+
+    def fake_run_engine(engine, prompts, params, name):
+        turns.append((name, len(prompts)))
+        return ModeResult(name, num_tokens=len(prompts), seconds=1.0)
+
+    monkeypatch.setattr(bench, "run_engine", fake_run_engine)
+    engines = [("off", None), ("ddtree auto", None)]
+    recorded = []
+    for p in range(2):
+        bench.run_pass(engines, [[1]] * 3, None, 2, recorded.append, reverse=p % 2 == 1)
+    assert turns == [
+        ("off", 2), ("ddtree auto", 2), ("off", 1), ("ddtree auto", 1),
+        ("ddtree auto", 2), ("off", 2), ("ddtree auto", 1), ("off", 1),
+    ]  # fmt: skip
+    assert [(r.name, r.num_tokens) for r in recorded] == [("off", 3), ("ddtree auto", 3)] * 2
+
+
+def test_a_modes_ratio_to_off_is_the_median_of_its_passes_ratios():
+    """Each pass ran the modes side by side: the ratio pairs them, so a machine that drifts between passes (here
+    100, 120, 80 tok/s for `off`) does not move it; with unequal pass counts it falls back to the medians."""
+    off, auto = ModeResult("off"), ModeResult("ddtree auto")
+    off.pass_rates, auto.pass_rates = [100.0, 120.0, 80.0], [99.0, 123.6, 79.2]  # 0.99, 1.03, 0.99 of each pass
+    assert auto.ratio_to(off) == pytest.approx(0.99)
+    assert auto.tokens_per_second / off.tokens_per_second == pytest.approx(0.99)  # (medians: 99 over 100)
+    auto.pass_rates = [99.0, 123.6, 96.0]  # 0.99, 1.03, 1.20
+    assert auto.ratio_to(off) == pytest.approx(1.03)
+    assert auto.tokens_per_second / off.tokens_per_second == pytest.approx(0.99)  # the medians pair 99 with 100
+    auto.pass_rates = [110.0]
+    assert auto.ratio_to(off) == pytest.approx(1.10)  # one pass against three: the medians
+    assert off.ratio_to(off) == 1.0
