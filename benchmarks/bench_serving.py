@@ -10,7 +10,9 @@ offline runs keep C requests in the engine the same way (a finished request is r
 concurrency, after `--warmup` unmeasured runs of everything, the order is: offline mode 1, served mode 1, offline
 mode 2, served mode 2, ..., then the same in reverse order of modes, and so on for `--passes` passes, so that the
 machine's drift (and whatever a served run leaves running behind it) hits every row alike; tokens/s is the median
-over passes. `--served-only` leaves the offline runs out, so that served runs follow served runs only.
+over passes, and each ratio (served / offline, x `off`) the median of the passes' own ratios (`paired_ratio`: the
+runs of one pass ran side by side). `--served-only` leaves the offline runs out, so that served runs follow served
+runs only.
 
 Each served app verifies on a load of the target of its own, and two loads of the same weights differ in speed by up
 to a few percent (where the weights land in memory; docs/engine.md), which a ratio between two apps' runs would
@@ -55,6 +57,7 @@ from deployments.run import direct_ingress_env  # noqa: E402
 
 use_worker_env()
 
+from ddtree.bench_report import paired_ratio  # noqa: E402
 from ddtree.engine import ROUND_STAGES as STAGES  # noqa: E402  (after the workers' environment: it loads torch)
 
 PROXY_PORT = 8123  # Serve's proxy
@@ -604,7 +607,7 @@ def _print_hops(args, results: dict) -> None:
 def print_table(args, results: dict) -> None:
     print(
         f"\n{len(args.modes)} mode(s), {3 * args.num_prompts} prompts, max_tokens={args.max_tokens}, T=0, "
-        f"{args.passes} pass(es); tokens/s: median over passes\n"
+        f"{args.passes} pass(es); tokens/s: median over passes; ratios: median of the passes' ratios\n"
     )
     print(
         "| mode | concurrency | offline tok/s | served tok/s | served / offline | served x off | steady tok/s "
@@ -626,11 +629,18 @@ def print_table(args, results: dict) -> None:
                 off_rate, ratio, off_mix = "-", "-", "- | -"
                 reference = results[("served", args.modes[0], c)]
             else:
-                off_rate, ratio, off_mix = f"{off.median:.1f}", f"{srv.median / off.median:.2f}", _mix_columns(off)
+                ratio = f"{paired_ratio(srv.tokens_per_second, off.tokens_per_second):.2f}"
+                off_rate, off_mix = f"{off.median:.1f}", _mix_columns(off)
                 reference = off
             equal = reference.outputs == srv.outputs
-            x_off = f"{srv.median / base.median:.2f}" if base and base.median else "-"
-            steady_x_off = f"{srv.steady_median / base.steady_median:.2f}" if base and base.steady_median else "-"
+            x_off = (
+                f"{paired_ratio(srv.tokens_per_second, base.tokens_per_second):.2f}" if base and base.median else "-"
+            )
+            steady_x_off = (
+                f"{paired_ratio(srv.steady_tokens_per_second, base.steady_tokens_per_second):.2f}"
+                if base and base.steady_median
+                else "-"
+            )
             batch = sum(srv.mix[k] for k in REQUEST_ROUNDS) / rounds
             print(
                 f"| {mode} | {c} | {off_rate} | {srv.median:.1f} | {ratio} | {x_off} "

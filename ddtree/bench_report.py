@@ -9,6 +9,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
+def paired_ratio(rates: list[float], base_rates: list[float]) -> float:
+    """Speeds measured pass by pass, over a base's: the median of the passes' own ratios where both ran the same
+    passes (the runs of a pass ran side by side, so what the machine drifts between passes cancels out), else the
+    ratio of the medians."""
+    if rates and len(rates) == len(base_rates) and all(b > 0 for b in base_rates):
+        return statistics.median(a / b for a, b in zip(rates, base_rates))
+    base = statistics.median(base_rates) if base_rates else 0.0
+    return statistics.median(rates) / base if rates and base else 0.0
+
+
 @dataclass
 class ModeResult:
     name: str
@@ -29,11 +39,9 @@ class ModeResult:
         return self.num_tokens / self.seconds if self.seconds else 0.0
 
     def ratio_to(self, base: ModeResult) -> float:
-        """This mode's speed over `base`'s: the median of the passes' ratios where both ran the same passes (the modes
-        of a pass ran side by side, so what the machine drifts between passes cancels out), else the medians'."""
-        pairs = list(zip(self.pass_rates, base.pass_rates))
-        if pairs and len(self.pass_rates) == len(base.pass_rates) and all(b > 0 for _, b in pairs):
-            return statistics.median(a / b for a, b in pairs)
+        """This mode's speed over `base`'s (`paired_ratio` of their passes; one pass each: of their runs)."""
+        if self.pass_rates and base.pass_rates:
+            return paired_ratio(self.pass_rates, base.pass_rates)
         return self.tokens_per_second / base.tokens_per_second if base.tokens_per_second else 0.0
 
     def extend(self, run: ModeResult) -> None:

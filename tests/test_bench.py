@@ -5,7 +5,7 @@ import json
 import pytest
 
 from ddtree import bench
-from ddtree.bench_report import ModeResult
+from ddtree.bench_report import ModeResult, paired_ratio
 from ddtree.cli import main
 from tests.factories import make_tiny_drafter, make_tiny_target
 
@@ -539,3 +539,7 @@ def test_a_modes_ratio_to_off_is_the_median_of_its_passes_ratios():
     auto.pass_rates = [110.0]
     assert auto.ratio_to(off) == pytest.approx(1.10)  # one pass against three: the medians
     assert off.ratio_to(off) == 1.0
+    # benchmarks/bench_serving.py's ratios (served x off, served / offline, steady) take the same rule
+    assert paired_ratio([99.0, 123.6, 96.0], [100.0, 120.0, 80.0]) == pytest.approx(1.03)
+    assert paired_ratio([99.0, 123.6], [100.0, 120.0, 80.0]) == pytest.approx(111.3 / 100.0)
+    assert paired_ratio([], [100.0]) == 0.0 and paired_ratio([1.0], []) == 0.0
