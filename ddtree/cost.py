@@ -34,23 +34,13 @@ class CostModel:
     f and g are priced as their points' non-decreasing envelopes (more work never costs less: a measured dip is
     noise, and would make large batches look nearly free), extrapolated past the last point at its last segment's
     slope or, if less, the curve's average slope; the load is flat past its first and last points. The drafter's
-    curve (`draft_points`, seconds by requests) is refreshed at its own points, by `refresh_weight`.
-
-    A drafter call also takes into its requests' context caches the target features committed since each last
-    drafted: a round or so for a request that drafts every round (part of the curve), its prompt and every token
-    since for one that drafts for the first time or comes back from fallback ("catch-up"). The catch-up is priced per
-    token (`context_seconds`): learned from the calls that took one in, as their seconds beyond the curve's price
-    over their catch-up tokens (a ratio of EMAs, so one noisy call moves it by a bounded step), 0 until one is
-    observed. Calls without catch-up refresh the curve; a call with it, the per-token price alone."""
+    curve (`draft_points`, seconds by requests) is refreshed at its own points, by `refresh_weight`."""
 
     verify_points: list[tuple[int, float]]  # (num_tokens, seconds) of one request's pass, increasing num_tokens
     draft_points: list[tuple[int, float]]  # (num_requests, seconds), increasing num_requests
     # (num_requests, seconds) of a pass over that many one-token requests; None: requests add nothing of their own
     batch_points: list[tuple[int, float]] | None = None
     refresh_weight: float = 0.2
-    # the catch-up's price: EMAs of the catch-up calls' seconds beyond the curve and of their catch-up tokens
-    catch_up_seconds: float = 0.0
-    catch_up_tokens: float = 0.0
 
     def __post_init__(self) -> None:
         named = [("verify_points", self.verify_points), ("draft_points", self.draft_points)]
@@ -100,26 +90,11 @@ class CostModel:
         _scale_around(self.verify_points, num_tokens, ratio, self.refresh_weight * SHAPE_REFRESH_SHARE)
         self._verify_curve = _envelope(self.verify_points)
 
-    def context_seconds(self, num_tokens: int) -> float:
-        """What taking `num_tokens` catch-up tokens into the drafter's context caches adds to a drafter call."""
-        if self.catch_up_tokens <= 0 or num_tokens <= 0:
-            return 0.0
-        return num_tokens * self.catch_up_seconds / self.catch_up_tokens
-
-    def observe_draft(self, num_requests: int, seconds: float, num_catch_up_tokens: int = 0) -> None:
-        """A drafter call for `num_requests` requests took `seconds`, `num_catch_up_tokens` of its intake catch-up
-        (see the class docstring)."""
-        if num_requests <= 0:
-            return
-        if num_catch_up_tokens > 0:
-            beyond = max(0.0, seconds - self.draft_seconds(num_requests))
-            w = self.refresh_weight if self.catch_up_tokens > 0 else 1.0  # (the first: as observed)
-            self.catch_up_seconds += w * (beyond - self.catch_up_seconds)
-            self.catch_up_tokens += w * (num_catch_up_tokens - self.catch_up_tokens)
-            return
-        ratio = _bounded(seconds / _interpolate(self.draft_points, num_requests))
-        _scale_around(self.draft_points, num_requests, ratio, self.refresh_weight)
-        self._draft_curve = _envelope(self.draft_points)
+    def observe_draft(self, num_requests: int, seconds: float) -> None:
+        if num_requests > 0:
+            ratio = _bounded(seconds / _interpolate(self.draft_points, num_requests))
+            _scale_around(self.draft_points, num_requests, ratio, self.refresh_weight)
+            self._draft_curve = _envelope(self.draft_points)
 
     def _base(self, num_tokens: int, num_requests: int) -> float:
         """f(N) + g(R): the start-up price, before the load."""

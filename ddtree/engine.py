@@ -309,7 +309,7 @@ class Engine(WorkerRecovery):
         self, req: Request, token: int, logprobs: RawLogprobs | None, outputs: list[RequestOutput]
     ) -> None:
         """A prefilled request's first token: from here on the budget policy plans it."""
-        self.budget.add(req.request_id, len(req.prompt_token_ids))
+        self.budget.add(req.request_id)
         if self.ngram_tokens:
             req.ngrams = NgramIndex(req.prompt_token_ids)
         req.stats.first_token_time = time.perf_counter()
@@ -451,12 +451,10 @@ class Engine(WorkerRecovery):
         """What the round teaches the budget policy: the cost curves, each drafting request's acceptance (drafting's
         gain is what it accepted beyond its n-gram chain alone), and the chains' values."""
         cost = self.budget.cost
-        if batch.draft_seconds is not None:  # (its catch-up, a switch's included, priced apart from the curve)
-            catch_up = self.budget.catch_up_tokens([e.request_id for e in batch.drafting])
-            cost.observe_draft(batch.num_drafting, batch.draft_seconds, catch_up)
+        if batch.draft_seconds is not None and not batch.resumes_drafting:  # (a switch's catch-up is no draft cost)
+            cost.observe_draft(batch.num_drafting, batch.draft_seconds)
         cost.observe_verify(batch.num_verified_tokens, batch.verify_seconds, batch.num_verified_requests)
         for e in batch.entries:
-            self.budget.observe_commit(e.request_id, len(e.accepted) + 1, e.drafts)
             without_draft = self.budget.observe_proposal(e.chain, e.accepted + [e.bonus], e.request_id)
             stats = self.requests[e.request_id].stats
             if e.drafts:
