@@ -39,7 +39,7 @@ class ModeResult:
         return self.num_tokens / self.seconds if self.seconds else 0.0
 
     def ratio_to(self, base: ModeResult) -> float:
-        """This mode's speed over `base`'s (`paired_ratio` of their passes; one pass each: of their runs)."""
+        """This mode's speed over `base`'s: `paired_ratio` of their passes (without passes: of their totals)."""
         if self.pass_rates and base.pass_rates:
             return paired_ratio(self.pass_rates, base.pass_rates)
         return self.tokens_per_second / base.tokens_per_second if base.tokens_per_second else 0.0
