@@ -604,6 +604,11 @@ def _print_hops(args, results: dict) -> None:
                 )
 
 
+def _ratio_cell(rates: list[float], base_rates: list[float]) -> str:
+    """A table's ratio (`paired_ratio`), or '-' where either side measured nothing."""
+    return f"{paired_ratio(rates, base_rates):.2f}" if rates and any(base_rates) else "-"
+
+
 def print_table(args, results: dict) -> None:
     print(
         f"\n{len(args.modes)} mode(s), {3 * args.num_prompts} prompts, max_tokens={args.max_tokens}, T=0, "
@@ -629,18 +634,12 @@ def print_table(args, results: dict) -> None:
                 off_rate, ratio, off_mix = "-", "-", "- | -"
                 reference = results[("served", args.modes[0], c)]
             else:
-                ratio = f"{paired_ratio(srv.tokens_per_second, off.tokens_per_second):.2f}"
+                ratio = _ratio_cell(srv.tokens_per_second, off.tokens_per_second)
                 off_rate, off_mix = f"{off.median:.1f}", _mix_columns(off)
                 reference = off
             equal = reference.outputs == srv.outputs
-            x_off = (
-                f"{paired_ratio(srv.tokens_per_second, base.tokens_per_second):.2f}" if base and base.median else "-"
-            )
-            steady_x_off = (
-                f"{paired_ratio(srv.steady_tokens_per_second, base.steady_tokens_per_second):.2f}"
-                if base and base.steady_median
-                else "-"
-            )
+            x_off = _ratio_cell(srv.tokens_per_second, base.tokens_per_second if base else [])
+            steady_x_off = _ratio_cell(srv.steady_tokens_per_second, base.steady_tokens_per_second if base else [])
             batch = sum(srv.mix[k] for k in REQUEST_ROUNDS) / rounds
             print(
                 f"| {mode} | {c} | {off_rate} | {srv.median:.1f} | {ratio} | {x_off} "
