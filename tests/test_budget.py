@@ -349,6 +349,81 @@ def test_probes_of_many_fallback_requests_stay_within_the_bound_of_the_round():
     assert probe_overhead(after) <= 0.03
 
 
+def simulate_catch_up(policy, num_rounds, seconds_per_feature, learns):
+    """One request that never pays, each drafter call also taking in the features it left behind since it last
+    drafted (its prompt at its first draft) at `seconds_per_feature`. With `learns`, the cost model observes those
+    intakes (its curves stay as they are). Returns what `simulate` does."""
+    cost, rounds = policy.cost, []
+    for _ in range(num_rounds):
+        plan = policy.plan(["a"])
+        counts = policy.allocate(
+            plan.speculative_ids, [PATH_PROBS] * len(plan.speculative_ids), len(plan.autoregressive_ids)
+        )
+        drafts = bool(plan.speculative_ids)
+        intake = policy.catch_up_tokens("a") if drafts else 0
+        draft = cost.draft_seconds(len(plan.speculative_ids)) + seconds_per_feature * intake
+        if drafts and learns:
+            cost.observe_intake(intake, seconds_per_feature * intake)
+        for rid, n in zip(plan.speculative_ids, counts):
+            policy.observe(rid, predicted=sum(PATH_PROBS[:n]), num_accepted_nodes=0, num_nodes=n)
+        policy.observe_commit("a", 1, drafted=drafts)
+        rounds.append((draft + cost.verify_seconds(1 + sum(counts)), cost.verify_seconds(1), plan.speculative_ids))
+    return rounds
+
+
+def test_probes_priced_with_their_catch_up_stay_within_the_bound():
+    """A probe's drafter call takes in every feature its request left behind while it rested: the longer the rest,
+    the dearer the probe. Priced (the cost model learns the intake's price from the first draft, which takes in the
+    prompt), probes stay within the bound; priced without it, they do not."""
+    per_feature = 0.0002  # a fiftieth of a one-token verify pass per feature taken in
+
+    def run(learns):
+        policy = BudgetPolicy(BudgetConfig(max_probe_overhead=0.03), slow_drafter_cost())
+        policy.add("a", num_prompt_tokens=200)
+        rounds = simulate_catch_up(policy, 12000, per_feature, learns)
+        entered = next(t for t, (_, _, spec) in enumerate(rounds) if not spec)
+        return rounds[entered:], policy
+
+    priced, policy = run(learns=True)
+    assert policy.cost.intake_seconds(100) == pytest.approx(100 * per_feature)
+    assert sum(1 for _, _, spec in priced if spec) >= 5  # still probed
+    assert probe_overhead(priced) <= 0.03
+    unpriced, _ = run(learns=False)
+    assert probe_overhead(unpriced) > 0.035
+
+
+def test_a_request_s_catch_up_is_what_it_left_behind_since_it_last_drafted():
+    policy = BudgetPolicy(BudgetConfig(), linear_cost())
+    policy.add("a", num_prompt_tokens=50)
+    policy.add("b", num_prompt_tokens=7)
+    assert (policy.catch_up_tokens("a"), policy.catch_up_tokens("b")) == (50, 7)  # a first draft: the prompt
+    policy.observe_commit("a", 1, drafted=False)  # plain rounds
+    policy.observe_commit("a", 1, drafted=False)
+    assert policy.catch_up_tokens("a") == 52
+    policy.observe_commit("a", 3, drafted=True)  # a drafting round takes it all in; its own tokens come next
+    assert policy.catch_up_tokens("a") == 0  # drafting every round: no catch-up beyond a round's intake
+    policy.observe_commit("a", 1, drafted=False)
+    policy.observe_commit("a", 1, drafted=False)
+    assert policy.catch_up_tokens("a") == 5  # back from fallback: the drafting round's 3 and the 2 plain ones
+    policy.reset_context("a", 60)  # a new target's prefill: the context starts again
+    assert policy.catch_up_tokens("a") == 60
+
+
+def test_the_cost_model_prices_the_drafter_s_intake_per_feature_apart_from_its_curve():
+    from ddtree.cost import MIN_PRICED_INTAKE
+
+    cost = CostModel([(1, 0.010), (64, 0.012)], [(1, 0.004), (16, 0.010)])
+    assert cost.intake_seconds(100) == 0.0  # nothing observed yet
+    cost.observe_intake(MIN_PRICED_INTAKE - 1, 1.0)  # too few features: mostly the call's own start
+    assert cost.intake_seconds(100) == 0.0
+    cost.observe_intake(200, 0.004)  # the first: as observed
+    assert cost.intake_seconds(100) == pytest.approx(0.002)
+    cost.observe_intake(100, 0.004)  # an EMA of seconds over an EMA of features: one call moves it a step
+    assert cost.intake_seconds(100) == pytest.approx(100 * (0.8 * 0.004 + 0.2 * 0.004) / (0.8 * 200 + 0.2 * 100))
+    assert cost.draft_seconds(16) == pytest.approx(0.010)  # the drafter's curve is its own
+    assert cost.intake_seconds(0) == 0.0
+
+
 def test_a_request_that_pays_again_is_picked_up_within_the_bound():
     cfg = BudgetConfig(max_probe_overhead=0.03)
     cost = slow_drafter_cost()
