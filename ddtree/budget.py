@@ -133,7 +133,7 @@ class BudgetConfig:
     initial_gain: float = 2.0  # prior gain before any request has been observed: optimistic, so the drafter is tried
     min_probe_interval: int = 4  # backoff: first rest in fallback, in rounds
     max_probe_interval: int = 64  # backoff cap, in rounds
-    max_probe_overhead: float = 0.01  # probes may cost at most this fraction of a fallback request's time
+    max_probe_overhead: float = 0.03  # probes may cost at most this fraction of a fallback request's time
     # a round speculates only where its predicted tokens per second beat plain decoding's by more than this share:
     # the model's error (values chosen because they look high, costs of rows beside the sizes it measured)
     speculation_margin: float = 0.05

@@ -23,7 +23,7 @@ class EngineConfig:
     max_waiting: int = 256  # queued requests beyond the free seats before add_request answers EngineFullError
     max_model_len: int | None = None  # None: the model's own context window
     allow_fallback: bool = True  # auto mode: requests whose drafts do not pay decode autoregressively
-    max_probe_overhead: float = 0.01  # fallback probes may cost at most this fraction of a request's time
+    max_probe_overhead: float = 0.03  # fallback probes may cost at most this fraction of a request's time
     # auto mode: a round speculates only where the policy predicts it faster than plain decoding by more than this
     # share (what the cost model and the acceptance estimates may err by)
     speculation_margin: float = 0.05

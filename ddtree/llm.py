@@ -64,7 +64,7 @@ class LLM:
         kv_cache_bytes: int | None = None,
         attention: str = "auto",
         allow_fallback: bool = True,
-        max_probe_overhead: float = 0.01,
+        max_probe_overhead: float = 0.03,
         speculation_margin: float = 0.05,
         ngram_tokens: int = 3,
         pipeline: bool | str = "auto",

@@ -322,22 +322,6 @@ def probe_overhead(rounds):
     return (spent - sum(off for _, off, _ in rounds)) / spent
 
 
-def test_the_default_probe_bound_leaves_auto_within_the_margin_it_promises_against_off():
-    """Where drafting never pays, probes are what auto spends beyond plain decoding: the default bound keeps them
-    to 1% of a fallback request's time, inside the 2% that `auto` may lag `off` (docs/engine.md), with room for the
-    closed loop's exploring. The engine, the LLM and the Serve app share the default."""
-    import inspect
-
-    from ddtree.config import EngineConfig
-    from ddtree.llm import LLM
-    from deployments.config import AppArgs
-
-    default = BudgetConfig().max_probe_overhead
-    assert default == 0.01
-    assert EngineConfig().max_probe_overhead == AppArgs().max_probe_overhead == default
-    assert inspect.signature(LLM).parameters["max_probe_overhead"].default == default
-
-
 @pytest.mark.parametrize("max_probe_overhead", [0.03, 0.01])
 def test_probes_of_a_request_that_never_pays_stay_within_the_bound(max_probe_overhead):
     policy = BudgetPolicy(BudgetConfig(max_probe_overhead=max_probe_overhead), slow_drafter_cost())

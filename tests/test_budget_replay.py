@@ -51,7 +51,7 @@ def test_auto_drafts_where_it_pays_and_falls_back_where_it_does_not():
     slow = cost(draft=0.040)
     off = total(Replay(slow).run_off(useless)).tokens_per_second
     auto = total(Replay(slow).run_policy(BudgetPolicy(BudgetConfig(max_budget=8), slow), useless))
-    assert auto.tokens_per_second > 0.95 * off  # probes stay within max_probe_overhead (1%), plus the first draft
+    assert auto.tokens_per_second > 0.95 * off  # probes stay within max_probe_overhead (3%), plus the first draft
     assert auto.drafted_request_rounds < 0.05 * auto.request_rounds
 
 

@@ -496,7 +496,7 @@ def test_the_start_up_profile_times_one_request_and_batches_of_requests(workers)
 
 def test_fallback_skips_the_drafter_and_recovers(workers):
     # A drafter forward that costs five one-token verify passes never pays: requests decode autoregressively with
-    # no drafter call at all, and within 1% of their time (BudgetConfig.max_probe_overhead) not even a probe fits.
+    # no drafter call at all, and within 3% of their time (BudgetConfig.max_probe_overhead) not even a probe fits.
     expensive = CostModel([(1, 0.010), (2, 0.030), (64, 1.0)], [(1, 0.050), (16, 0.060)])
     target, drafter, tok = workers
     # (the policy alone: the closed loop would measure this machine's real costs, not the scripted ones)
