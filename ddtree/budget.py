@@ -22,11 +22,9 @@ Per round:
 
 What probes may cost. A request in fallback commits one token per round, and its share of the round's time is
 t = round seconds / expected committed tokens of the round. A probe adds
-    extra = (drafter seconds with it - without it) + catch-up + (verify seconds with its nodes - without) - gain * t
-seconds (all from the CostModel, in the context of this round's plan; the catch-up is the drafter taking in the
-target features the request left behind since it last drafted, its prompt too if it never did, which grows with
-every round it rests; `gain` is an observed one, never the optimistic `initial_gain`), so probing it after every I
-autoregressive rounds costs it extra / (I * t) of its time.
+    extra = (drafter seconds with it - without it) + (verify seconds with its nodes - without) - gain * t
+seconds (all from the CostModel, in the context of this round's plan; `gain` is an observed one, never the
+optimistic `initial_gain`), so probing it after every I autoregressive rounds costs it extra / (I * t) of its time.
 A probe is due when the rounds rested reach both
 - the backoff interval: `min_probe_interval`, doubling after each failed probe up to `max_probe_interval`, and
 - the cost bound: I >= extra / (max_probe_overhead * t).
@@ -87,10 +85,6 @@ class RequestBudgetState:
     is_fallback: bool = False
     probe_interval: int = 0  # backoff: autoregressive rounds before the next probe (doubles while probes fail)
     num_rounds_rested: int = 0  # autoregressive rounds since it last drafted (0 while it speculates)
-    # target features the drafter has not taken in: its prompt and every token committed since it last drafted
-    # (`BudgetPolicy.observe_commit`); they are a probe's catch-up unless it drafted in its last round
-    num_context_behind: int = 0
-    drafted_last_round: bool = False
     # its n-gram chains' values by depth (`BudgetPolicy.ngram_acceptance`); None until one of its chains is judged
     ngram_acceptance: list[float] | None = None
 
@@ -211,29 +205,8 @@ class BudgetPolicy:
     # nodes are valued at its own EMA, which starts from this one (`ngram_values`).
     ngram_acceptance: list[float] = field(default_factory=lambda: [0.5, 0.35, 0.25])
 
-    def add(self, request_id: str, num_prompt_tokens: int = 0) -> None:
-        self.states[request_id] = RequestBudgetState(num_context_behind=num_prompt_tokens)
-
-    def observe_commit(self, request_id: str, num_tokens: int, drafted: bool) -> None:
-        """A round committed `num_tokens` tokens for the request, with a draft or without: the drafter takes their
-        target features in at the request's next draft."""
-        s = self.states[request_id]
-        s.num_context_behind = num_tokens if drafted else s.num_context_behind + num_tokens
-        s.drafted_last_round = drafted
-
-    def reset_context(self, request_id: str, num_tokens: int) -> None:
-        """The request's drafter context starts again from `num_tokens` features (a new target's prefill)."""
-        s = self.states[request_id]
-        s.num_context_behind, s.drafted_last_round = num_tokens, False
-
-    def catch_up_tokens(self, request_id: str) -> int:
-        """The features a draft of the request would take in beyond a round's: none if it drafted in its last
-        round, else every one it left behind since it last drafted (a new request: its prompt too)."""
-        return self._catch_up(self.states[request_id])
-
-    @staticmethod
-    def _catch_up(s: RequestBudgetState) -> int:
-        return 0 if s.drafted_last_round else s.num_context_behind
+    def add(self, request_id: str) -> None:
+        self.states[request_id] = RequestBudgetState()
 
     def remove(self, request_id: str) -> None:
         """A request leaves. One that never drafted (it started in fallback and left before its first probe) taught
@@ -321,7 +294,6 @@ class BudgetPolicy:
         within `max_probe_overhead` of its time, in the round `price` describes (see the module docstring)."""
         extra = (
             price.draft_extra
-            + self.cost.intake_seconds(self._catch_up(s))
             + self.cost.verify_seconds(price.base_tokens + round(self._expected_nodes(s)), price.num_requests)
             - price.base_verify
             - self._observed_gain(s) * price.seconds_per_token

@@ -8,7 +8,6 @@ submitted (`*_async`) and read later (`Pending.result()`), so that on actors a d
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
@@ -19,28 +18,13 @@ if TYPE_CHECKING:
     from ddtree.workers import PrefillResult
 
 
-@dataclass(frozen=True)
-class ContextIntake:
-    """What a drafter call spent extending its requests' context caches with target features (`num_tokens` of them,
-    in `seconds`, part of the call's own seconds): a round's few tokens per request that drafts every round, a
-    prompt and every token since for one that drafts for the first time or after resting in fallback."""
-
-    num_tokens: int = 0
-    seconds: float = 0.0
-
-
-NO_INTAKE = ContextIntake()
-
-
 @runtime_checkable
 class Pending(Protocol):
-    """A call submitted to a worker. `seconds` (inside the worker), `wall_seconds` (what the call cost its caller,
-    an actor call's hops included) and `intake` (a draft's context intake; `NO_INTAKE` for any other call) are known
-    once `result()` has returned."""
+    """A call submitted to a worker. `seconds` (inside the worker) and `wall_seconds` (what the call cost its caller,
+    an actor call's hops included) are known once `result()` has returned."""
 
     seconds: float
     wall_seconds: float
-    intake: ContextIntake
 
     def result(self) -> Any: ...
 

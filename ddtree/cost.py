@@ -10,11 +10,6 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-# The fewest features a drafter call's context intake must take in to refresh the intake's per-token price
-# (`CostModel.intake_seconds`): a few tokens per request, as a round of requests that draft every round takes in, cost
-# mostly the projection call's own start.
-MIN_PRICED_INTAKE = 64
-
 
 @dataclass
 class CostModel:
@@ -39,24 +34,13 @@ class CostModel:
     f and g are priced as their points' non-decreasing envelopes (more work never costs less: a measured dip is
     noise, and would make large batches look nearly free), extrapolated past the last point at its last segment's
     slope or, if less, the curve's average slope; the load is flat past its first and last points. The drafter's
-    curve (`draft_points`, seconds by requests) is refreshed at its own points, by `refresh_weight`.
-
-    A drafter call also extends its requests' context caches with the target features committed since each last
-    drafted (`ddtree.contracts.ContextIntake`): a round's few tokens for a request that drafts every round, its
-    prompt and every token since for one that drafts for the first time or comes back from fallback. The curve
-    prices the calls as they come, intake included; `intake_seconds` prices the intake per token, for what a
-    request's catch-up adds to one call (a probe after a long rest). The per-token price is a ratio of EMAs (the
-    intakes' seconds over their tokens, `refresh_weight` per call, the first as observed) over the intakes of at
-    least `MIN_PRICED_INTAKE` tokens: a smaller one's time is mostly the call's own start, not its tokens."""
+    curve (`draft_points`, seconds by requests) is refreshed at its own points, by `refresh_weight`."""
 
     verify_points: list[tuple[int, float]]  # (num_tokens, seconds) of one request's pass, increasing num_tokens
     draft_points: list[tuple[int, float]]  # (num_requests, seconds), increasing num_requests
     # (num_requests, seconds) of a pass over that many one-token requests; None: requests add nothing of their own
     batch_points: list[tuple[int, float]] | None = None
     refresh_weight: float = 0.2
-    # EMAs of the priced intakes' seconds and tokens (0: none observed yet, and an intake is priced at 0)
-    intake_seconds_ema: float = 0.0
-    intake_tokens_ema: float = 0.0
 
     def __post_init__(self) -> None:
         named = [("verify_points", self.verify_points), ("draft_points", self.draft_points)]
@@ -111,20 +95,6 @@ class CostModel:
             ratio = _bounded(seconds / _interpolate(self.draft_points, num_requests))
             _scale_around(self.draft_points, num_requests, ratio, self.refresh_weight)
             self._draft_curve = _envelope(self.draft_points)
-
-    def intake_seconds(self, num_tokens: int) -> float:
-        """What taking `num_tokens` target features into the drafter's context caches adds to a drafter call."""
-        if self.intake_tokens_ema <= 0 or num_tokens <= 0:
-            return 0.0
-        return num_tokens * self.intake_seconds_ema / self.intake_tokens_ema
-
-    def observe_intake(self, num_tokens: int, seconds: float) -> None:
-        """A drafter call took `num_tokens` features into its context caches in `seconds` (part of the call's)."""
-        if num_tokens < MIN_PRICED_INTAKE:
-            return
-        w = self.refresh_weight if self.intake_tokens_ema > 0 else 1.0
-        self.intake_seconds_ema += w * (max(0.0, seconds) - self.intake_seconds_ema)
-        self.intake_tokens_ema += w * (num_tokens - self.intake_tokens_ema)
 
     def _base(self, num_tokens: int, num_requests: int) -> float:
         """f(N) + g(R): the start-up price, before the load."""

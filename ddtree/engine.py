@@ -309,7 +309,7 @@ class Engine(WorkerRecovery):
         self, req: Request, token: int, logprobs: RawLogprobs | None, outputs: list[RequestOutput]
     ) -> None:
         """A prefilled request's first token: from here on the budget policy plans it."""
-        self.budget.add(req.request_id, len(req.prompt_token_ids))
+        self.budget.add(req.request_id)
         if self.ngram_tokens:
             req.ngrams = NgramIndex(req.prompt_token_ids)
         req.stats.first_token_time = time.perf_counter()
@@ -384,7 +384,6 @@ class Engine(WorkerRecovery):
         self.timings.draft += pending.seconds
         self.timings.num_draft_calls += 1
         batch.draft_seconds, batch.num_drafting = self._observed_seconds(pending), len(batch.drafting)
-        batch.draft_intake = pending.intake
         return topk
 
     def _build_trees(self, batch: RoundBatch, topk: tuple[torch.Tensor, torch.Tensor] | None) -> None:
@@ -452,13 +451,10 @@ class Engine(WorkerRecovery):
         """What the round teaches the budget policy: the cost curves, each drafting request's acceptance (drafting's
         gain is what it accepted beyond its n-gram chain alone), and the chains' values."""
         cost = self.budget.cost
-        if batch.draft_seconds is not None:
-            cost.observe_intake(batch.draft_intake.num_tokens, batch.draft_intake.seconds)
-            if not batch.resumes_drafting:  # (a switch's catch-up is no draft cost: guard.py)
-                cost.observe_draft(batch.num_drafting, batch.draft_seconds)
+        if batch.draft_seconds is not None and not batch.resumes_drafting:  # (a switch's catch-up is no draft cost)
+            cost.observe_draft(batch.num_drafting, batch.draft_seconds)
         cost.observe_verify(batch.num_verified_tokens, batch.verify_seconds, batch.num_verified_requests)
         for e in batch.entries:
-            self.budget.observe_commit(e.request_id, len(e.accepted) + 1, e.drafts)
             without_draft = self.budget.observe_proposal(e.chain, e.accepted + [e.bonus], e.request_id)
             stats = self.requests[e.request_id].stats
             if e.drafts:

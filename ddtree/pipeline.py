@@ -68,7 +68,6 @@ class Pipeline:
         verify = RoundBatch(in_verify.entries + plain if in_verify is not None else plain)
         if in_verify is not None:  # (its drafter call is observed with the verify that uses its trees)
             verify.draft_seconds, verify.num_drafting = in_verify.draft_seconds, in_verify.num_drafting
-            verify.draft_intake = in_verify.draft_intake
         # Submission order matters on actors: the drafting requests' features are taken from the target before
         # the verify is queued behind them (inside _submit_draft), so the draft does not wait for the verify.
         try:

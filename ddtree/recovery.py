@@ -112,9 +112,7 @@ class WorkerRecovery:
         self.timings.prefill += time.perf_counter() - t0
         self.timings.num_prefill_calls += 1
         self._to_restore = []
-        for rid, token, logprobs, sequence in zip(restore, prefilled.token_ids, prefilled.logprobs, sequences):
+        for rid, token, logprobs in zip(restore, prefilled.token_ids, prefilled.logprobs):
             req = self.requests[rid]
             if req.root_token_id is None:
                 self._first_token(req, token, logprobs, outputs)
-            else:  # (its drafter context starts again from this prefill's features)
-                self.budget.reset_context(rid, len(sequence))

@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from ddtree.budget import RoundPlan
-from ddtree.contracts import NO_INTAKE, ContextIntake
 from ddtree.tree import DraftTree
 from ddtree.workers import RawLogprobs, VerifyResult
 
@@ -52,7 +51,6 @@ class RoundBatch:
     resumes_drafting: bool = False
     draft_seconds: float | None = None  # what the drafter call cost the round (None: nothing drafted)
     num_drafting: int = 0  # rows of that drafter call
-    draft_intake: ContextIntake = NO_INTAKE  # that call's context intake (part of its seconds)
     verify_seconds: float = 0.0  # what the verify call cost the round
     num_verified_tokens: int = 0  # packed tokens of the verify pass, prompts included
     # Newly admitted requests whose prompts the verify pass takes in whole, and what it answered: their first tokens

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import torch
 
 from ddtree.accept import accept, accept_on_demand, target_tokens_greedy, target_tokens_sampled
-from ddtree.contracts import NO_INTAKE, ContextIntake
 from ddtree.packing import PackedBatch, pack
 from ddtree.sampling_params import SamplingParams
 from ddtree.tree import DraftTree
@@ -45,7 +44,6 @@ class Completed:
         self.value = fn(*args)
         self.seconds = time.perf_counter() - t0  # spent inside the worker
         self.wall_seconds = self.seconds  # what the call cost its caller (an actor call adds its hops)
-        self.intake = NO_INTAKE  # (a draft's: set by DrafterWorker.draft_async)
 
     def result(self):
         return self.value
@@ -394,20 +392,14 @@ class DrafterWorker:
         self.drafter = drafter
         self.block_len = int(drafter.block_len)
         self._known: set[str] = set()
-        self._intake_tokens, self._intake_seconds = 0, 0.0  # since the last draft
-        self.last_intake = NO_INTAKE  # the last draft's: the contexts taken in since the draft before it
 
     def add_contexts(self, request_ids: list[str], new_features: list[torch.Tensor]) -> None:
         """Extend each request's context cache with its new target features [n_i, F] (n_i may be 0)."""
-        t0 = time.perf_counter()
         for rid in request_ids:
             if rid not in self._known:
                 self.drafter.add_request(rid)
                 self._known.add(rid)
         self.drafter.add_contexts(request_ids, new_features)
-        wait_for_device(self.drafter.device)  # (the intake's time is the device's, as a draft's)
-        self._intake_tokens += sum(int(f.shape[0]) for f in new_features)
-        self._intake_seconds += time.perf_counter() - t0
 
     def draft(
         self,
@@ -422,16 +414,12 @@ class DrafterWorker:
             self.add_contexts(request_ids, new_features)
         out = self.drafter.draft(request_ids, root_token_ids, max_k)
         wait_for_device(self.drafter.device)  # the call's time is the drafter's, not its kernel launches'
-        self.last_intake = ContextIntake(self._intake_tokens, self._intake_seconds)
-        self._intake_tokens, self._intake_seconds = 0, 0.0
         return out
 
     def draft_async(
         self, request_ids: list[str], root_token_ids: list[int], new_features: list[torch.Tensor], max_k: int
     ) -> Completed:
-        done = Completed(self.draft, request_ids, root_token_ids, new_features, max_k)
-        done.intake = self.last_intake
-        return done
+        return Completed(self.draft, request_ids, root_token_ids, new_features, max_k)
 
     def free(self, request_id: str) -> None:
         if request_id in self._known:

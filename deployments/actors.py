@@ -40,7 +40,6 @@ from dataclasses import dataclass
 import ray
 import torch
 
-from ddtree.contracts import NO_INTAKE
 from deployments.channel import ChannelAddress, ChannelClient, ChannelClosedError, ChannelServer
 from deployments.config import WORKER_MEMORY_ENV, WORKER_OPENMP_ENV, ActorPlace, WorkerSpec
 from deployments.priority import set_thread_nice
@@ -287,18 +286,16 @@ class DrafterActor:
                 if batch.request_ids:  # (connect_drafter's first batch is empty)
                     rows = tensor_from_wire(batch.wire)
                     w.add_contexts(batch.request_ids, list(rows.split(batch.counts)))
-        intake = NO_INTAKE
         if isinstance(op, Draft):
             logprobs, token_ids = w.draft(op.request_ids, op.roots, None, op.max_k)
             result = DraftTopK(tensor_to_wire(logprobs), tensor_to_wire(token_ids))
-            intake = w.last_intake
         elif isinstance(op, FreeDraft):
             w.free(op.request_id)
         elif isinstance(op, MeasureDraftCost):
             result = w.measure_draft_cost(op.batch_sizes, op.max_k)
         else:
             raise TypeError(f"not a drafter operation: {op!r}")
-        return Reply(result, time.perf_counter() - t0, started_at=t0, intake=intake)
+        return Reply(result, time.perf_counter() - t0, started_at=t0)
 
     def num_contexts(self) -> int:
         """Requests with a context cache in the drafter (0 once every request has left)."""

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ddtree.contracts import NO_INTAKE
 from deployments.channel import ChannelClient, ChannelClosedError
 from deployments.worker_ops import (
     WIRE,
@@ -94,7 +93,6 @@ class PendingCall:
         self.ticket = channel.send(op)
         self.seconds = 0.0  # inside the worker, known after result()
         self.wall_seconds = 0.0  # submission to result: the hops included, known after result()
-        self.intake = NO_INTAKE  # a draft's context intake, known after result()
         self._value = None
         self._is_done = False
 
@@ -103,7 +101,6 @@ class PendingCall:
             reply = self.channel.receive(self.ticket)
             self.wall_seconds = time.perf_counter() - self.start
             self.seconds = reply.seconds
-            self.intake = reply.intake
             if self.books_hops:
                 # (one clock per node: the worker's started_at and the channel's arrival compare with ours)
                 wait = self.channel.arrived_at - (reply.started_at + reply.seconds)

@@ -24,7 +24,6 @@ import msgpack
 import numpy as np
 import torch
 
-from ddtree.contracts import NO_INTAKE, ContextIntake
 from ddtree.workers import PrefillResult, RawLogprobs, VerifyResult
 
 
@@ -175,7 +174,6 @@ class Reply:
     feature_batch: int = 0  # (target) the last FeatureBatch sent so far
     started_at: float = 0.0  # time.perf_counter() in the worker when the operation began (one clock per node)
     kv_bytes_used: int = 0  # (target) its KV cache's bytes in use after the operation
-    intake: ContextIntake = NO_INTAKE  # (drafter, a Draft) the context intake inside its seconds
 
 
 # ---- the wire ---------------------------------------------------------------------------------------------------
@@ -235,8 +233,7 @@ class WireCodec:
             return bytes([_VERIFY_REPLY]) + msgpack.packb(body)
         if kind is Reply and type(message.result) is DraftTopK:
             (lp, lp_dtype), (ids, ids_dtype) = message.result.logprobs, message.result.token_ids
-            intake = [message.intake.num_tokens, message.intake.seconds]
-            body = [_array_out(lp), lp_dtype, _array_out(ids), ids_dtype, message.seconds, message.started_at, intake]
+            body = [_array_out(lp), lp_dtype, _array_out(ids), ids_dtype, message.seconds, message.started_at]
             return bytes([_DRAFT_REPLY]) + msgpack.packb(body)
         return bytes([_PICKLED]) + pickle.dumps(message, protocol=5)
 
@@ -259,9 +256,8 @@ class WireCodec:
                 prefilled = PrefillResult(prefilled[0], _logprobs_in(prefilled[1]))
             result = VerifyResult(*result, _logprobs_in(logprobs), prefilled)
             return Reply(result, seconds, feature_batch, started_at, kv_bytes_used)
-        lp, lp_dtype, ids, ids_dtype, seconds, started_at, intake = fields  # _DRAFT_REPLY
-        topk = DraftTopK((_array_in(lp), lp_dtype), (_array_in(ids), ids_dtype))
-        return Reply(topk, seconds, 0, started_at, intake=ContextIntake(*intake))
+        lp, lp_dtype, ids, ids_dtype, seconds, started_at = fields  # _DRAFT_REPLY
+        return Reply(DraftTopK((_array_in(lp), lp_dtype), (_array_in(ids), ids_dtype)), seconds, 0, started_at)
 
 
 WIRE = WireCodec()

@@ -451,7 +451,6 @@ class _HopDelayed:
 
     def __init__(self, inner, hop_seconds: float) -> None:
         self.inner, self.seconds, self.wall_seconds = inner, inner.seconds, inner.seconds + hop_seconds
-        self.intake = inner.intake
 
     def result(self):
         return self.inner.result()
@@ -1182,45 +1181,6 @@ def test_a_lost_target_costs_no_request_and_no_token(workers, spare_workers, pip
         for worker in (drafter, spare_drafter):  # (a replaced drafter keeps the contexts it had)
             for rid in ids:
                 worker.free(rid)
-
-
-def test_the_policy_knows_each_request_s_features_the_drafter_has_not_taken_in(workers):
-    """At every round, a request's catch-up (`BudgetPolicy.catch_up_tokens`) is what its next draft takes in: the
-    target's KV tokens less the drafter's context, unless it drafted in its last round; and each drafter call
-    reports that intake, which the cost model prices (`CostModel.observe_intake`)."""
-    from ddtree.cost import MIN_PRICED_INTAKE
-
-    llm = make_llm(workers, speculation="ddtree", budget="auto", max_num_seqs=4)
-    engine = llm.engine
-    intakes = []
-    observe_intake = engine.budget.cost.observe_intake
-    engine.budget.cost.observe_intake = lambda n, s: (intakes.append((n, s)), observe_intake(n, s))
-    prompts = ["a b a b a b a b a b a b a b a b a b", "c d e f c d e f c d e f c d e f c d", "x y z", "q r s t u v"]
-    for i, prompt in enumerate(prompts):
-        engine.add_request(prompt, SamplingParams(temperature=0.9, seed=i, max_tokens=40, ignore_eos=True))
-    planned = []  # per drafting round, the features its requests left behind at its plan
-    plan = engine.budget.plan
-
-    def planning(request_ids):
-        p = plan(request_ids)
-        if p.speculative_ids:
-            planned.append(sum(engine.budget.states[r].num_context_behind for r in p.speculative_ids))
-        return p
-
-    engine.budget.plan = planning
-    drafter = engine.drafter.drafter
-    checked = rested = 0
-    while engine.has_unfinished_requests():
-        engine.step()
-        assert [n for n, _ in intakes] == planned
-        for rid, state in engine.budget.states.items():
-            req = engine.requests[rid]
-            behind = len(req.prompt_token_ids) + len(req.output.token_ids) - 1 - drafter.context_len(rid)
-            assert state.num_context_behind == behind
-            checked += 1
-            rested += state.is_fallback and not state.drafted_last_round
-    assert checked > 40 and rested > 0
-    assert any(n >= MIN_PRICED_INTAKE for n, _ in intakes) and engine.budget.cost.intake_seconds(100) > 0
 
 
 class _DyingDrafter(_DyingWorker):
