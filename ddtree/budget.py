@@ -18,10 +18,7 @@ Per round:
   that look high, and near break-even (a few chain rows beside 16 roots) that bias decides. Plain decoding is what
   the margin falls back to, so a wrong "no" costs at most the margin.
 - `observe()` (after verify): updates the calibration and the gain of each request that speculated; a probe that
-  pays (drafting this request alone beats one autoregressive step) brings it back among the plan's candidates.
-  Its backoff starts over only once the plan drafts it: where the plan's next round leaves it out (drafting it
-  alone would pay, beside the round's other requests it does not), that counts as a failed probe, and the rest
-  before the next one doubles as after any other.
+  pays (drafting this request alone beats one autoregressive step) brings it back.
 
 What probes may cost. A request in fallback commits one token per round, and its share of the round's time is
 t = round seconds / expected committed tokens of the round. A probe adds
@@ -521,12 +518,9 @@ class BudgetPolicy:
         self.population_gain = gain if pg is None else (1 - pw) * pg + pw * gain
         if s.is_fallback:  # this was a probe: stay out unless it paid
             if self.plan_would_keep(s):
-                # back among the plan's candidates; its backoff stays until the plan drafts it (below)
-                s.is_fallback, s.num_rounds_rested = False, 0
+                s.is_fallback, s.probe_interval, s.num_rounds_rested = False, 0, 0
             else:
                 self._enter_fallback(s)
-        else:  # it drafted by the plan's own choice: a later rest starts the backoff over
-            s.probe_interval = 0
 
     def plan_would_keep(self, s: RequestBudgetState) -> bool:
         """A probe pays when drafting one request alone beats one autoregressive step in tokens per second, by the

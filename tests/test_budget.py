@@ -612,28 +612,3 @@ def test_a_chain_verified_alone_is_the_tree_merging_it_into_no_tree_gives(values
         parent, node_depth, node_value = by_token[token]
         assert node_depth == depth and node_value == value
         assert (parent == -1) if depth == 1 else token_ids[parent] == chain[depth - 2]
-
-
-def test_a_probe_that_pays_alone_but_not_beside_the_batch_backs_off():
-    # Per token cost and a large fixed verify cost: one request drafting alone pays (1 + 2 tokens for a draft and
-    # 7 rows, against 1 token for a 31-unit pass), beside three plain requests it does not (the roots share the
-    # fixed cost). Its probes keep "paying", the plan keeps leaving it out: the rests must grow as after failures.
-    cfg = BudgetConfig(min_probe_interval=2, max_probe_interval=16, max_probe_overhead=1.0)
-    policy = BudgetPolicy(cfg, linear_cost(per_token=1.0, fixed=30.0, draft=20.0))
-    rids = ["a", "b", "c", "d"]
-    for rid in rids:
-        policy.add(rid)
-    modes = ""
-    for t in range(120):
-        is_candidate = t > 0 and not policy.states["a"].is_fallback
-        plan = policy.plan(rids)
-        if "a" in plan.speculative_ids:
-            modes += "S"
-        else:
-            modes += "k" if is_candidate else "a"  # k: brought back by its probe, left out by this round's plan
-        for rid in plan.speculative_ids:
-            policy.observe(rid, predicted=3.0, num_accepted_nodes=2 if rid == "a" else 0, num_nodes=6)
-    assert modes.count("k") >= 5  # the case this covers: its probes paid alone, and the plans left it out
-    assert modes.startswith("SS")  # the optimistic prior, and its first observation, put it in the plan
-    rests = [len(run) for run in modes.split("S")[2:-1]]
-    assert rests[:5] == [2, 4, 8, 16, 16]  # as after failed probes: the first rest, then doubling up to the cap
