@@ -543,3 +543,22 @@ def test_a_modes_ratio_to_off_is_the_median_of_its_passes_ratios():
     assert paired_ratio([99.0, 123.6, 96.0], [100.0, 120.0, 80.0]) == pytest.approx(1.03)
     assert paired_ratio([99.0, 123.6], [100.0, 120.0, 80.0]) == pytest.approx(111.3 / 100.0)
     assert paired_ratio([], [100.0]) == 0.0 and paired_ratio([1.0], []) == 0.0
+
+
+def test_bench_spread_rows_lays_the_same_rows_out_over_more_requests(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_spread_rows.py"
+    spec = importlib.util.spec_from_file_location("bench_spread_rows", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    layouts = module.layouts(16, 8)
+    assert list(layouts) == [f"8 rows in {k} request{'s' if k > 1 else ''}" for k in (1, 2, 4, 8)]
+    for name, lengths in layouts.items():
+        holders = int(name.split(" in ")[1].split()[0])
+        assert len(lengths) == 16 and sum(lengths) == 8 and sum(1 for n in lengths if n) == holders
+    assert list(module.layouts(4, 6)) == ["6 rows in 1 request", "6 rows in 2 requests"]  # 6 / 4 is no whole chain
+    with pytest.raises(SystemExit):
+        module.parse(["--extra", "0"])
+    assert ">= 1" in capsys.readouterr().err
