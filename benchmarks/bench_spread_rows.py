@@ -73,7 +73,8 @@ def main(argv=None) -> int:
         ]
         return pack(trees, [context[-1]] * args.requests, [args.context] * args.requests)
 
-    cases = {f"{args.requests} roots": packed_of([0] * args.requests)}
+    roots_only = f"{args.requests} roots"
+    cases = {roots_only: packed_of([0] * args.requests)}
     for extra in args.extra:
         cases.update({name: packed_of(lengths) for name, lengths in layouts(args.requests, extra).items()})
 
@@ -93,13 +94,13 @@ def main(argv=None) -> int:
         for name, packed in cases.items():
             times[name].append(verify(packed))
     median = {name: statistics.median(t) for name, t in times.items()}
-    roots = median[f"{args.requests} roots"]
+    roots = median[roots_only]
     print(
         f"{args.requests} requests of {args.context} cached tokens, {args.threads} thread(s), median of {args.repeats}:"
     )
     print("| pass | packed tokens | ms | x roots | x spread |")
     print("|---|---|---|---|---|")
-    print(f"| {args.requests} roots | {args.requests} | {1000 * roots:.1f} | 1.00 | - |")
+    print(f"| {roots_only} | {args.requests} | {1000 * roots:.1f} | 1.00 | - |")
     for extra in args.extra:
         one = median[f"{extra} rows in 1 request"]
         for name in layouts(args.requests, extra):

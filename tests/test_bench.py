@@ -462,14 +462,20 @@ def test_a_closed_output_pipe_ends_quietly(monkeypatch, capsys):
     assert capsys.readouterr().err == ""
 
 
-def test_bench_target_instances_refuses_bad_arguments_clearly(capsys):
+def load_benchmark(name: str):
+    """A script of benchmarks/ as a module (the folder is no package)."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_target_instances.py"
-    spec = importlib.util.spec_from_file_location("bench_target_instances", path)
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_target_instances_refuses_bad_arguments_clearly(capsys):
+    module = load_benchmark("bench_target_instances")
     args = module.parse([])
     assert (args.concurrency, args.temperature, args.passes, args.num_prompts) == (8, 1.0, 4, 11)
     for bad, says in ((["--concurrency", "40"], "needs at least that many prompts"), (["--passes", "0"], ">= 1")):
@@ -546,13 +552,7 @@ def test_a_modes_ratio_to_off_is_the_median_of_its_passes_ratios():
 
 
 def test_bench_spread_rows_lays_the_same_rows_out_over_more_requests(capsys):
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_spread_rows.py"
-    spec = importlib.util.spec_from_file_location("bench_spread_rows", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_benchmark("bench_spread_rows")
     layouts = module.layouts(16, 8)
     assert list(layouts) == [f"8 rows in {k} request{'s' if k > 1 else ''}" for k in (1, 2, 4, 8)]
     for name, lengths in layouts.items():
